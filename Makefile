@@ -1,0 +1,35 @@
+# Every target builds .venv from nothing when it is missing; reruns are cheap (idempotent).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench docs examples-smoke clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: pip takes the CPU wheel from this machine's disk instead of a CUDA build
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/envsync demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check envsync tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(BIN)/envsync bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

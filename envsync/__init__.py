@@ -1,0 +1,23 @@
+"""envsync: change environments inside running torchrl collectors, without a restart.
+
+Examples:
+    >>> import envsync
+    >>> sender = envsync.EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    >>> sender.version
+    0
+    >>> sender.close()
+"""
+
+from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
+from envsync.receiver import EnvStateReceiver
+from envsync.sender import EnvStateSender
+
+__all__ = [
+    "AckTimeout",
+    "EnvStateReceiver",
+    "EnvStateSender",
+    "EnvSyncError",
+    "ValidationError",
+    "WorkerApplyError",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,84 @@
+"""The exceptions envsync raises.
+
+Every error derives from :class:`EnvSyncError`::
+
+    EnvSyncError
+    ├── ValidationError     bad input, raised in the main process before anything is sent
+    ├── WorkerApplyError    a worker failed to apply a version (carries its traceback)
+    └── AckTimeout          some targeted workers did not answer in time (or died)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class EnvSyncError(Exception):
+    """Base class of every envsync error.
+
+    Examples:
+        >>> issubclass(ValidationError, EnvSyncError)
+        True
+    """
+
+
+class ValidationError(EnvSyncError, ValueError):
+    """The input does not fit the template or the attached collector; nothing was sent.
+
+    Examples:
+        >>> str(ValidationError("unknown config name 'x'"))
+        "unknown config name 'x'"
+    """
+
+
+class WorkerApplyError(EnvSyncError):
+    """A worker failed to apply a version.
+
+    Args:
+        worker: index of the worker that failed.
+        version: the version it failed to apply.
+        remote_traceback: the worker's traceback text.
+
+    Examples:
+        >>> err = WorkerApplyError(1, 3, "Traceback ... ZeroDivisionError")
+        >>> (err.worker, err.version)
+        (1, 3)
+    """
+
+    def __init__(self, worker: int, version: int, remote_traceback: str) -> None:
+        self.worker = worker
+        self.version = version
+        self.remote_traceback = remote_traceback
+        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
+        super().__init__(
+            f"worker {worker} failed to apply version {version}: {last}\n"
+            f"--- worker {worker} traceback ---\n{remote_traceback}"
+        )
+
+
+class AckTimeout(EnvSyncError, TimeoutError):
+    """Some targeted workers did not acknowledge in time, or died.
+
+    Args:
+        version: the version that was waited for.
+        workers: the late workers.
+        dead: the subset of ``workers`` whose process is gone.
+        until: what was waited for (``"received"`` or ``"applied"``).
+
+    Examples:
+        >>> err = AckTimeout(4, [1], dead=[1], until="applied")
+        >>> err.workers, err.dead
+        ([1], [1])
+    """
+
+    def __init__(
+        self, version: int, workers: Sequence[int], *, dead: Sequence[int] = (), until: str
+    ) -> None:
+        self.version = version
+        self.workers = list(workers)
+        self.dead = list(dead)
+        self.until = until
+        detail = f"; dead: {self.dead}" if self.dead else ""
+        super().__init__(
+            f"version {version} not {until} by workers {self.workers}{detail}"
+        )

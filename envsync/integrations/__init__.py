@@ -1,0 +1,1 @@
+"""Adapters to collector frameworks; ``torchrl`` is the only one that knows torchrl internals."""

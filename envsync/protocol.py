@@ -1,0 +1,109 @@
+"""Pure rules of the envsync protocol: versions, acknowledgements, what "done" means.
+
+No I/O and no processes here. The sender writes a *target* version per worker; a worker
+acknowledges twice: ``received`` once it has seen the target and armed it for its next safe
+point, ``applied`` once the env runs it. A failure is reported as the version that failed.
+
+Call order of one push (sender side)::
+
+    validate -> write desired state of each targeted worker -> set target -> wake worker
+    -> wait until every targeted worker is done (see :func:`is_done`)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+NO_FAILURE = -1
+"""Value of :attr:`WorkerStatus.failed` while a worker has never failed."""
+
+
+class ApplyAt(str, enum.Enum):
+    """Where a worker applies a new version (see the apply-mode table in the docs).
+
+    Examples:
+        >>> ApplyAt("truncate") is ApplyAt.TRUNCATE
+        True
+    """
+
+    RESET = "reset"
+    STEP = "step"
+    TRUNCATE = "truncate"
+
+
+class Until(str, enum.Enum):
+    """What a push or a wait blocks for.
+
+    Examples:
+        >>> Until("applied").value
+        'applied'
+    """
+
+    RECEIVED = "received"
+    APPLIED = "applied"
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """A snapshot of one worker's acknowledgements.
+
+    Args:
+        worker: the worker index.
+        target: the latest version published to this worker.
+        received: the latest version the worker has seen and armed.
+        applied: the version its env runs now.
+        failed: the latest version it failed to apply, or :data:`NO_FAILURE`.
+
+    Examples:
+        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE)
+        >>> is_done(s, 3, Until.RECEIVED), is_done(s, 3, Until.APPLIED)
+        (True, False)
+    """
+
+    worker: int
+    target: int
+    received: int
+    applied: int
+    failed: int
+
+
+def is_done(status: WorkerStatus, version: int, until: Until) -> bool:
+    """Tell whether a worker has reached ``version`` (or everything it was asked up to it).
+
+    A worker that was not targeted by ``version`` owes only the versions it was sent, so it
+    is done once it has acknowledged ``min(version, target)``.
+
+    Args:
+        status: the worker's acknowledgements.
+        version: the version waited for.
+        until: ``RECEIVED`` or ``APPLIED``.
+
+    Returns:
+        ``True`` when nothing up to ``version`` is outstanding for this worker.
+
+    Examples:
+        >>> s = WorkerStatus(worker=1, target=2, received=2, applied=2, failed=NO_FAILURE)
+        >>> is_done(s, 5, Until.APPLIED)  # worker 1 was not targeted by 3..5
+        True
+    """
+    owed = min(version, status.target)
+    acked = status.received if until is Until.RECEIVED else status.applied
+    return acked >= owed
+
+
+def failure_to_raise(status: WorkerStatus, reported: int) -> int | None:
+    """Return the failed version the main process has not raised yet, if any.
+
+    Args:
+        status: the worker's acknowledgements.
+        reported: the latest failed version already raised for this worker.
+
+    Examples:
+        >>> s = WorkerStatus(worker=0, target=4, received=4, applied=3, failed=4)
+        >>> failure_to_raise(s, reported=NO_FAILURE), failure_to_raise(s, reported=4)
+        (4, None)
+    """
+    if status.failed != NO_FAILURE and status.failed > reported:
+        return status.failed
+    return None

@@ -1,0 +1,222 @@
+"""EnvStateReceiver: notice a version -> apply it at a safe point -> acknowledge.
+
+One receiver lives in each worker, next to the env it drives. Safe points are called by the
+env's :class:`~envsync.integrations.torchrl.EnvSyncTransform` from the collector's thread:
+``before_reset`` (before the base env resets), ``before_step`` (before any transform and the
+base step) and ``after_step``. While the collector is idle (not inside a rollout), a daemon
+thread woken by the sender applies ``"step"`` and ``"truncate"`` versions at once.
+
+One apply, in order: config method -> env state (``load_state_dict`` semantics, in place) ->
+after-apply callbacks (re-initialisation). If any part raises, the previous config and env
+state are restored, the failure is reported with its traceback, and the env keeps running
+its previous version.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from envsync.protocol import NO_FAILURE, ApplyAt
+from envsync.state import ApplyFn, apply_config, load_env_state_, read_env_state
+from envsync.transports.base import ReceiverEnd
+
+AfterApply = Callable[[Any, int], None]
+"""A callback run after config and env state of a version are in place: ``fn(env, version)``."""
+
+_LISTEN_PERIOD = 0.5
+
+
+@dataclass(frozen=True)
+class ApplySpec:
+    """How a worker applies a version: the config method and the apply mode.
+
+    Args:
+        apply: a method name looked up on the env, a callable ``fn(env, config)``, or ``None``.
+        apply_at: where versions are applied (see :class:`~envsync.protocol.ApplyAt`).
+    """
+
+    apply: str | ApplyFn | None
+    apply_at: ApplyAt
+
+
+class EnvStateReceiver:
+    """The worker side of envsync, bound to one collector and one worker index.
+
+    Args:
+        end: this worker's end of the transport.
+        spec: how versions are applied.
+        collector: the (inner) collector whose env receives the state; held by weakref.
+        reset_env: resets the env through the collector, so the next rollout starts a
+            fresh episode.
+        after_apply: callbacks run after each apply, in order.
+
+    Examples:
+        >>> EnvStateReceiver.__name__
+        'EnvStateReceiver'
+    """
+
+    def __init__(
+        self,
+        *,
+        end: ReceiverEnd,
+        spec: ApplySpec,
+        collector: Any,
+        reset_env: Callable[[], None],
+        after_apply: list[AfterApply] | None = None,
+    ) -> None:
+        self.end = end
+        self.spec = spec
+        self._collector = weakref.ref(collector)
+        self._reset_env = reset_env
+        self._after_apply = list(after_apply or [])
+        self._lock = threading.RLock()
+        self._busy = 0
+        self.version = 0
+        self._seen = 0
+        self._failed = NO_FAILURE
+        self._config: TensorDictBase | None = None
+        self.version_tensor = torch.zeros((), dtype=torch.int64)
+        self._closed = False
+
+    @property
+    def worker(self) -> int:
+        """This receiver's worker index."""
+        return self.end.worker
+
+    def _env(self) -> Any:
+        collector = self._collector()
+        if collector is None:
+            raise RuntimeError("the collector of this receiver is gone")
+        return collector.env
+
+    def start(self, initial_config: TensorDictBase | None) -> None:
+        """Catch up with the latest desired state, then listen while idle.
+
+        Args:
+            initial_config: the config the env was built with (version 0).
+        """
+        self._config = None if initial_config is None else initial_config.clone()
+        with self._lock:
+            if self._pending(self.end.target()):
+                self._apply_latest()
+                self._reset_env()
+        thread = threading.Thread(
+            target=_listen, args=(weakref.ref(self),), name=f"envsync-receiver-{self.worker}", daemon=True
+        )
+        thread.start()
+
+    def close(self) -> None:
+        """Stop the idle listener."""
+        self._closed = True
+
+    def _pending(self, target: int) -> bool:
+        return target != self.version and target != self._failed
+
+    def _notice(self, target: int) -> None:
+        if target != self._seen:
+            self._seen = target
+            self.end.ack_received(target)
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark the collector as driving the env (a rollout or a reset): the listener waits."""
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def before_reset(self) -> None:
+        """Safe point before the base env resets: every mode applies a pending version here."""
+        target = self.end.target()
+        if self._pending(target):
+            with self._lock:
+                self._notice(target)
+                self._apply_latest()
+
+    def before_step(self) -> None:
+        """Safe point before a step: arm a new version; ``"step"`` mode applies it."""
+        target = self.end.target()
+        if target == self._seen:
+            return
+        with self._lock:
+            self._notice(target)
+            if self.spec.apply_at is ApplyAt.STEP and self._pending(target):
+                self._apply_latest()
+
+    def truncate_now(self) -> bool:
+        """Whether the step just taken must end the episode (``"truncate"`` mode, pending)."""
+        return self.spec.apply_at is ApplyAt.TRUNCATE and self._pending(self.end.target())
+
+    def on_wake(self) -> None:
+        """Called by the listener thread after the sender notified this worker."""
+        with self._lock:
+            target = self.end.target()
+            self._notice(target)
+            if self._busy or self.spec.apply_at is ApplyAt.RESET or not self._pending(target):
+                return
+            if self._apply_latest() and self.spec.apply_at is ApplyAt.TRUNCATE:
+                self._reset_env()
+
+    def _apply_latest(self) -> bool:
+        """Apply the latest desired state; on failure restore the previous one and report."""
+        version, payload = self.end.read(since=self.version)
+        self._notice(version)
+        env = self._env()
+        config = payload.get("config", None)
+        env_state = payload.get("env_state", None)
+        if env_state is not None and env_state.is_empty():
+            env_state = None
+        saved_state = None
+        if env_state is not None:
+            saved_state = read_env_state(env, env_state)
+        try:
+            if config is not None:
+                apply_config(env, self.spec.apply, config)
+            if env_state is not None:
+                load_env_state_(env, env_state)
+            for callback in self._after_apply:
+                callback(env, version)
+        except Exception:
+            text = traceback.format_exc()
+            if self._config is not None:
+                apply_config(env, self.spec.apply, self._config)
+            if saved_state is not None:
+                load_env_state_(env, saved_state)
+            self._failed = version
+            self.end.report_failure(version, text)
+            return False
+        if config is not None:
+            self._config = config
+        self.version = version
+        self.version_tensor = torch.tensor(version, dtype=torch.int64)
+        self.end.ack_applied(version)
+        return True
+
+
+def _listen(ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
+    """The idle listener: wait for a wake-up, apply if the collector is idle."""
+    while True:
+        receiver = ref()
+        if receiver is None or receiver._closed:
+            return
+        end = receiver.end
+        del receiver
+        woke = end.wait_notice(_LISTEN_PERIOD)
+        receiver = ref()
+        if receiver is None or receiver._closed:
+            return
+        if woke:
+            receiver.on_wake()
+        del receiver

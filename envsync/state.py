@@ -1,0 +1,264 @@
+"""The desired env state: the config template, its validation, and applying it to an env.
+
+The *config* is a fixed set of named numbers or tensors (nested mappings allowed) whose names,
+shapes and dtypes are set by the template. The *env state* is a subset of an env's
+``state_dict()`` (transform buffers such as ``ObservationNorm.loc``), with the same keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from envsync.errors import ValidationError
+
+ConfigValue = Union[int, float, bool, torch.Tensor, Mapping[str, Any]]
+ApplyFn = Callable[[Any, TensorDictBase], None]
+
+
+def _leaf_tensor(path: str, value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, bool | int | float):
+        return torch.as_tensor(value)
+    raise ValidationError(
+        f"config value {path!r} must be a number or a tensor, got {type(value).__name__}"
+    )
+
+
+def _flatten(values: Mapping[str, Any] | TensorDictBase, prefix: str = "") -> dict[str, Any]:
+    if isinstance(values, TensorDictBase):
+        return {
+            ".".join(k) if isinstance(k, tuple) else k: v
+            for k, v in values.items(include_nested=True, leaves_only=True)
+        }
+    if not isinstance(values, Mapping):
+        raise ValidationError(f"config must be a mapping of names to values, got {type(values).__name__}")
+    flat: dict[str, Any] = {}
+    for name, value in values.items():
+        if not isinstance(name, str) or not name or "." in name:
+            raise ValidationError(f"config name {name!r} must be a non-empty string without '.'")
+        path = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, prefix=f"{path}."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _nest(flat: Mapping[str, torch.Tensor]) -> TensorDict:
+    return TensorDict({tuple(k.split(".")): v for k, v in flat.items()}, batch_size=[])
+
+
+def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise ValidationError(
+            f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
+        )
+
+
+def _fit(what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: bool) -> torch.Tensor:
+    """Check one pushed value against its template tensor and return it as a fresh tensor."""
+    if isinstance(value, Mapping | TensorDictBase):
+        raise ValidationError(f"{what} {path!r} is a value in the template, not a mapping")
+    if isinstance(value, bool | int | float) and not isinstance(value, torch.Tensor):
+        if like.dtype == torch.bool and not isinstance(value, bool):
+            raise ValidationError(f"{what} {path!r} expects a bool, got {type(value).__name__}")
+        if isinstance(value, float) and not like.is_floating_point():
+            if not math.isfinite(value) or value != int(value) or like.dtype == torch.bool:
+                raise ValidationError(
+                    f"{what} {path!r} has dtype {like.dtype}, got the float {value!r}"
+                )
+        tensor = torch.as_tensor(value, dtype=like.dtype)
+    elif isinstance(value, torch.Tensor):
+        widens_to_float = like.is_floating_point() and value.dtype not in (torch.bool,) and not value.is_complex()
+        if value.dtype != like.dtype and not widens_to_float:
+            raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {value.dtype}")
+        tensor = value.detach().to(device="cpu", dtype=like.dtype).clone()
+    else:
+        raise ValidationError(
+            f"{what} {path!r} must be a number or a tensor, got {type(value).__name__}"
+        )
+    if tensor.shape != like.shape:
+        raise ValidationError(
+            f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}"
+        )
+    if not allow_nonfinite:
+        _check_finite(what, path, tensor)
+    return tensor
+
+
+class ConfigTemplate:
+    """Names, shapes and dtypes of a config, fixed at construction.
+
+    Args:
+        config: a mapping of names to numbers or tensors; nested mappings allowed.
+        allow_nonfinite: accept NaN and inf values.
+
+    Examples:
+        >>> template = ConfigTemplate({"difficulty": 0.0, "task": {"id": 3}})
+        >>> template.validate({"difficulty": 0.5})["difficulty"]
+        tensor(0.5000)
+        >>> template.validate({"colour": 1})
+        Traceback (most recent call last):
+        ...
+        envsync.errors.ValidationError: unknown config name 'colour'; known: ['difficulty', 'task.id']
+    """
+
+    def __init__(self, config: Mapping[str, ConfigValue], *, allow_nonfinite: bool = False) -> None:
+        flat = {path: _leaf_tensor(path, v) for path, v in _flatten(config).items()}
+        if not allow_nonfinite:
+            for path, tensor in flat.items():
+                _check_finite("config value", path, tensor)
+        self.allow_nonfinite = allow_nonfinite
+        self._flat = flat
+        self.values = _nest(flat)
+
+    @property
+    def names(self) -> list[str]:
+        """The dotted names of the config's leaves, sorted."""
+        return sorted(self._flat)
+
+    def validate(self, values: Mapping[str, Any] | TensorDictBase) -> TensorDict:
+        """Check a (partial) config against the template.
+
+        Args:
+            values: a subset of the template's names, nested like the template.
+
+        Returns:
+            The values as a nested :class:`TensorDict` of fresh tensors in the template's dtypes.
+
+        Raises:
+            ValidationError: unknown name, wrong shape or dtype, non-numeric or non-finite value.
+        """
+        flat = _flatten(values)
+        fitted = {}
+        for path, value in flat.items():
+            if path not in self._flat:
+                raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
+            fitted[path] = _fit("config value", path, value, self._flat[path], self.allow_nonfinite)
+        return _nest(fitted)
+
+
+class EnvStateTemplate:
+    """The keys, shapes and dtypes of an env's ``state_dict()`` that a push may carry.
+
+    Args:
+        state_dict: an env's ``state_dict()``; lazy (uninitialised) buffers are left out.
+        allow_nonfinite: accept NaN and inf values.
+
+    Examples:
+        >>> tpl = EnvStateTemplate({"transforms.0.loc": torch.zeros(3)})
+        >>> tpl.validate({"transforms.0.loc": torch.ones(3)})["transforms", "0", "loc"]
+        tensor([1., 1., 1.])
+    """
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor], *, allow_nonfinite: bool = False) -> None:
+        self._flat = {
+            k: v.detach().to("cpu").clone()
+            for k, v in state_dict.items()
+            if isinstance(v, torch.Tensor) and not torch.nn.parameter.is_lazy(v)
+        }
+        self.allow_nonfinite = allow_nonfinite
+        self.values = _nest(self._flat)
+
+    @property
+    def keys(self) -> list[str]:
+        """The state_dict keys a push may carry, sorted."""
+        return sorted(self._flat)
+
+    def validate(self, values: Mapping[str, Any] | TensorDictBase) -> TensorDict:
+        """Check a (partial) env state against the template.
+
+        Args:
+            values: a mapping shaped like ``env.state_dict()`` (flat dotted keys) or nested.
+
+        Returns:
+            The values as a nested :class:`TensorDict`.
+
+        Raises:
+            ValidationError: a key the env does not have, wrong shape or dtype, non-finite value.
+        """
+        flat = _flatten(values) if isinstance(values, TensorDictBase) else dict(values)
+        fitted = {}
+        for key, value in flat.items():
+            if key not in self._flat:
+                raise ValidationError(f"env_state key {key!r} is not in the env's state_dict; known: {self.keys}")
+            fitted[key] = _fit("env_state", key, value, self._flat[key], self.allow_nonfinite)
+        return _nest(fitted)
+
+
+def config_kwargs(config: TensorDictBase) -> dict[str, Any]:
+    """Turn a config into keyword arguments: 0-d tensors become Python numbers.
+
+    Examples:
+        >>> config_kwargs(TensorDict({"a": torch.tensor(2.5), "b": {"c": torch.ones(2)}}))
+        {'a': 2.5, 'b': {'c': tensor([1., 1.])}}
+    """
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, TensorDictBase):
+            out[key] = config_kwargs(value)
+        elif value.ndim == 0:
+            out[key] = value.item()
+        else:
+            out[key] = value.clone()
+    return out
+
+
+def _method_owners(env: Any) -> list[Any]:
+    """The env, its base envs, then the unwrapped gymnasium env, in lookup order."""
+    owners = [env]
+    while hasattr(owners[-1], "base_env"):
+        owners.append(owners[-1].base_env)
+    gym_env = getattr(owners[-1], "_env", None)
+    if gym_env is not None:
+        owners.append(getattr(gym_env, "unwrapped", gym_env))
+    return owners
+
+
+def find_config_method(env: Any, name: str) -> Callable[..., Any]:
+    """Look ``name`` up on the env, then its base env, then the unwrapped gymnasium env.
+
+    Raises:
+        ValidationError: no such method anywhere along the chain.
+    """
+    for owner in _method_owners(env):
+        method = getattr(type(owner), name, None)
+        if method is not None and callable(method):
+            return getattr(owner, name)
+    chain = [type(o).__name__ for o in _method_owners(env)]
+    raise ValidationError(f"apply={name!r}: no such method on the env or its base envs {chain}")
+
+
+def apply_config(env: Any, apply: str | ApplyFn | None, config: TensorDictBase) -> None:
+    """Apply a whole config to an env: call its config method, or the user's callable."""
+    if apply is None:
+        return
+    if isinstance(apply, str):
+        find_config_method(env, apply)(**config_kwargs(config))
+    else:
+        apply(env, config)
+
+
+def _dotted(key: str | tuple[str, ...]) -> str:
+    return ".".join(key) if isinstance(key, tuple) else key
+
+
+def read_env_state(env: Any, like: TensorDictBase) -> TensorDict:
+    """Copy the env's current values of the state_dict entries that ``like`` names."""
+    current = env.state_dict()
+    return _nest(
+        {_dotted(k): current[_dotted(k)].detach().clone() for k in like.keys(include_nested=True, leaves_only=True)}
+    )
+
+
+def load_env_state_(env: Any, env_state: TensorDictBase) -> None:
+    """Copy the given state_dict entries into the env's tensors, in place (strict=False)."""
+    current = env.state_dict()
+    for key, value in env_state.items(include_nested=True, leaves_only=True):
+        current[_dotted(key)].copy_(value)
