@@ -1,0 +1,104 @@
+"""Test envs and checks shared by the end-to-end tests (importable by spawn workers)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase
+
+from envsync.envs import make_drift_env
+
+
+class CounterEnv(EnvBase):
+    """A torchrl-native env whose observation is ``[difficulty, label, step]``.
+
+    ``label`` tells which worker built it; ``step`` counts steps in the episode, so a test can
+    see dropped or duplicated frames. Episodes are truncated after ``max_steps``.
+    """
+
+    def __init__(self, label: int = 0, max_steps: int = 1000, difficulty: float = 0.0) -> None:
+        super().__init__(batch_size=torch.Size([]))
+        self.label = float(label)
+        self.max_steps = max_steps
+        self.difficulty = float(difficulty)
+        self.count = 0
+        self.observation_spec = Composite(observation=Unbounded((3,), dtype=torch.float32))
+        self.action_spec = Bounded(-1.0, 1.0, (1,))
+        self.reward_spec = Unbounded((1,))
+        self.done_spec = Composite(
+            done=Categorical(2, (1,), dtype=torch.bool),
+            terminated=Categorical(2, (1,), dtype=torch.bool),
+            truncated=Categorical(2, (1,), dtype=torch.bool),
+        )
+
+    def set_difficulty(self, difficulty: float) -> None:
+        self.difficulty = float(difficulty)
+
+    def _obs(self) -> torch.Tensor:
+        return torch.tensor([self.difficulty, self.label, float(self.count)])
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
+        self.count = 0
+        false = torch.zeros(1, dtype=torch.bool)
+        return TensorDict(observation=self._obs(), done=false, terminated=false.clone(), truncated=false.clone())
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        self.count += 1
+        truncated = torch.tensor([self.count >= self.max_steps])
+        return TensorDict(
+            observation=self._obs(),
+            reward=torch.ones(1),
+            done=truncated.clone(),
+            terminated=torch.zeros(1, dtype=torch.bool),
+            truncated=truncated,
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        return None
+
+
+def make_counter_env(label: int = 0, max_steps: int = 1000) -> CounterEnv:
+    return CounterEnv(label=label, max_steps=max_steps)
+
+
+def drift_env() -> Any:
+    return make_drift_env()
+
+
+@contextmanager
+def start_method(method: str) -> Iterator[None]:
+    """Run a block with ``method`` as the global multiprocessing start method."""
+    previous = mp.get_start_method(allow_none=True)
+    mp.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(previous or "spawn", force=True)
+
+
+def rows(batch: TensorDictBase) -> list[TensorDictBase]:
+    """The batch as a list of time-ordered streams (one per env)."""
+    batch = batch.cpu()
+    return [batch] if batch.ndim == 1 else list(batch.reshape(-1, batch.shape[-1]).unbind(0))
+
+
+def check_truthful(batch: TensorDictBase, difficulty_of_version: Mapping[int, Any], index: int) -> None:
+    """Every frame's observations show the difficulty of the version its tags name."""
+    for row in rows(batch):
+        for tag_key, obs_key in (("env_version", "observation"), (("next", "env_version"), ("next", "observation"))):
+            tags = row[tag_key].reshape(-1).tolist()
+            seen = row[obs_key][..., index].reshape(-1).tolist()
+            for tag, value in zip(tags, seen, strict=True):
+                expected = difficulty_of_version[tag]
+                allowed = expected if isinstance(expected, set) else {expected}
+                assert any(abs(value - a) < 1e-5 for a in allowed), (tag_key, tag, value, allowed)
+
+
+def tags_non_decreasing(batch: TensorDictBase) -> bool:
+    return all(bool((row["next", "env_version"].diff() >= 0).all()) for row in rows(batch))
