@@ -86,6 +86,8 @@ class EnvStateReceiver:
         self._config: TensorDictBase | None = None
         self.version_tensor = torch.zeros((), dtype=torch.int64)
         self._closed = False
+        self._applies_at_step = spec.apply_at is ApplyAt.STEP
+        self._truncates = spec.apply_at is ApplyAt.TRUNCATE
 
     @property
     def worker(self) -> int:
@@ -128,7 +130,8 @@ class EnvStateReceiver:
 
     @contextmanager
     def busy(self) -> Iterator[None]:
-        """Mark the collector as driving the env (a rollout or a reset): the listener waits."""
+        """Mark the collector as driving the env (a rollout or a reset): the listener keeps
+        off; when the collector lets go, a version that arrived meanwhile is applied."""
         with self._lock:
             self._busy += 1
         try:
@@ -136,6 +139,8 @@ class EnvStateReceiver:
         finally:
             with self._lock:
                 self._busy -= 1
+                if not self._busy:
+                    self._apply_if_idle()
 
     def before_reset(self) -> None:
         """Safe point before the base env resets: every mode applies a pending version here."""
@@ -148,26 +153,34 @@ class EnvStateReceiver:
     def before_step(self) -> None:
         """Safe point before a step: arm a new version; ``"step"`` mode applies it."""
         target = self.end.target()
-        if target == self._seen:
-            return
-        with self._lock:
-            self._notice(target)
-            if self.spec.apply_at is ApplyAt.STEP and self._pending(target):
-                self._apply_latest()
+        if self._applies_at_step:
+            if not self._pending(target):
+                return
+            with self._lock:
+                self._notice(target)
+                if self._pending(target):
+                    self._apply_latest()
+        elif target != self._seen:
+            with self._lock:
+                self._notice(target)
 
     def truncate_now(self) -> bool:
         """Whether the step just taken must end the episode (``"truncate"`` mode, pending)."""
-        return self.spec.apply_at is ApplyAt.TRUNCATE and self._pending(self.end.target())
+        return self._truncates and self._pending(self.end.target())
 
     def on_wake(self) -> None:
         """Called by the listener thread after the sender notified this worker."""
         with self._lock:
-            target = self.end.target()
-            self._notice(target)
-            if self._busy or self.spec.apply_at is ApplyAt.RESET or not self._pending(target):
-                return
-            if self._apply_latest() and self.spec.apply_at is ApplyAt.TRUNCATE:
-                self._reset_env()
+            self._notice(self.end.target())
+            if not self._busy:
+                self._apply_if_idle()
+
+    def _apply_if_idle(self) -> None:
+        """With the collector idle (lock held): ``"step"`` and ``"truncate"`` apply at once."""
+        if self.spec.apply_at is ApplyAt.RESET or not self._pending(self.end.target()):
+            return
+        if self._apply_latest() and self._truncates:
+            self._reset_env()
 
     def _apply_latest(self) -> bool:
         """Apply the latest desired state; on failure restore the previous one and report."""
