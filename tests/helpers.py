@@ -102,3 +102,18 @@ def check_truthful(batch: TensorDictBase, difficulty_of_version: Mapping[int, An
 
 def tags_non_decreasing(batch: TensorDictBase) -> bool:
     return all(bool((row["next", "env_version"].diff() >= 0).all()) for row in rows(batch))
+
+
+def picky_apply(env: Any, config: TensorDictBase) -> None:
+    """An apply callable that refuses negative difficulties (after touching the env)."""
+    base = env.base_env if hasattr(env, "base_env") else env
+    base.set_difficulty(float(config["difficulty"]))
+    if float(config["difficulty"]) < 0:
+        raise ValueError("negative difficulty")
+
+
+def make_normed_counter_env(label: int = 0) -> Any:
+    from torchrl.envs import ObservationNorm, TransformedEnv
+
+    norm = ObservationNorm(loc=torch.zeros(3), scale=torch.ones(3), in_keys=["observation"], standard_normal=True)
+    return TransformedEnv(CounterEnv(label=label), norm)
