@@ -49,7 +49,9 @@ class DriftEnv(gym.Env[np.ndarray, np.ndarray]):
     def _obs(self) -> np.ndarray:
         return np.array([self._x, self.difficulty], dtype=np.float32)
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
         self._x = float(self.np_random.uniform(-0.1, 0.1))
         return self._obs(), {}

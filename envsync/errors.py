@@ -71,14 +71,10 @@ class AckTimeout(EnvSyncError, TimeoutError):
         ([1], [1])
     """
 
-    def __init__(
-        self, version: int, workers: Sequence[int], *, dead: Sequence[int] = (), until: str
-    ) -> None:
+    def __init__(self, version: int, workers: Sequence[int], *, dead: Sequence[int] = (), until: str) -> None:
         self.version = version
         self.workers = list(workers)
         self.dead = list(dead)
         self.until = until
         detail = f"; dead: {self.dead}" if self.dead else ""
-        super().__init__(
-            f"version {version} not {until} by workers {self.workers}{detail}"
-        )
+        super().__init__(f"version {version} not {until} by workers {self.workers}{detail}")

@@ -19,7 +19,7 @@ NO_FAILURE = -1
 """Value of :attr:`WorkerStatus.failed` while a worker has never failed."""
 
 
-class ApplyAt(str, enum.Enum):
+class ApplyAt(enum.StrEnum):
     """Where a worker applies a new version (see the apply-mode table in the docs).
 
     Examples:
@@ -32,7 +32,7 @@ class ApplyAt(str, enum.Enum):
     TRUNCATE = "truncate"
 
 
-class Until(str, enum.Enum):
+class Until(enum.StrEnum):
     """What a push or a wait blocks for.
 
     Examples:

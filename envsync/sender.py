@@ -80,15 +80,11 @@ class EnvStateSender:
         try:
             mode = ApplyAt(apply_at)
         except ValueError:
-            raise ValidationError(
-                f"apply_at={apply_at!r}; expected one of {[m.value for m in ApplyAt]}"
-            ) from None
+            raise ValidationError(f"apply_at={apply_at!r}; expected one of {[m.value for m in ApplyAt]}") from None
         if apply is not None and not isinstance(apply, str) and not callable(apply):
             raise ValidationError(f"apply must be a method name, a callable or None, got {apply!r}")
         if reinit:
-            raise ValidationError(
-                "reinit policies are not available in this version of envsync (see README)"
-            )
+            raise ValidationError("reinit policies are not available in this version of envsync (see README)")
         self.template = ConfigTemplate(config or {}, allow_nonfinite=allow_nonfinite)
         self.spec = ApplySpec(apply=apply, apply_at=mode)
         self._allow_nonfinite = allow_nonfinite
@@ -413,9 +409,7 @@ class EnvStateSender:
             self._check_open()
             if self.num_workers is None:
                 if len(rows) != 1:
-                    raise ValidationError(
-                        "a per-worker checkpoint can only be loaded with a collector attached"
-                    )
+                    raise ValidationError("a per-worker checkpoint can only be loaded with a collector attached")
                 self._default_config.update(self.template.validate(rows[0]))
                 self._version = max(self._version, int(state["version"]))
                 return self._version

@@ -7,16 +7,15 @@ shapes and dtypes are set by the template. The *env state* is a subset of an env
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync.errors import ValidationError
 
-ConfigValue = Union[int, float, bool, torch.Tensor, Mapping[str, Any]]
+ConfigValue = int | float | bool | torch.Tensor | Mapping[str, Any]
 ApplyFn = Callable[[Any, TensorDictBase], None]
 
 
@@ -25,9 +24,7 @@ def _leaf_tensor(path: str, value: Any) -> torch.Tensor:
         return value.detach().clone()
     if isinstance(value, bool | int | float):
         return torch.as_tensor(value)
-    raise ValidationError(
-        f"config value {path!r} must be a number or a tensor, got {type(value).__name__}"
-    )
+    raise ValidationError(f"config value {path!r} must be a number or a tensor, got {type(value).__name__}")
 
 
 def _flatten(values: Mapping[str, Any] | TensorDictBase, prefix: str = "") -> dict[str, Any]:
@@ -65,14 +62,15 @@ def _fit(what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: 
     """Check one pushed value against its template tensor and return it as a fresh tensor."""
     if isinstance(value, Mapping | TensorDictBase):
         raise ValidationError(f"{what} {path!r} is a value in the template, not a mapping")
-    if isinstance(value, bool | int | float) and not isinstance(value, torch.Tensor):
-        if like.dtype == torch.bool and not isinstance(value, bool):
-            raise ValidationError(f"{what} {path!r} expects a bool, got {type(value).__name__}")
-        if isinstance(value, float) and not like.is_floating_point():
-            if not math.isfinite(value) or value != int(value) or like.dtype == torch.bool:
-                raise ValidationError(
-                    f"{what} {path!r} has dtype {like.dtype}, got the float {value!r}"
-                )
+    if isinstance(value, bool | int | float):
+        if like.dtype == torch.bool:
+            fits = isinstance(value, bool)
+        elif like.is_floating_point():
+            fits = not isinstance(value, bool)
+        else:
+            fits = isinstance(value, int) and not isinstance(value, bool)
+        if not fits:
+            raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {type(value).__name__} {value!r}")
         tensor = torch.as_tensor(value, dtype=like.dtype)
     elif isinstance(value, torch.Tensor):
         widens_to_float = like.is_floating_point() and value.dtype not in (torch.bool,) and not value.is_complex()
@@ -80,13 +78,9 @@ def _fit(what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: 
             raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {value.dtype}")
         tensor = value.detach().to(device="cpu", dtype=like.dtype).clone()
     else:
-        raise ValidationError(
-            f"{what} {path!r} must be a number or a tensor, got {type(value).__name__}"
-        )
+        raise ValidationError(f"{what} {path!r} must be a number or a tensor, got {type(value).__name__}")
     if tensor.shape != like.shape:
-        raise ValidationError(
-            f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}"
-        )
+        raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}")
     if not allow_nonfinite:
         _check_finite(what, path, tensor)
     return tensor

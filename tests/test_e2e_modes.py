@@ -7,9 +7,9 @@ from functools import partial
 
 import pytest
 import torch
-from tensordict import TensorDictBase
 from conftest import build
 from helpers import check_truthful, make_counter_env, rows, start_method
+from tensordict import TensorDictBase
 
 from envsync import EnvStateSender
 from envsync.envs import make_drift_env

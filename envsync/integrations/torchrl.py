@@ -53,6 +53,7 @@ class EnvSyncTransform(Transform):
 
     Examples:
         >>> from envsync.envs import make_drift_env
+        >>> from envsync.protocol import ApplyAt
         >>> env = TransformedEnv(make_drift_env(), EnvSyncTransform(ApplySpec(None, ApplyAt.RESET), None))
         >>> int(env.reset()["env_version"])
         0
@@ -226,9 +227,7 @@ def bind_receiver(collector: Any, handle: SharedMemoryHandle, worker: int) -> En
         if target is not None:
             target.reset()
 
-    receiver = EnvStateReceiver(
-        end=handle.open(worker), spec=transform.spec, collector=collector, reset_env=reset_env
-    )
+    receiver = EnvStateReceiver(end=handle.open(worker), spec=transform.spec, collector=collector, reset_env=reset_env)
     previous = transform.receiver
     if previous is not None:
         previous.close()
@@ -303,7 +302,9 @@ class EnvSyncScheme(WeightSyncScheme):
             on_close=receiver.close,
         )
 
-    def _init_on_receiver_impl(self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any) -> None:
+    def _init_on_receiver_impl(
+        self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
+    ) -> None:
         if self._handle is None or worker_idx is None:
             raise ValidationError("envsync scheme reached a worker without a channel or worker index")
         self.model_id = model_id
@@ -378,10 +379,10 @@ class PolicySyncScheme(SharedMemWeightSyncScheme):
         if model is not None:
             self.model = model
 
-    @property  # type: ignore[override]
+    @property
     def model(self) -> Any | None:
         if self._active:
-            return WeightSyncScheme.model.fget(self)  # type: ignore[attr-defined]
+            return WeightSyncScheme.model.fget(self)
         return self._model_ref() if self._model_ref is not None else None
 
     @model.setter

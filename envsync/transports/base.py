@@ -48,8 +48,9 @@ class ReceiverEnd(Protocol):
     def target(self) -> int:
         """The latest version published to this worker (cheap: read on every step)."""
 
-    def read(self) -> tuple[int, TensorDictBase]:
-        """A consistent snapshot of (version, payload) for this worker."""
+    def read(self, since: int = -1) -> tuple[int, TensorDictBase]:
+        """A consistent snapshot of (version, payload); env-state entries last pushed at or
+        before ``since`` are left out."""
 
     def ack_received(self, version: int) -> None:
         """Tell the sender this version is seen and armed."""

@@ -9,6 +9,7 @@ other. A file whose owner process is dead is removed by the next channel created
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -68,14 +69,10 @@ class _Views:
     def __init__(self, path: str, fields: list[_Field], size: int, num_workers: int) -> None:
         raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         self.raw = raw
-        tensors = {
-            f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields
-        }
+        tensors = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: tensors[(name,)].numpy() for name in _COUNTERS}
         self.error = tensors[("error",)].numpy()
-        self.payload = TensorDict(
-            {k[1:]: v for k, v in tensors.items() if k[0] == "payload"}, batch_size=[num_workers]
-        )
+        self.payload = TensorDict({k[1:]: v for k, v in tensors.items() if k[0] == "payload"}, batch_size=[num_workers])
 
 
 def _pid_alive(pid: int) -> bool:
@@ -102,20 +99,16 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         owner = name[len(PREFIX) :].split("-", 1)[0]
         if owner.isdigit() and not _pid_alive(int(owner)):
             path = os.path.join(directory, name)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 removed.append(path)
-            except FileNotFoundError:
-                pass
     return removed
 
 
 def _unlink(path: str, owner: int) -> None:
     if os.getpid() == owner:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 class SharedMemoryChannel:
@@ -220,7 +213,9 @@ class SharedMemoryHandle:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
-        return SharedMemoryReceiver(_Views(self.path, self.fields, self.size, self.num_workers), worker, self.semaphores[worker])
+        return SharedMemoryReceiver(
+            _Views(self.path, self.fields, self.size, self.num_workers), worker, self.semaphores[worker]
+        )
 
 
 class SharedMemoryReceiver:

@@ -1,0 +1,87 @@
+"""envsync.state: template, validation, applying config and env state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.envs import ObservationNorm, TransformedEnv
+
+from envsync import ValidationError
+from envsync.envs import make_drift_env
+from envsync.state import (
+    ConfigTemplate,
+    EnvStateTemplate,
+    apply_config,
+    config_kwargs,
+    find_config_method,
+    load_env_state_,
+    read_env_state,
+)
+
+
+def test_template_fixes_names_shapes_and_dtypes() -> None:
+    template = ConfigTemplate({"difficulty": 0.0, "level": 3, "gravity": torch.zeros(3), "task": {"id": 1}})
+    assert template.names == ["difficulty", "gravity", "level", "task.id"]
+    assert template.values["difficulty"].dtype == torch.float32
+    assert template.values["level"].dtype == torch.int64
+    out = template.validate({"gravity": torch.ones(3, dtype=torch.float64), "task": {"id": 2}})
+    assert out["gravity"].dtype == torch.float32 and out["task", "id"].item() == 2
+    assert set(out.keys(include_nested=True, leaves_only=True)) == {"gravity", ("task", "id")}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"colour": 1.0}, "unknown config name 'colour'"),
+        ({"gravity": torch.ones(2)}, "'gravity' has shape \\(3,\\), got \\(2,\\)"),
+        ({"level": 1.5}, "'level' has dtype torch.int64, got float 1.5"),
+        ({"level": torch.tensor(1.0)}, "'level' has dtype torch.int64, got torch.float32"),
+        ({"difficulty": "hard"}, "'difficulty' must be a number or a tensor"),
+        ({"difficulty": float("nan")}, "'difficulty' holds NaN or inf"),
+        ({"gravity": torch.tensor([0.0, float("inf"), 0.0])}, "'gravity' holds NaN or inf"),
+        ({"difficulty": True}, "'difficulty' has dtype torch.float32, got bool"),
+        ({"task": 3}, "unknown config name 'task'"),
+        ({"level": {"x": 1}}, "unknown config name 'level.x'"),
+        ([("difficulty", 1.0)], "config must be a mapping"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_offending_name(values: object, message: str) -> None:
+    template = ConfigTemplate({"difficulty": 0.0, "level": 3, "gravity": torch.zeros(3), "task": {"id": 1}})
+    with pytest.raises(ValidationError, match=message):
+        template.validate(values)  # type: ignore[arg-type]
+
+
+def test_nonfinite_values_pass_when_allowed() -> None:
+    template = ConfigTemplate({"difficulty": 0.0}, allow_nonfinite=True)
+    assert torch.isinf(template.validate({"difficulty": float("inf")})["difficulty"])
+    with pytest.raises(ValidationError, match="NaN or inf"):
+        ConfigTemplate({"difficulty": float("nan")})
+
+
+def test_config_kwargs_turns_scalars_into_numbers() -> None:
+    kwargs = config_kwargs(TensorDict(a=torch.tensor(1.5), b=torch.tensor(2), c=torch.ones(2)))
+    assert kwargs["a"] == 1.5 and isinstance(kwargs["a"], float)
+    assert kwargs["b"] == 2 and isinstance(kwargs["b"], int)
+    assert kwargs["c"].tolist() == [1.0, 1.0]
+
+
+def test_config_method_is_found_on_the_unwrapped_gym_env() -> None:
+    env = TransformedEnv(make_drift_env(), ObservationNorm(loc=0.0, scale=1.0, in_keys=["observation"]))
+    apply_config(env, "set_difficulty", TensorDict(difficulty=torch.tensor(0.75)))
+    assert env.base_env._env.unwrapped.difficulty == 0.75
+    with pytest.raises(ValidationError, match="apply='set_gravity': no such method"):
+        find_config_method(env, "set_gravity")
+
+
+def test_env_state_loads_in_place_and_reads_back() -> None:
+    env = TransformedEnv(make_drift_env(), ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"]))
+    env.append_transform(ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"]))
+    template = EnvStateTemplate(env.state_dict())
+    storage = env.transform[0].loc.data_ptr()
+    state = template.validate({"transforms.0.loc": torch.tensor([1.0, 2.0])})
+    load_env_state_(env, state)
+    assert env.transform[0].loc.tolist() == [1.0, 2.0] and env.transform[0].loc.data_ptr() == storage
+    assert read_env_state(env, state)["transforms", "0", "loc"].tolist() == [1.0, 2.0]
+    with pytest.raises(ValidationError, match="'transforms.5.loc' is not in the env's state_dict"):
+        template.validate({"transforms.5.loc": torch.zeros(2)})
