@@ -19,13 +19,14 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 
 from envsync.protocol import NO_FAILURE, ApplyAt
+from envsync.reinit import ReinitSpec
 from envsync.state import ApplyFn, apply_config, load_env_state_, read_env_state
 from envsync.transports.base import ReceiverEnd
 
@@ -42,10 +43,12 @@ class ApplySpec:
     Args:
         apply: a method name looked up on the env, a callable ``fn(env, config)``, or ``None``.
         apply_at: where versions are applied (see :class:`~envsync.protocol.ApplyAt`).
+        reinit: the re-initialisation policies run after each apply.
     """
 
     apply: str | ApplyFn | None
     apply_at: ApplyAt
+    reinit: ReinitSpec = field(default_factory=ReinitSpec)
 
 
 class EnvStateReceiver:
@@ -86,8 +89,12 @@ class EnvStateReceiver:
         self._config: TensorDictBase | None = None
         self.version_tensor = torch.zeros((), dtype=torch.int64)
         self._closed = False
-        self._applies_at_step = spec.apply_at is ApplyAt.STEP
-        self._truncates = spec.apply_at is ApplyAt.TRUNCATE
+        # a policy that steps the env (recompute on the worker) needs a fresh episode after
+        # it, so "step" then behaves like "truncate"
+        moves_env = spec.reinit.moves_env
+        self._applies_at_step = spec.apply_at is ApplyAt.STEP and not moves_env
+        self._truncates = spec.apply_at is ApplyAt.TRUNCATE or (spec.apply_at is ApplyAt.STEP and moves_env)
+        self._resets_after_idle_apply = self._truncates or moves_env
 
     @property
     def worker(self) -> int:
@@ -179,7 +186,7 @@ class EnvStateReceiver:
         """With the collector idle (lock held): ``"step"`` and ``"truncate"`` apply at once."""
         if self.spec.apply_at is ApplyAt.RESET or not self._pending(self.end.target()):
             return
-        if self._apply_latest() and self._truncates:
+        if self._apply_latest() and self._resets_after_idle_apply:
             self._reset_env()
 
     def _apply_latest(self) -> bool:

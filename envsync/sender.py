@@ -20,11 +20,34 @@ from tensordict import TensorDict, TensorDictBase
 from envsync.errors import AckTimeout, ValidationError, WorkerApplyError
 from envsync.protocol import NO_FAILURE, ApplyAt, Until, failure_to_raise, is_done
 from envsync.receiver import ApplySpec
-from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate
+from envsync.reinit import Policy, ReinitSpec, Selector, compute_in_main, plan
+from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, apply_config
 from envsync.transports.shared_memory import SharedMemoryChannel
 
-EnvDescription = tuple[Mapping[str, torch.Tensor], list[Any]]
-"""What the sender needs to know of an env: its ``state_dict()`` and its ``done_keys``."""
+
+@dataclass
+class Probe:
+    """An env in the main process that tells the sender what the workers' envs look like.
+
+    Args:
+        make: builds the env (the wrapped factory), or returns the user's own env.
+        owned: whether the sender built it (and so closes it).
+    """
+
+    make: Callable[[], Any]
+    owned: bool
+    env: Any = None
+
+    def get(self) -> Any:
+        if self.env is None:
+            self.env = self.make()
+        return self.env
+
+    def close(self) -> None:
+        if self.owned and self.env is not None:
+            self.env.close()
+        self.env = None
+
 
 _SPIN = 200
 _POLL = 0.0005
@@ -73,7 +96,7 @@ class EnvStateSender:
         *,
         config: Mapping[str, ConfigValue] | None = None,
         apply: str | ApplyFn | None = None,
-        reinit: Mapping[Any, Any] | None = None,
+        reinit: Mapping[Selector, Policy] | None = None,
         apply_at: str = "reset",
         allow_nonfinite: bool = False,
     ) -> None:
@@ -83,16 +106,14 @@ class EnvStateSender:
             raise ValidationError(f"apply_at={apply_at!r}; expected one of {[m.value for m in ApplyAt]}") from None
         if apply is not None and not isinstance(apply, str) and not callable(apply):
             raise ValidationError(f"apply must be a method name, a callable or None, got {apply!r}")
-        if reinit:
-            raise ValidationError("reinit policies are not available in this version of envsync (see README)")
         self.template = ConfigTemplate(config or {}, allow_nonfinite=allow_nonfinite)
-        self.spec = ApplySpec(apply=apply, apply_at=mode)
+        self.spec = ApplySpec(apply=apply, apply_at=mode, reinit=ReinitSpec.from_mapping(reinit))
         self._allow_nonfinite = allow_nonfinite
         self._version = 0
         self._default_config = self.template.values.clone()
         self._default_env_state = TensorDict()
         self._default_stamps = TensorDict()
-        self._describe_env: Callable[[], EnvDescription] | None = None
+        self._probe: Probe | None = None
         self._env_state_template: EnvStateTemplate | None = None
         self._attachment: Attachment | None = None
         self._reported: dict[int, int] = {}
@@ -127,25 +148,37 @@ class EnvStateSender:
 
         return make_schemes(self, policy_scheme)
 
-    def _remember_env(self, describe: Callable[[], EnvDescription]) -> None:
-        self._describe_env = describe
+    def _remember_env(self, probe: Probe) -> None:
+        if self._probe is not None:
+            self._probe.close()
+        self._probe = probe
+        self._env_state_template = None
+
+    def _probe_env(self) -> Any:
+        if self._probe is None:
+            raise ValidationError("envsync needs an env: wrap your env factory with sender.env_fn first")
+        return self._probe.get()
 
     def env_state_template(self) -> EnvStateTemplate:
         """The env-state keys a push may carry, read once from a probe env in this process.
 
+        The probe also checks, before any worker starts, that ``apply_at="truncate"`` has a
+        ``"truncated"`` key and that every ``reinit`` selector matches a transform that
+        supports its policy.
+
         Raises:
-            ValidationError: no env factory was wrapped with :meth:`env_fn` yet.
+            ValidationError: no env factory was wrapped with :meth:`env_fn` yet, or the env
+                does not fit the sender's settings.
         """
         if self._env_state_template is None:
-            if self._describe_env is None:
-                raise ValidationError("env_state needs an env: wrap your env factory with sender.env_fn first")
-            state_dict, done_keys = self._describe_env()
-            if self.spec.apply_at is ApplyAt.TRUNCATE and "truncated" not in done_keys:
+            probe = self._probe_env()
+            if self.spec.apply_at is ApplyAt.TRUNCATE and "truncated" not in probe.done_keys:
                 raise ValidationError(
                     "apply_at='truncate' needs a 'truncated' done key on the env "
-                    f"(it has {done_keys}); add a StepCounter or use GymEnv"
+                    f"(it has {probe.done_keys}); add a StepCounter or use GymEnv"
                 )
-            self._env_state_template = EnvStateTemplate(state_dict, allow_nonfinite=self._allow_nonfinite)
+            plan(probe, self.spec.reinit)
+            self._env_state_template = EnvStateTemplate(probe.state_dict(), allow_nonfinite=self._allow_nonfinite)
         return self._env_state_template
 
     def _initial_payload(self) -> TensorDict:
@@ -227,8 +260,9 @@ class EnvStateSender:
             self._raise_failures()
             update = self._validated(config, env_state)
             targets = self._targets(workers)
-            default = update if workers is None else None
-            version = self._publish({w: update for w in targets}, default=default)
+            updates = {w: self._with_main_stats(update, w) for w in targets}
+            default = self._with_main_stats(update, None) if workers is None else None
+            version = self._publish(updates, default=default)
         if until is not None:
             self.wait(version, until=until.value, workers=targets, timeout=timeout)
         return version
@@ -255,7 +289,7 @@ class EnvStateSender:
             self._check_open()
             self._raise_failures()
             targets = self._targets(list(configs))
-            updates = {w: self._validated(configs[w], None) for w in targets}
+            updates = {w: self._with_main_stats(self._validated(configs[w], None), w) for w in targets}
             version = self._publish(updates, default=None)
         if until is not None:
             self.wait(version, until=until.value, workers=targets, timeout=timeout)
@@ -268,6 +302,26 @@ class EnvStateSender:
         if env_state is not None:
             update["env_state"] = self.env_state_template().validate(env_state)
         return update
+
+    def _with_main_stats(self, update: TensorDict, worker: int | None) -> TensorDict:
+        """Add the statistics of ``recompute(where="main")`` policies, computed on the probe
+        env under the config ``worker`` (or, for ``None``, a worker joining later) will run."""
+        if not self.spec.reinit.computes_in_main or "config" not in update.keys():
+            return update
+        merged = self._default_config.clone() if worker is None else self.desired_config(worker)
+        merged.update(update["config"])
+        probe = self._probe_env()
+        try:
+            apply_config(probe, self.spec.apply, merged)
+            stats = compute_in_main(probe, self.spec.reinit)
+        except Exception as err:
+            raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
+        out = update.clone(recurse=False)
+        env_state = self.env_state_template().validate(stats)
+        if "env_state" in update.keys():
+            env_state.update(update["env_state"])
+        out["env_state"] = env_state
+        return out
 
     def _targets(self, workers: Sequence[int] | None) -> list[int]:
         count = self.num_workers
@@ -437,9 +491,11 @@ class EnvStateSender:
             raise ValidationError(f"wait={wait!r}; expected 'received', 'applied' or None") from None
 
     def close(self) -> None:
-        """Release the shared memory and stop in-process listeners; idempotent."""
+        """Release the shared memory, the probe env and in-process listeners; idempotent."""
         with self._lock:
             self._closed = True
+            if self._probe is not None:
+                self._probe.close()
             attachment, self._attachment = self._attachment, None
             if attachment is not None:
                 attachment.on_close()

@@ -33,6 +33,7 @@ from torchrl.envs import EnvBase, TransformedEnv
 from torchrl.envs.transforms import Compose, Transform
 from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
 
+from envsync import reinit
 from envsync.errors import ValidationError
 from envsync.receiver import ApplySpec, EnvStateReceiver
 from envsync.state import apply_config
@@ -143,26 +144,20 @@ class EnvFactory:
             )
         return _finish_env(env, self.envsync_spec, self.envsync_initial_config)
 
-    def describe(self) -> tuple[dict[str, torch.Tensor], list[Any]]:
-        """Build a probe env in this process and read its state_dict and done keys."""
-        probe = self()
-        try:
-            return dict(probe.state_dict()), list(probe.done_keys)
-        finally:
-            probe.close()
-
 
 def wrap_env_fn(sender: EnvStateSender, fn: Callable[..., EnvBase] | EnvBase) -> Any:
     """Implementation of :meth:`EnvStateSender.env_fn`."""
+    from envsync.sender import Probe
+
     initial = sender.template.values.clone()
     if isinstance(fn, EnvBase):
         env = _finish_env(fn, sender.spec, initial)
-        sender._remember_env(lambda: (dict(env.state_dict()), list(env.done_keys)))
+        sender._remember_env(Probe(make=lambda: env, owned=False))
         return env
     if not callable(fn):
         raise ValidationError(f"env_fn expects an env factory or an EnvBase, got {type(fn).__name__}")
     factory = EnvFactory(fn, sender.spec, initial)
-    sender._remember_env(factory.describe)
+    sender._remember_env(Probe(make=factory, owned=True))
     return factory
 
 
@@ -227,7 +222,14 @@ def bind_receiver(collector: Any, handle: SharedMemoryHandle, worker: int) -> En
         if target is not None:
             target.reset()
 
-    receiver = EnvStateReceiver(end=handle.open(worker), spec=transform.spec, collector=collector, reset_env=reset_env)
+    steps = reinit.plan(collector.env, transform.spec.reinit)
+    receiver = EnvStateReceiver(
+        end=handle.open(worker),
+        spec=transform.spec,
+        collector=collector,
+        reset_env=reset_env,
+        after_apply=[reinit.runner(steps)],
+    )
     previous = transform.receiver
     if previous is not None:
         previous.close()

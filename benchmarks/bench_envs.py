@@ -1,0 +1,105 @@
+"""Envs and a transform used by the benchmarks (importable, so spawn workers can build them)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import Bounded, Categorical, Composite, Unbounded
+from torchrl.envs import EnvBase, Transform, TransformedEnv
+
+from envsync.envs import DriftEnv, make_drift_env
+
+
+class BusyDriftEnv(DriftEnv):
+    """:class:`~envsync.envs.DriftEnv` whose step busy-waits ``step_us`` microseconds (a costly simulator)."""
+
+    def __init__(self, difficulty: float = 0.0, step_us: float = 300.0) -> None:
+        super().__init__(difficulty=difficulty)
+        self.step_s = step_us * 1e-6
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        end = time.perf_counter() + self.step_s
+        while time.perf_counter() < end:
+            pass
+        return super().step(action)
+
+
+def make_busy_env(step_us: float = 300.0) -> Any:
+    """A torchrl ``GymWrapper`` of :class:`BusyDriftEnv`."""
+    from torchrl.envs import GymWrapper
+
+    return GymWrapper(BusyDriftEnv(step_us=step_us))
+
+
+class BufferTransform(Transform):
+    """A stateful transform that only holds a float32 buffer ``buf`` of ``numel`` elements
+    (think ``ObservationNorm`` statistics of a large observation)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__(in_keys=[], out_keys=[])
+        self.register_buffer("buf", torch.zeros(numel, dtype=torch.float32))
+
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return next_tensordict
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        return tensordict_reset
+
+    def set_buf(self, value: torch.Tensor) -> None:
+        """Copy ``value`` into the buffer (what a ``map_fn`` call would do)."""
+        self.buf.copy_(value)
+
+
+def make_buffer_env(numel: int) -> Any:
+    """The demo env with a :class:`BufferTransform` of ``numel`` elements as ``transforms.0``."""
+    return TransformedEnv(make_drift_env(), BufferTransform(numel))
+
+
+class TickEnv(EnvBase):
+    """A torchrl-native env whose observation is ``[difficulty, label, tick]``.
+
+    ``tick`` counts every step the env has ever taken (resets do not restart it), so a gap
+    between two batches of one worker tells how many frames were thrown away.
+    """
+
+    def __init__(self, label: int = 0) -> None:
+        super().__init__(batch_size=torch.Size([]))
+        self.label = float(label)
+        self.difficulty = 0.0
+        self.tick = 0
+        self.observation_spec = Composite(observation=Unbounded((3,), dtype=torch.float64))
+        self.action_spec = Bounded(-1.0, 1.0, (1,))
+        self.reward_spec = Unbounded((1,))
+        self.done_spec = Composite(
+            done=Categorical(2, (1,), dtype=torch.bool),
+            terminated=Categorical(2, (1,), dtype=torch.bool),
+            truncated=Categorical(2, (1,), dtype=torch.bool),
+        )
+
+    def set_difficulty(self, difficulty: float) -> None:
+        self.difficulty = float(difficulty)
+
+    def _obs(self) -> torch.Tensor:
+        return torch.tensor([self.difficulty, self.label, float(self.tick)], dtype=torch.float64)
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
+        false = torch.zeros(1, dtype=torch.bool)
+        return TensorDict(observation=self._obs(), done=false, terminated=false.clone(), truncated=false.clone())
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        self.tick += 1
+        false = torch.zeros(1, dtype=torch.bool)
+        return TensorDict(
+            observation=self._obs(), reward=torch.ones(1), done=false, terminated=false.clone(), truncated=false.clone()
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        return None
+
+
+def make_tick_env(label: int = 0) -> TickEnv:
+    return TickEnv(label=label)

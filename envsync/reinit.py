@@ -1,0 +1,356 @@
+"""Re-initialisation policies for stateful transforms, run after every applied version.
+
+Select transforms by class, class name, or index in the env's transform chain (nested
+``Compose`` included; envsync's own transform is not counted), and give each a policy::
+
+    EnvStateSender(..., reinit={
+        "ObservationNorm": reinit.recompute(num_iter=64),   # by class name
+        VecNorm: reinit.reset(),                            # by class
+        2: reinit.call("reset_state"),                      # by index
+    })
+
+Every transform not selected keeps its state (:func:`keep`). A policy runs exactly once per
+applied version per worker, after the config method and the env state, in transform order.
+Teach envsync a new stateful transform with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+from torchrl.envs.transforms import CatFrames, Compose, ObservationNorm, RewardSum, Transform, VecNorm, VecNormV2
+
+from envsync.errors import ValidationError
+
+Selector = type | str | int
+
+
+class Handler(Protocol):
+    """How envsync resets or recomputes one kind of transform. Either method may be absent."""
+
+    def reset(self, transform: Any) -> None:
+        """Put the transform's running statistics back to their initial values, in place."""
+
+    def recompute(self, transform: Any, num_iter: int) -> None:
+        """Gather fresh statistics on ``transform.parent`` (the env below it), in place."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What happens to a transform's state when a version is applied.
+
+    Build one with :func:`keep`, :func:`reset`, :func:`recompute` or :func:`call`.
+
+    Examples:
+        >>> recompute(num_iter=32, where="main").moves_env
+        False
+        >>> recompute(num_iter=32).moves_env
+        True
+    """
+
+    kind: Literal["keep", "reset", "recompute", "call"]
+    num_iter: int = 0
+    where: Literal["worker", "main"] = "worker"
+    method: str = ""
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def moves_env(self) -> bool:
+        """Whether running it steps the worker's env (so a fresh episode must follow)."""
+        return self.kind == "recompute" and self.where == "worker"
+
+
+def keep() -> Policy:
+    """Leave the transform's state as it is (the default for every transform)."""
+    return Policy("keep")
+
+
+def reset() -> Policy:
+    """Put running statistics back to their initial values."""
+    return Policy("reset")
+
+
+def recompute(num_iter: int = 64, where: Literal["worker", "main"] = "worker") -> Policy:
+    """Gather fresh statistics under the new config.
+
+    Args:
+        num_iter: env steps of random actions to gather them from.
+        where: ``"worker"``: on each worker's env (each worker gets its own statistics; the
+            env then starts a fresh episode); ``"main"``: once in the main process on a probe
+            env with the new config, sent to every worker as env state (identical statistics).
+
+    Examples:
+        >>> recompute(16).num_iter
+        16
+    """
+    if not isinstance(num_iter, int) or num_iter < 2:
+        raise ValidationError(f"recompute(num_iter={num_iter!r}): num_iter must be an int >= 2")
+    if where not in ("worker", "main"):
+        raise ValidationError(f"recompute(where={where!r}): expected 'worker' or 'main'")
+    return Policy("recompute", num_iter=num_iter, where=where)
+
+
+def call(method: str, *args: Any, **kwargs: Any) -> Policy:
+    """Call ``method(*args, **kwargs)`` on the selected transform(s).
+
+    Examples:
+        >>> call("reset_state").method
+        'reset_state'
+    """
+    if not isinstance(method, str) or not method:
+        raise ValidationError(f"call(method={method!r}): method must be a method name")
+    return Policy("call", method=method, args=args, kwargs=dict(kwargs))
+
+
+class ObservationNormHandler:
+    """``reset``: back to the loc/scale the env was built with; ``recompute``: re-run the
+    statistics although they are initialised, keeping the tensors' storage."""
+
+    def __init__(self) -> None:
+        self._initial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def remember(self, transform: ObservationNorm) -> None:
+        if not isinstance(transform.loc, nn.UninitializedBuffer):
+            self._initial[id(transform)] = (transform.loc.detach().clone(), transform.scale.detach().clone())
+
+    def reset(self, transform: ObservationNorm) -> None:
+        loc, scale = self._initial[id(transform)]
+        transform.loc.copy_(loc)
+        transform.scale.copy_(scale)
+
+    def recompute(self, transform: ObservationNorm, num_iter: int) -> None:
+        key = transform.in_keys[0]
+        parent = transform.parent
+        if parent is None:
+            raise RuntimeError("ObservationNorm has no parent env to gather statistics from")
+        data, frames = [], 0
+        while frames < num_iter:
+            rollout = parent.rollout(max_steps=num_iter)
+            frames += rollout.numel()
+            data.append(rollout.get(key))
+        samples = torch.cat([d.reshape(-1, *d.shape[rollout.ndim :]) for d in data])
+        shape = samples.shape[1:] if isinstance(transform.loc, nn.UninitializedBuffer) else transform.loc.shape
+        samples = samples.reshape(-1, *shape)
+        loc, scale = samples.mean(0), samples.std(0).clamp_min(transform.eps)
+        if not transform.standard_normal:
+            scale = 1 / scale
+            loc = -loc * scale
+        for buffer, value in ((transform.loc, loc), (transform.scale, scale)):
+            if isinstance(buffer, nn.UninitializedBuffer):
+                buffer.materialize(shape=value.shape, dtype=value.dtype)
+            buffer.copy_(value)
+
+
+class ZeroStatsHandler:
+    """``reset`` for transforms whose initial statistics are zeros (VecNorm, VecNormV2,
+    CatFrames): zero them in place, so shared statistics stay shared."""
+
+    def reset(self, transform: Any) -> None:
+        if isinstance(transform, VecNormV2):
+            for stats in (transform._loc, transform._var, transform._count):
+                if stats is not None:
+                    stats.zero_()
+        elif isinstance(transform, VecNorm):
+            if transform._td is not None:
+                transform._td.zero_()
+        else:
+            for buffer in transform.buffers():
+                if not isinstance(buffer, nn.UninitializedBuffer):
+                    buffer.zero_()
+
+
+class EpisodicHandler:
+    """``reset`` for transforms whose state restarts with every episode (RewardSum)."""
+
+    def reset(self, transform: Any) -> None:
+        return None
+
+
+_REGISTRY: dict[type, Any] = {
+    ObservationNorm: ObservationNormHandler(),
+    VecNorm: ZeroStatsHandler(),
+    VecNormV2: ZeroStatsHandler(),
+    CatFrames: ZeroStatsHandler(),
+    RewardSum: EpisodicHandler(),
+}
+
+
+def register(cls: type, handler: Any) -> None:
+    """Teach envsync how to ``reset`` and/or ``recompute`` a transform class.
+
+    Register before building the sender: the handlers travel to the workers with it.
+
+    Args:
+        cls: the transform class (subclasses match too).
+        handler: an object with a ``reset(transform)`` and/or a
+            ``recompute(transform, num_iter)`` method.
+
+    Examples:
+        >>> class Counter(Transform):
+        ...     pass
+        >>> class CounterHandler:
+        ...     def reset(self, transform):
+        ...         transform.count = 0
+        >>> register(Counter, CounterHandler())
+    """
+    if not isinstance(cls, type):
+        raise ValidationError(f"register() takes a transform class, got {cls!r}")
+    if not (callable(getattr(handler, "reset", None)) or callable(getattr(handler, "recompute", None))):
+        raise ValidationError(f"handler {handler!r} has neither a reset nor a recompute method")
+    _REGISTRY[cls] = handler
+
+
+@dataclass(frozen=True)
+class ReinitSpec:
+    """The validated ``reinit=`` of a sender, with the handlers it needs (picklable)."""
+
+    rules: tuple[tuple[Selector, Policy], ...] = ()
+    handlers: Mapping[type, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_mapping(cls, reinit: Mapping[Selector, Policy] | None) -> ReinitSpec:
+        """Check the selectors and policies; snapshot the registered handlers."""
+        rules = []
+        for selector, policy in (reinit or {}).items():
+            if not isinstance(selector, type | str | int) or isinstance(selector, bool):
+                raise ValidationError(f"reinit selector {selector!r} must be a class, a class name or an index")
+            if not isinstance(policy, Policy):
+                raise ValidationError(f"reinit[{selector!r}] must be a policy from envsync.reinit, got {policy!r}")
+            rules.append((selector, policy))
+        return cls(tuple(rules), dict(_REGISTRY))
+
+    @property
+    def moves_env(self) -> bool:
+        return any(policy.moves_env for _, policy in self.rules)
+
+    @property
+    def computes_in_main(self) -> bool:
+        return any(policy.kind == "recompute" and policy.where == "main" for _, policy in self.rules)
+
+
+def chain(env: Any) -> list[Transform]:
+    """The env's transforms in order, nested Compose flattened, envsync's own left out."""
+    from envsync.integrations.torchrl import EnvSyncTransform
+
+    def walk(transform: Transform) -> Iterator[Transform]:
+        if isinstance(transform, Compose):
+            for child in transform:
+                yield from walk(child)
+        elif not isinstance(transform, EnvSyncTransform):
+            yield transform
+
+    transform = getattr(env, "transform", None)
+    return list(walk(transform)) if isinstance(transform, Transform) else []
+
+
+def _matches(selector: Selector, index: int, transform: Transform) -> bool:
+    if isinstance(selector, int):
+        return selector == index
+    if isinstance(selector, str):
+        return any(c.__name__ == selector for c in type(transform).__mro__)
+    return isinstance(transform, selector)
+
+
+def _handler(spec: ReinitSpec, transform: Transform) -> Any:
+    for klass in type(transform).__mro__:
+        if klass in spec.handlers:
+            return spec.handlers[klass]
+    return None
+
+
+@dataclass
+class Step:
+    """One policy bound to one transform of one env."""
+
+    transform: Transform
+    policy: Policy
+    handler: Any
+
+    def run(self) -> None:
+        kind = self.policy.kind
+        if kind == "reset":
+            self.handler.reset(self.transform)
+        elif kind == "recompute" and self.policy.where == "worker":
+            self.handler.recompute(self.transform, self.policy.num_iter)
+        elif kind == "call":
+            getattr(self.transform, self.policy.method)(*self.policy.args, **self.policy.kwargs)
+
+
+def plan(env: Any, spec: ReinitSpec) -> list[Step]:
+    """Bind each rule to the env's transforms, in transform order.
+
+    Raises:
+        ValidationError: a selector that matches nothing, or a policy a transform does not
+            support; the message names the selector and the transforms that exist.
+    """
+    transforms = chain(env)
+    names = [f"{i}: {type(t).__name__}" for i, t in enumerate(transforms)]
+    chosen: dict[int, tuple[Selector, Policy]] = {}
+    for selector, policy in spec.rules:
+        hits = [i for i, t in enumerate(transforms) if _matches(selector, i, t)]
+        if not hits:
+            raise ValidationError(f"reinit selector {selector!r} matches no transform; the env has {names}")
+        for i in hits:
+            chosen.setdefault(i, (selector, policy))
+    steps = []
+    for i in sorted(chosen):
+        selector, policy = chosen[i]
+        transform = transforms[i]
+        handler = _handler(spec, transform)
+        _check_supported(selector, policy, transform, handler)
+        if isinstance(handler, ObservationNormHandler):
+            handler = copy.copy(handler)
+            handler._initial = {}
+            handler.remember(transform)
+        if policy.kind != "keep":
+            steps.append(Step(transform, policy, handler))
+    return steps
+
+
+def _check_supported(selector: Selector, policy: Policy, transform: Transform, handler: Any) -> None:
+    name = type(transform).__name__
+    if policy.kind == "call" and not callable(getattr(transform, policy.method, None)):
+        raise ValidationError(f"reinit[{selector!r}]: {name} has no method {policy.method!r}")
+    if policy.kind in ("reset", "recompute") and not callable(getattr(handler, policy.kind, None)):
+        supported = sorted(k.__name__ for k, h in _REGISTRY.items() if callable(getattr(h, policy.kind, None)))
+        raise ValidationError(
+            f"reinit[{selector!r}]: {name} does not support {policy.kind}(); "
+            f"supported: {supported}; teach it with envsync.reinit.register"
+        )
+
+
+def runner(steps: list[Step]) -> Callable[[Any, int], None]:
+    """The receiver callback: run every step in order, then drop the env's cached specs."""
+
+    def run(env: Any, version: int) -> None:
+        for step in steps:
+            step.run()
+        if steps:
+            env.empty_cache()
+
+    return run
+
+
+def compute_in_main(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
+    """Run the ``where="main"`` recomputes on a probe env; return their state_dict entries."""
+    transforms = chain(env)
+    keys = []
+    for step in plan(env, spec):
+        if step.policy.kind == "recompute" and step.policy.where == "main":
+            step.handler.recompute(step.transform, step.policy.num_iter)
+            keys.append(transforms.index(step.transform))
+    state = env.state_dict()
+    prefixes = _state_prefixes(env)
+    return {k: v.detach().clone() for k, v in state.items() if any(k.startswith(prefixes[i]) for i in keys)}
+
+
+def _state_prefixes(env: Any) -> list[str]:
+    """The state_dict key prefix of each transform of :func:`chain`, in the same order."""
+    names = {id(module): name for name, module in env.transform.named_modules()}
+    return [f"{names[id(t)]}." if names[id(t)] else "" for t in chain(env)]
