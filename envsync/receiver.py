@@ -50,6 +50,12 @@ class ApplySpec:
     apply_at: ApplyAt
     reinit: ReinitSpec = field(default_factory=ReinitSpec)
 
+    @property
+    def truncates(self) -> bool:
+        """Whether a version that arrives mid-episode ends it as truncated. ``"truncate"`` does;
+        so does ``"step"`` when a re-init policy steps the env (it needs a fresh episode)."""
+        return self.apply_at is ApplyAt.TRUNCATE or (self.apply_at is ApplyAt.STEP and self.reinit.moves_env)
+
 
 class EnvStateReceiver:
     """The worker side of envsync, bound to one collector and one worker index.
@@ -89,12 +95,9 @@ class EnvStateReceiver:
         self._config: TensorDictBase | None = None
         self.version_tensor = torch.zeros((), dtype=torch.int64)
         self._closed = False
-        # a policy that steps the env (recompute on the worker) needs a fresh episode after
-        # it, so "step" then behaves like "truncate"
-        moves_env = spec.reinit.moves_env
-        self._applies_at_step = spec.apply_at is ApplyAt.STEP and not moves_env
-        self._truncates = spec.apply_at is ApplyAt.TRUNCATE or (spec.apply_at is ApplyAt.STEP and moves_env)
-        self._resets_after_idle_apply = self._truncates or moves_env
+        self._truncates = spec.truncates
+        self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
+        self._resets_after_idle_apply = spec.truncates or spec.reinit.moves_env
 
     @property
     def worker(self) -> int:

@@ -172,10 +172,11 @@ class EnvStateSender:
         """
         if self._env_state_template is None:
             probe = self._probe_env()
-            if self.spec.apply_at is ApplyAt.TRUNCATE and "truncated" not in probe.done_keys:
+            if self.spec.truncates and "truncated" not in probe.done_keys:
                 raise ValidationError(
-                    "apply_at='truncate' needs a 'truncated' done key on the env "
-                    f"(it has {probe.done_keys}); add a StepCounter or use GymEnv"
+                    f"apply_at={self.spec.apply_at.value!r} (with the reinit policies given) ends episodes as "
+                    f"truncated and needs a 'truncated' done key on the env (it has {probe.done_keys}); "
+                    "add a StepCounter or use GymEnv"
                 )
             plan(probe, self.spec.reinit)
             self._env_state_template = EnvStateTemplate(probe.state_dict(), allow_nonfinite=self._allow_nonfinite)
@@ -260,8 +261,9 @@ class EnvStateSender:
             self._raise_failures()
             update = self._validated(config, env_state)
             targets = self._targets(workers)
-            updates = {w: self._with_main_stats(update, w) for w in targets}
-            default = self._with_main_stats(update, None) if workers is None else None
+            stats: dict[bytes, TensorDict] = {}
+            updates = {w: self._with_main_stats(update, w, stats) for w in targets}
+            default = self._with_main_stats(update, None, stats) if workers is None else None
             version = self._publish(updates, default=default)
         if until is not None:
             self.wait(version, until=until.value, workers=targets, timeout=timeout)
@@ -289,7 +291,8 @@ class EnvStateSender:
             self._check_open()
             self._raise_failures()
             targets = self._targets(list(configs))
-            updates = {w: self._with_main_stats(self._validated(configs[w], None), w) for w in targets}
+            stats: dict[bytes, TensorDict] = {}
+            updates = {w: self._with_main_stats(self._validated(configs[w], None), w, stats) for w in targets}
             version = self._publish(updates, default=None)
         if until is not None:
             self.wait(version, until=until.value, workers=targets, timeout=timeout)
@@ -303,23 +306,26 @@ class EnvStateSender:
             update["env_state"] = self.env_state_template().validate(env_state)
         return update
 
-    def _with_main_stats(self, update: TensorDict, worker: int | None) -> TensorDict:
+    def _with_main_stats(self, update: TensorDict, worker: int | None, cache: dict[bytes, TensorDict]) -> TensorDict:
         """Add the statistics of ``recompute(where="main")`` policies, computed on the probe
-        env under the config ``worker`` (or, for ``None``, a worker joining later) will run."""
+        env under the config ``worker`` (or, for ``None``, a worker joining later) will run;
+        ``cache`` holds them per distinct config, so equal configs get identical statistics."""
         if not self.spec.reinit.computes_in_main or "config" not in update.keys():
             return update
         merged = self._default_config.clone() if worker is None else self.desired_config(worker)
         merged.update(update["config"])
-        probe = self._probe_env()
-        try:
-            apply_config(probe, self.spec.apply, merged)
-            stats = compute_in_main(probe, self.spec.reinit)
-        except Exception as err:
-            raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
-        out = update.clone(recurse=False)
-        env_state = self.env_state_template().validate(stats)
+        key = b"".join(v.numpy().tobytes() for _, v in sorted(merged.items(True, True), key=lambda kv: str(kv[0])))
+        if key not in cache:
+            probe = self._probe_env()
+            try:
+                apply_config(probe, self.spec.apply, merged)
+                cache[key] = self.env_state_template().validate(compute_in_main(probe, self.spec.reinit))
+            except Exception as err:
+                raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
+        env_state = cache[key].clone()
         if "env_state" in update.keys():
             env_state.update(update["env_state"])
+        out = update.clone(recurse=False)
         out["env_state"] = env_state
         return out
 

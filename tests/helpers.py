@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
+from torchrl.envs.transforms import Transform
 
 from envsync.envs import make_drift_env
 
@@ -117,3 +118,82 @@ def make_normed_counter_env(label: int = 0) -> Any:
 
     norm = ObservationNorm(loc=torch.zeros(3), scale=torch.ones(3), in_keys=["observation"], standard_normal=True)
     return TransformedEnv(CounterEnv(label=label), norm)
+
+
+class NoisyEnv(EnvBase):
+    """A torchrl-native env whose observation is ``scale * N(0, 1)`` in 3 dims, plus the
+    episode's step count under ``"count"`` (not normalised)."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        super().__init__(batch_size=torch.Size([]))
+        self.scale = float(scale)
+        self.count = 0
+        self.generator = torch.Generator().manual_seed(0)
+        self.observation_spec = Composite(
+            observation=Unbounded((3,), dtype=torch.float32), count=Unbounded((1,), dtype=torch.int64)
+        )
+        self.action_spec = Bounded(-1.0, 1.0, (1,))
+        self.reward_spec = Unbounded((1,))
+        self.done_spec = Composite(
+            done=Categorical(2, (1,), dtype=torch.bool),
+            terminated=Categorical(2, (1,), dtype=torch.bool),
+            truncated=Categorical(2, (1,), dtype=torch.bool),
+        )
+
+    def set_scale(self, scale: float) -> None:
+        self.scale = float(scale)
+
+    def _obs(self) -> TensorDict:
+        noise = torch.randn(3, generator=self.generator) * self.scale
+        return TensorDict(observation=noise, count=torch.tensor([self.count]))
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
+        self.count = 0
+        out = self._obs()
+        for key in ("done", "terminated", "truncated"):
+            out[key] = torch.zeros(1, dtype=torch.bool)
+        return out
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        self.count += 1
+        out = self._obs()
+        out["reward"] = torch.ones(1)
+        for key in ("done", "terminated", "truncated"):
+            out[key] = torch.zeros(1, dtype=torch.bool)
+        return out
+
+    def _set_seed(self, seed: int | None) -> None:
+        if seed is not None:
+            self.generator.manual_seed(seed)
+
+
+class ResetCounter(Transform):
+    """A custom stateful transform: counts its ``reset_state`` calls."""
+
+    def __init__(self) -> None:
+        super().__init__(in_keys=[], out_keys=[])
+        self.calls = 0
+
+    def reset_state(self) -> None:
+        self.calls += 1
+
+    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
+        return next_tensordict
+
+
+def make_noisy_env(norm: str = "observation_norm", label: int = 0) -> Any:
+    """NoisyEnv with one stateful transform (``norm`` names which) and a StepCounter."""
+    from torchrl.envs import Compose, ObservationNorm, StepCounter, TransformedEnv, VecNorm, VecNormV2
+
+    first: Transform
+    if norm == "observation_norm":
+        first = ObservationNorm(loc=torch.zeros(3), scale=torch.ones(3), in_keys=["observation"], standard_normal=True)
+    elif norm == "vecnorm":
+        first = VecNorm(in_keys=["observation"], decay=0.99, new_api=False)
+    elif norm == "vecnorm_v2":
+        first = VecNormV2(in_keys=["observation"], decay=0.99)
+    else:
+        first = ResetCounter()
+    env = NoisyEnv()
+    env.generator.manual_seed(label)
+    return TransformedEnv(env, Compose(first, StepCounter()))

@@ -75,7 +75,8 @@ def test_config_method_is_found_on_the_unwrapped_gym_env() -> None:
 
 
 def test_env_state_loads_in_place_and_reads_back() -> None:
-    env = TransformedEnv(make_drift_env(), ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"]))
+    norm = ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"])
+    env = TransformedEnv(make_drift_env(), norm)
     env.append_transform(ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"]))
     template = EnvStateTemplate(env.state_dict())
     storage = env.transform[0].loc.data_ptr()

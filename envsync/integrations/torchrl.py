@@ -98,7 +98,9 @@ class EnvSyncTransform(Transform):
         receiver = self.receiver
         if receiver is not None and receiver.truncate_now():
             done = next_tensordict.get("done")
-            next_tensordict.set("truncated", next_tensordict.get("truncated") | ~done)
+            truncated = next_tensordict.get("truncated", None)
+            truncated = torch.zeros_like(done) if truncated is None else truncated
+            next_tensordict.set("truncated", truncated | ~done)
             next_tensordict.set("done", torch.ones_like(done))
         next_tensordict.set(VERSION_KEY, self._tag(next_tensordict.batch_size))
         return next_tensordict
