@@ -38,17 +38,20 @@ class WorkerApplyError(EnvSyncError):
         worker: index of the worker that failed.
         version: the version it failed to apply.
         remote_traceback: the worker's traceback text.
+        rollback: the version published to bring every worker that ``version`` targeted back
+            to the state before it, or ``None`` when ``version`` was no longer the latest.
 
     Examples:
-        >>> err = WorkerApplyError(1, 3, "Traceback ... ZeroDivisionError")
-        >>> (err.worker, err.version)
-        (1, 3)
+        >>> err = WorkerApplyError(1, 3, "Traceback ... ZeroDivisionError", rollback=4)
+        >>> (err.worker, err.version, err.rollback)
+        (1, 3, 4)
     """
 
-    def __init__(self, worker: int, version: int, remote_traceback: str) -> None:
+    def __init__(self, worker: int, version: int, remote_traceback: str, *, rollback: int | None = None) -> None:
         self.worker = worker
         self.version = version
         self.remote_traceback = remote_traceback
+        self.rollback = rollback
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
         super().__init__(
             f"worker {worker} failed to apply version {version}: {last}\n"

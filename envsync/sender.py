@@ -14,40 +14,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync.errors import AckTimeout, ValidationError, WorkerApplyError
+from envsync.desired import DesiredState, Undo, previous_values, stamped
+from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
+from envsync.probe import Probe
 from envsync.protocol import NO_FAILURE, ApplyAt, Until, failure_to_raise, is_done
 from envsync.receiver import ApplySpec
-from envsync.reinit import Policy, ReinitSpec, Selector, compute_in_main, plan
-from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, apply_config
+from envsync.reinit import Policy, ReinitSpec, Selector
+from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate
 from envsync.transports.shared_memory import SharedMemoryChannel
-
-
-@dataclass
-class Probe:
-    """An env in the main process that tells the sender what the workers' envs look like.
-
-    Args:
-        make: builds the env (the wrapped factory), or returns the user's own env.
-        owned: whether the sender built it (and so closes it).
-    """
-
-    make: Callable[[], Any]
-    owned: bool
-    env: Any = None
-
-    def get(self) -> Any:
-        if self.env is None:
-            self.env = self.make()
-        return self.env
-
-    def close(self) -> None:
-        if self.owned and self.env is not None:
-            self.env.close()
-        self.env = None
-
 
 _SPIN = 200
 _POLL = 0.0005
@@ -110,9 +86,8 @@ class EnvStateSender:
         self.spec = ApplySpec(apply=apply, apply_at=mode, reinit=ReinitSpec.from_mapping(reinit))
         self._allow_nonfinite = allow_nonfinite
         self._version = 0
-        self._default_config = self.template.values.clone()
-        self._default_env_state = TensorDict()
-        self._default_stamps = TensorDict()
+        self._desired = DesiredState(self.template.values)
+        self._undo: Undo | None = None
         self._probe: Probe | None = None
         self._env_state_template: EnvStateTemplate | None = None
         self._attachment: Attachment | None = None
@@ -154,10 +129,10 @@ class EnvStateSender:
         self._probe = probe
         self._env_state_template = None
 
-    def _probe_env(self) -> Any:
+    def _probe_or_fail(self) -> Probe:
         if self._probe is None:
             raise ValidationError("envsync needs an env: wrap your env factory with sender.env_fn first")
-        return self._probe.get()
+        return self._probe
 
     def env_state_template(self) -> EnvStateTemplate:
         """The env-state keys a push may carry, read once from a probe env in this process.
@@ -171,28 +146,8 @@ class EnvStateSender:
                 does not fit the sender's settings.
         """
         if self._env_state_template is None:
-            probe = self._probe_env()
-            if self.spec.truncates and "truncated" not in probe.done_keys:
-                raise ValidationError(
-                    f"apply_at={self.spec.apply_at.value!r} (with the reinit policies given) ends episodes as "
-                    f"truncated and needs a 'truncated' done key on the env (it has {probe.done_keys}); "
-                    "add a StepCounter or use GymEnv"
-                )
-            plan(probe, self.spec.reinit)
-            self._env_state_template = EnvStateTemplate(probe.state_dict(), allow_nonfinite=self._allow_nonfinite)
+            self._env_state_template = self._probe_or_fail().describe(self.spec, self._allow_nonfinite)
         return self._env_state_template
-
-    def _initial_payload(self) -> TensorDict:
-        payload = TensorDict(config=self._default_config.clone())
-        state = self.env_state_template().values
-        if not state.is_empty():
-            values = state.clone()
-            values.update(self._default_env_state)
-            stamps = state.apply(lambda t: torch.zeros((), dtype=torch.int64))
-            stamps.update(self._default_stamps)
-            payload["env_state"] = values
-            payload["stamp"] = stamps
-        return payload
 
     def _attach(self, make: Callable[[TensorDict], Attachment]) -> Attachment:
         """Attach a collector: ``make`` builds the transport from the initial payload."""
@@ -203,7 +158,7 @@ class EnvStateSender:
             if previous is not None:
                 previous.on_close()
                 previous.channel.close()
-            attachment = make(self._initial_payload())
+            attachment = make(self._desired.payload(self.env_state_template().values))
             for worker in range(attachment.channel.num_workers):
                 attachment.channel.write(worker, self._version, TensorDict())
             self._attachment = attachment
@@ -312,16 +267,12 @@ class EnvStateSender:
         ``cache`` holds them per distinct config, so equal configs get identical statistics."""
         if not self.spec.reinit.computes_in_main or "config" not in update.keys():
             return update
-        merged = self._default_config.clone() if worker is None else self.desired_config(worker)
+        merged = self.desired_config(worker)
         merged.update(update["config"])
         key = b"".join(v.numpy().tobytes() for _, v in sorted(merged.items(True, True), key=lambda kv: str(kv[0])))
         if key not in cache:
-            probe = self._probe_env()
-            try:
-                apply_config(probe, self.spec.apply, merged)
-                cache[key] = self.env_state_template().validate(compute_in_main(probe, self.spec.reinit))
-            except Exception as err:
-                raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
+            stats = self._probe_or_fail().main_stats(self.spec, merged)
+            cache[key] = self.env_state_template().validate(stats)
         env_state = cache[key].clone()
         if "env_state" in update.keys():
             env_state.update(update["env_state"])
@@ -345,25 +296,32 @@ class EnvStateSender:
 
     def _publish(self, updates: Mapping[int, TensorDict], *, default: TensorDict | None) -> int:
         """Write each worker's update under a new version; ``default`` also changes the
-        desired state of workers that join later."""
+        desired state of workers that join later. Records what it replaces in ``_undo``."""
         version = self._version + 1
         attachment = self._live_attachment()
+        undo = Undo(version, {}, None)
         if default is not None:
-            self._update_default(default, version)
+            undo.default = previous_values(self._desired.payload(self.env_state_template().values), default)
+            self._desired.update(default, version)
         if attachment is not None:
             for worker, update in updates.items():
-                attachment.channel.write(worker, version, _stamped(update, version))
+                undo.workers[worker] = previous_values(attachment.channel.view(worker), update)
+                attachment.channel.write(worker, version, stamped(update, version))
             for worker in updates:
                 attachment.channel.notify(worker)
         self._version = version
+        self._undo = undo
         return version
 
-    def _update_default(self, update: TensorDict, version: int) -> None:
-        if "config" in update.keys():
-            self._default_config.update(update["config"])
-        if "env_state" in update.keys():
-            self._default_env_state.update(update["env_state"])
-            self._default_stamps.update(_stamped(update, version)["stamp"])
+    def _roll_back(self, failed: int) -> int | None:
+        """Publish, as a new version, what the failed latest push replaced; return it."""
+        undo = self._undo
+        if undo is None or undo.version != failed or failed != self._version:
+            return None
+        self._undo = None
+        version = self._publish(undo.workers, default=undo.default)
+        self._undo = None
+        return version
 
     # ---- waiting ---------------------------------------------------------------------------
 
@@ -397,7 +355,11 @@ class EnvStateSender:
         spins = 0
         while True:
             with self._lock:
-                self._raise_failures(pending)
+                try:
+                    self._raise_failures(pending)
+                except WorkerApplyError as err:
+                    self._confirm_rollback(err, mode, deadline)
+                    raise
             pending = [w for w in pending if not is_done(attachment.channel.status(w), version, mode)]
             if not pending:
                 return
@@ -407,7 +369,17 @@ class EnvStateSender:
             spins += 1
             time.sleep(0 if spins < _SPIN else _POLL)
 
+    def _confirm_rollback(self, err: WorkerApplyError, until: Until, deadline: float) -> None:
+        """Wait (within what is left of the deadline) until the rollback is in place too."""
+        if err.rollback is None:
+            return
+        try:
+            self.wait(err.rollback, until=until.value, timeout=max(0.05, deadline - time.monotonic()))
+        except EnvSyncError as late:
+            err.add_note(f"rollback version {err.rollback} not confirmed: {late}")
+
     def _raise_failures(self, workers: Sequence[int] | None = None) -> None:
+        """Raise the first failure not raised yet; if it is of the latest push, roll it back."""
         attachment = self._attachment
         if attachment is None:
             return
@@ -416,7 +388,8 @@ class EnvStateSender:
             failed = failure_to_raise(status, self._reported.get(worker, NO_FAILURE))
             if failed is not None:
                 self._reported[worker] = failed
-                raise WorkerApplyError(worker, failed, attachment.channel.error_text(worker))
+                rollback = self._roll_back(failed)
+                raise WorkerApplyError(worker, failed, attachment.channel.error_text(worker), rollback=rollback)
 
     def versions(self) -> list[int]:
         """The version each worker's env runs now (empty when no collector is attached)."""
@@ -430,7 +403,7 @@ class EnvStateSender:
     def desired_config(self, worker: int | None = None) -> TensorDict:
         """The desired config of ``worker`` (default: of every worker not addressed alone)."""
         if worker is None:
-            return self._default_config.clone()
+            return self._desired.config.clone()
         attachment = self._live_attachment()
         if attachment is None:
             raise ValidationError("worker= needs an attached collector; none is attached")
@@ -444,7 +417,7 @@ class EnvStateSender:
         """
         attachment = self._live_attachment()
         if attachment is None:
-            config = self._default_config.clone()
+            config = self._desired.config.clone()
         else:
             config = TensorDict.stack(
                 [attachment.channel.desired(w)["config"] for w in range(attachment.channel.num_workers)]
@@ -470,7 +443,7 @@ class EnvStateSender:
             if self.num_workers is None:
                 if len(rows) != 1:
                     raise ValidationError("a per-worker checkpoint can only be loaded with a collector attached")
-                self._default_config.update(self.template.validate(rows[0]))
+                self._desired.config.update(self.template.validate(rows[0]))
                 self._version = max(self._version, int(state["version"]))
                 return self._version
         if len(rows) == 1:
@@ -512,12 +485,3 @@ class EnvStateSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _stamped(update: TensorDict, version: int) -> TensorDict:
-    """Add the version stamp of every env-state entry an update carries."""
-    if "env_state" not in update.keys():
-        return update
-    out = update.clone(recurse=False)
-    out["stamp"] = update["env_state"].apply(lambda t: torch.full((), version, dtype=torch.int64))
-    return out

@@ -113,6 +113,14 @@ def picky_apply(env: Any, config: TensorDictBase) -> None:
         raise ValueError("negative difficulty")
 
 
+def picky_on_worker_one(env: Any, config: TensorDictBase) -> None:
+    """An apply callable that fails on the env labelled 1 only, for negative difficulties."""
+    base = env.base_env if hasattr(env, "base_env") else env
+    base.set_difficulty(float(config["difficulty"]))
+    if base.label == 1 and float(config["difficulty"]) < 0:
+        raise ValueError("worker one refuses negative difficulty")
+
+
 def make_normed_counter_env(label: int = 0) -> Any:
     from torchrl.envs import ObservationNorm, TransformedEnv
 

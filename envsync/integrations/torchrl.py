@@ -149,7 +149,7 @@ class EnvFactory:
 
 def wrap_env_fn(sender: EnvStateSender, fn: Callable[..., EnvBase] | EnvBase) -> Any:
     """Implementation of :meth:`EnvStateSender.env_fn`."""
-    from envsync.sender import Probe
+    from envsync.probe import Probe
 
     initial = sender.template.values.clone()
     if isinstance(fn, EnvBase):

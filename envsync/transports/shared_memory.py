@@ -170,7 +170,11 @@ class SharedMemoryChannel:
 
     def desired(self, worker: int) -> TensorDict:
         """A copy of the payload currently published to ``worker``."""
-        return self._live().payload[worker].clone()
+        return self.view(worker).clone()
+
+    def view(self, worker: int) -> TensorDictBase:
+        """The payload published to ``worker``, as views into shared memory (no copy)."""
+        return self._live().payload[worker]
 
     def notify(self, worker: int) -> None:
         self._semaphores[worker].release()

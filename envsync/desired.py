@@ -1,0 +1,84 @@
+"""The sender's record of the desired state: what workers joining later start from, and
+what the latest push replaced (so a failed push can be rolled back).
+
+A *payload* is one worker's desired state as the transport carries it: ``"config"`` (the
+whole config), ``"env_state"`` (entries of the env's ``state_dict()``) and ``"stamp"`` (per
+env-state entry, the version that last pushed it; 0 = never pushed, so never loaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+
+def stamped(update: TensorDictBase, version: int) -> TensorDict:
+    """Add the version stamp of every env-state entry an update carries.
+
+    Examples:
+        >>> update = TensorDict(env_state=TensorDict(loc=torch.zeros(2)))
+        >>> stamped(update, 7)["stamp", "loc"].item()
+        7
+    """
+    out = update.clone(recurse=False) if isinstance(update, TensorDict) else TensorDict(update.to_dict())
+    if "env_state" in update.keys():
+        out["stamp"] = update["env_state"].apply(lambda t: torch.full((), version, dtype=torch.int64))
+    return out
+
+
+def previous_values(payload: TensorDictBase, update: TensorDictBase) -> TensorDict:
+    """The entries of ``payload`` that ``update`` is about to overwrite (stamps included)."""
+    keys = list(update.keys(include_nested=True, leaves_only=True))
+    if "env_state" in update.keys():
+        keys += [("stamp", *k) for k in update["env_state"].keys(include_nested=True, leaves_only=True)]
+    return payload.select(*keys).clone()
+
+
+class DesiredState:
+    """The desired state of workers that join later (the result of every broadcast push).
+
+    Args:
+        config: the config template's values (version 0).
+
+    Examples:
+        >>> desired = DesiredState(TensorDict(difficulty=torch.tensor(0.0)))
+        >>> desired.update(TensorDict(config=TensorDict(difficulty=torch.tensor(0.5))), version=1)
+        >>> desired.payload(TensorDict())["config", "difficulty"].item()
+        0.5
+    """
+
+    def __init__(self, config: TensorDict) -> None:
+        self.config = config.clone()
+        self._env_state = TensorDict()
+        self._stamps = TensorDict()
+
+    def update(self, update: TensorDictBase, version: int) -> None:
+        """Merge a broadcast push into the desired state."""
+        if "config" in update.keys():
+            self.config.update(update["config"])
+        if "env_state" in update.keys():
+            self._env_state.update(update["env_state"])
+            self._stamps.update(stamped(update, version)["stamp"])
+
+    def payload(self, env_state_template: TensorDictBase) -> TensorDict:
+        """One worker's full payload: template env state overlaid with what was pushed."""
+        payload = TensorDict(config=self.config.clone())
+        if not env_state_template.is_empty():
+            values = env_state_template.clone()
+            values.update(self._env_state)
+            stamps = env_state_template.apply(lambda t: torch.zeros((), dtype=torch.int64))
+            stamps.update(self._stamps)
+            payload["env_state"] = values
+            payload["stamp"] = stamps
+        return payload
+
+
+@dataclass
+class Undo:
+    """What the latest push replaced: per targeted worker, and in the default state."""
+
+    version: int
+    workers: dict[int, TensorDict]
+    default: TensorDict | None

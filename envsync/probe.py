@@ -1,0 +1,79 @@
+"""The probe: one env in the main process that stands for the workers' envs.
+
+It is built once, lazily, from the wrapped factory (or is the user's own env for a
+single-process ``Collector``). The sender reads from it the env-state keys a push may carry,
+checks its settings against it before any worker starts, and computes on it the statistics
+of ``recompute(where="main")`` policies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDictBase
+
+from envsync.errors import ValidationError
+from envsync.reinit import compute_in_main, plan
+from envsync.state import EnvStateTemplate, apply_config
+
+if TYPE_CHECKING:
+    from envsync.receiver import ApplySpec
+
+
+@dataclass
+class Probe:
+    """An env in the main process that tells the sender what the workers' envs look like.
+
+    Args:
+        make: builds the env (the wrapped factory), or returns the user's own env.
+        owned: whether the sender built it (and so closes it).
+    """
+
+    make: Callable[[], Any]
+    owned: bool
+    env: Any = None
+
+    def get(self) -> Any:
+        """The probe env, built on first use."""
+        if self.env is None:
+            self.env = self.make()
+        return self.env
+
+    def describe(self, spec: ApplySpec, allow_nonfinite: bool) -> EnvStateTemplate:
+        """Check the env against the sender's settings; return its env-state template.
+
+        Raises:
+            ValidationError: a mode that truncates without a ``"truncated"`` key, or a
+                ``reinit`` selector that matches nothing or a policy a transform lacks.
+        """
+        env = self.get()
+        if spec.truncates and "truncated" not in env.done_keys:
+            raise ValidationError(
+                f"apply_at={spec.apply_at.value!r} (with the reinit policies given) ends episodes as "
+                f"truncated and needs a 'truncated' done key on the env (it has {env.done_keys}); "
+                "add a StepCounter or use GymEnv"
+            )
+        plan(env, spec.reinit)
+        return EnvStateTemplate(env.state_dict(), allow_nonfinite=allow_nonfinite)
+
+    def main_stats(self, spec: ApplySpec, config: TensorDictBase) -> dict[str, torch.Tensor]:
+        """Run the ``recompute(where="main")`` policies under ``config``; return the state.
+
+        Raises:
+            ValidationError: the config method or the statistics failed on the probe.
+        """
+        env = self.get()
+        try:
+            apply_config(env, spec.apply, config)
+            return compute_in_main(env, spec.reinit)
+        except Exception as err:
+            raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
+
+    def close(self) -> None:
+        """Close the env if the sender built it."""
+        if self.owned and self.env is not None:
+            self.env.close()
+        self.env = None

@@ -1,0 +1,181 @@
+"""The guarantees of docs/guarantees.md, each proved with real workers where one is involved."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import signal
+import time
+from functools import partial
+
+import pytest
+import torch
+from conftest import build
+from helpers import (
+    check_truthful,
+    make_counter_env,
+    make_normed_counter_env,
+    picky_apply,
+    picky_on_worker_one,
+    rows,
+    start_method,
+)
+
+import envsync
+from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError
+
+WORKERS = 2
+
+
+def labelled() -> list[partial[object]]:
+    return [partial(make_counter_env, label=i) for i in range(WORKERS)]
+
+
+def difficulties(batch: torch.Tensor) -> dict[int, set[float]]:
+    out: dict[int, set[float]] = {}
+    for row in rows(batch):
+        out.setdefault(int(row["observation"][0, 1]), set()).update(row["next", "observation"][:, 0].tolist())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_with_a_collector_changes_nothing() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, [partial(make_normed_counter_env, label=i) for i in range(WORKERS)])
+    try:
+        next(iter(collector))
+        good = sender.push(config={"difficulty": 1.0}, wait="applied")
+        before = [sender._attachment.channel.desired(w) for w in range(WORKERS)]  # type: ignore[union-attr]
+        bad_calls = [
+            (lambda: sender.push(config={"difficulty": "x"}), "'difficulty' must be a number"),
+            (lambda: sender.push(config={"difficulty": float("inf")}), "NaN or inf"),
+            (lambda: sender.push(config={"level": 1}), "unknown config name 'level'"),
+            (lambda: sender.push(env_state={"transforms.0.loc": torch.zeros(4)}), "has shape \\(3,\\)"),
+            (lambda: sender.push(env_state={"transforms.0.mean": torch.zeros(3)}), "'transforms.0.mean' is not"),
+            (lambda: sender.push(config={"difficulty": 2.0}, workers=[5]), "worker 5 does not exist"),
+            (lambda: sender.push_each({-1: {"difficulty": 2.0}}), "worker -1 does not exist"),
+            (lambda: sender.push(config={"difficulty": 2.0}, env_state={"x": torch.ones(1)}), "'x' is not"),
+        ]
+        for call, message in bad_calls:
+            with pytest.raises(ValidationError, match=message):
+                call()
+            assert sender.version == good and sender.versions() == [good, good]
+            after = [sender._attachment.channel.desired(w) for w in range(WORKERS)]  # type: ignore[union-attr]
+            assert all((a == b).all() for a, b in zip(before, after, strict=True))
+    finally:
+        collector.shutdown()
+        sender.close()
+    with pytest.raises(ValidationError, match="closed"):
+        sender.push(config={"difficulty": 3.0})
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_apply_rolls_the_whole_fleet_back() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=picky_on_worker_one, apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, labelled())
+    try:
+        batches = iter(collector)
+        next(batches)
+        good = sender.push(config={"difficulty": 1.0}, wait="applied")
+        with pytest.raises(WorkerApplyError) as info:
+            sender.push(config={"difficulty": -1.0}, wait="applied")
+        err = info.value
+        assert (err.worker, err.version, err.rollback) == (1, good + 1, good + 2)
+        assert "worker one refuses negative difficulty" in err.remote_traceback
+        # worker 0 had applied the failed version; both now run the previous config again
+        assert sender.versions() == [good + 2, good + 2]
+        assert sender.desired_config()["difficulty"].item() == 1.0
+        batch = next(batches)
+        assert difficulties(batch) == {0: {1.0}, 1: {1.0}}
+        assert bool((batch["next", "env_version"] == good + 2).all())
+        # tags stay truthful: the rolled-back version names the previous config
+        check_truthful(batch, {0: 0.0, good: 1.0, good + 1: -1.0, good + 2: 1.0}, index=0)
+        last = sender.push(config={"difficulty": 2.0}, wait="applied")
+        assert difficulties(next(batches)) == {0: {2.0}, 1: {2.0}} and sender.versions() == [last, last]
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_after_the_push_returned_is_raised_by_the_next_push() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=picky_apply, apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, labelled())
+    try:
+        batches = iter(collector)
+        next(batches)
+        good = sender.push(config={"difficulty": 1.0}, wait="applied")
+        sender.push(config={"difficulty": -2.0}, workers=[0], wait=None)
+        deadline = time.monotonic() + 10
+        while sender._attachment.channel.status(0).failed < 0 and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        with pytest.raises(WorkerApplyError, match="worker 0 failed to apply version") as info:
+            sender.push(config={"difficulty": 2.0}, wait="applied")
+        assert info.value.rollback == good + 2
+        sender.wait(good + 2, until="applied")
+        assert sender.versions() == [good + 2, good]
+        last = sender.push(config={"difficulty": 2.0}, wait="applied")
+        assert sender.versions() == [last, last]
+        check_truthful(next(batches), {0: 0.0, good: 1.0, good + 2: 1.0, last: 2.0}, index=0)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_worker_is_reported_promptly_and_close_still_cleans_up() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, labelled())
+    path = sender._attachment.channel.path  # type: ignore[union-attr]
+    try:
+        next(iter(collector))
+        victim = collector.procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(5)
+        start = time.monotonic()
+        with pytest.raises(AckTimeout) as info:
+            sender.push(config={"difficulty": 1.0}, wait="applied", timeout=30)
+        assert time.monotonic() - start < 2.0
+        assert info.value.dead == [1] and 1 in info.value.workers
+    finally:
+        collector.shutdown(raise_on_error=False)
+        sender.close()
+    assert not os.path.exists(path)
+
+
+@pytest.mark.timeout(60)
+def test_a_timeout_names_the_late_workers_and_a_later_push_works() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
+    with start_method("fork"):
+        collector = build("sync", sender, labelled())
+    try:
+        next(iter(collector))
+        start = time.monotonic()
+        with pytest.raises(AckTimeout) as info:  # "reset" mode, idle workers: never applied
+            sender.push(config={"difficulty": 1.0}, wait="applied", timeout=0.5)
+        assert 0.5 <= time.monotonic() - start < 5
+        assert info.value.workers == [0, 1] and info.value.dead == [] and info.value.until == "applied"
+        version = sender.push(config={"difficulty": 2.0}, wait="received")
+        assert version == 2
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def test_the_data_plane_never_unpickles() -> None:
+    """Workers read tensors only: no module on the data path imports a pickler."""
+    root = pathlib.Path(envsync.__file__).parent
+    for module in ("receiver.py", "transports/shared_memory.py", "transports/base.py", "protocol.py"):
+        tree = ast.parse((root / module).read_text())
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+        }
+        assert not imported & {"pickle", "cloudpickle", "dill", "marshal"}, module
