@@ -1,10 +1,16 @@
-"""End to end: 200 pushes while a MultiAsyncCollector is iterated without pause."""
+"""End to end: pushes while a MultiAsyncCollector is iterated without pause.
+
+The short run (200 pushes, both start methods) is the core's guarantee; the long run (at
+least 2,000 pushes over at least 60 s) is the load guarantee of docs/guarantees.md.
+"""
 
 from __future__ import annotations
 
 import itertools
+import time
 from functools import partial
 
+import psutil
 import pytest
 from conftest import build
 from helpers import check_truthful, make_counter_env, rows, start_method
@@ -13,26 +19,33 @@ from envsync import EnvStateSender
 
 WORKERS = 2
 FRAMES = 20
-PUSHES = 200
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_pushes_while_iterating_lose_nothing(method: str) -> None:
+def rss(pids: list[int]) -> list[int]:
+    return [psutil.Process(pid).memory_info().rss for pid in pids]
+
+
+def soak(method: str, min_pushes: int, min_seconds: float) -> dict[str, float]:
+    """Iterate and push (waits mixed) until both minimums are met; check every batch."""
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     makers = [partial(make_counter_env, label=i, max_steps=10**9) for i in range(WORKERS)]
     with start_method(method):
         collector = build("async", sender, makers, frames_per_batch=FRAMES)
+    pids = [0, *(p.pid for p in collector.procs)]
+    pids[0] = psutil.Process().pid
     waits = itertools.cycle(["received", None, "applied"])
     difficulty = {0: 0.0}
     last_step = dict.fromkeys(range(WORKERS), 0.0)
     last_version = dict.fromkeys(range(WORKERS), 0)
     batches = frames = 0
+    start = time.monotonic()
+    memory_after_warmup: list[int] = []
     try:
         for batch in collector:
             batches += 1
             frames += batch.numel()
-            if len(difficulty) <= PUSHES:
+            pushes = len(difficulty) - 1
+            if pushes < min_pushes or time.monotonic() - start < min_seconds:
                 value = float(len(difficulty))
                 version = sender.push(config={"difficulty": value}, wait=next(waits))
                 difficulty[version] = value
@@ -40,7 +53,7 @@ def test_pushes_while_iterating_lose_nothing(method: str) -> None:
             for row in rows(batch):
                 worker = int(row["observation"][0, 1])
                 steps = row["observation"][:, 2]
-                # the episode never ends, so each worker's step counter runs on without a gap:
+                # episodes never end, so each worker's step counter runs on without a gap:
                 # a dropped or duplicated batch would break it
                 assert steps[0].item() == last_step[worker]
                 assert bool((steps.diff() == 1).all())
@@ -49,12 +62,36 @@ def test_pushes_while_iterating_lose_nothing(method: str) -> None:
                 assert versions[0].item() >= last_version[worker]
                 assert bool((versions.diff() >= 0).all())
                 last_version[worker] = versions[-1].item()
-            if len(difficulty) > PUSHES and sender.versions() == [PUSHES] * WORKERS:
-                break
-            assert batches < 20 * PUSHES
+            if not memory_after_warmup and time.monotonic() - start > min(5.0, min_seconds / 4):
+                memory_after_warmup = rss(pids)
+            if len(difficulty) - 1 >= min_pushes and time.monotonic() - start >= min_seconds:
+                if sender.versions() == [sender.version] * WORKERS:
+                    break
+            assert batches < 100 * (min_pushes + 100)
+        memory_at_end = rss(pids)
+        elapsed = time.monotonic() - start
+        acknowledged = sender.versions()
     finally:
         collector.shutdown()
         sender.close()
-    assert sender.version == PUSHES
     assert frames == batches * FRAMES
     assert sum(last_step.values()) == frames
+    # every push acknowledged: each worker ended up applying the last one
+    assert acknowledged == [sender.version] * WORKERS
+    assert max(last_version.values()) <= sender.version
+    growth = max(end / begin - 1 for begin, end in zip(memory_after_warmup or memory_at_end, memory_at_end, strict=True))
+    return {"pushes": float(sender.version), "seconds": elapsed, "batches": float(batches), "rss_growth": growth}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_pushes_while_iterating_lose_nothing(method: str) -> None:
+    result = soak(method, min_pushes=200, min_seconds=0)
+    assert result["pushes"] == 200
+
+
+@pytest.mark.timeout(300)
+def test_load_two_thousand_pushes_over_a_minute() -> None:
+    result = soak("fork", min_pushes=2000, min_seconds=60)
+    assert result["pushes"] >= 2000 and result["seconds"] >= 60
+    assert result["rss_growth"] < 0.10, result
