@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 
-def stamped(update: TensorDictBase, version: int) -> TensorDict:
+def stamped(update: TensorDictBase, version: int) -> TensorDictBase:
     """Add the version stamp of every env-state entry an update carries.
 
     Examples:
@@ -22,18 +22,18 @@ def stamped(update: TensorDictBase, version: int) -> TensorDict:
         >>> stamped(update, 7)["stamp", "loc"].item()
         7
     """
-    out = update.clone(recurse=False) if isinstance(update, TensorDict) else TensorDict(update.to_dict())
-    if "env_state" in update.keys():
-        out["stamp"] = update["env_state"].apply(lambda t: torch.full((), version, dtype=torch.int64))
+    if "env_state" not in update.keys():
+        return update
+    out = update.clone(recurse=False)
+    out["stamp"] = update["env_state"].apply(lambda t: torch.full((), version, dtype=torch.int64))
     return out
 
 
 def previous_values(payload: TensorDictBase, update: TensorDictBase) -> TensorDict:
     """The entries of ``payload`` that ``update`` is about to overwrite (stamps included)."""
-    keys = list(update.keys(include_nested=True, leaves_only=True))
-    if "env_state" in update.keys():
-        keys += [("stamp", *k) for k in update["env_state"].keys(include_nested=True, leaves_only=True)]
-    return payload.select(*keys).clone()
+    keys = [k if isinstance(k, tuple) else (k,) for k in update.keys(include_nested=True, leaves_only=True)]
+    keys += [("stamp", *k[1:]) for k in keys if k[0] == "env_state"]
+    return TensorDict({k: payload.get(k).clone() for k in keys})
 
 
 class DesiredState:
@@ -61,6 +61,12 @@ class DesiredState:
         if "env_state" in update.keys():
             self._env_state.update(update["env_state"])
             self._stamps.update(stamped(update, version)["stamp"])
+
+    def previous_values(self, update: TensorDictBase, env_state_template: TensorDictBase) -> TensorDict:
+        """What ``update`` is about to overwrite in this desired state (see :func:`previous_values`)."""
+        if "env_state" in update.keys():
+            return previous_values(self.payload(env_state_template), update)
+        return previous_values(TensorDict(config=self.config), update)
 
     def payload(self, env_state_template: TensorDictBase) -> TensorDict:
         """One worker's full payload: template env state overlaid with what was pushed."""

@@ -27,7 +27,7 @@ from tensordict import TensorDictBase
 
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import ReinitSpec
-from envsync.state import ApplyFn, apply_config, load_env_state_, read_env_state
+from envsync.state import ApplyFn, config_applier, load_env_state_, read_env_state
 from envsync.transports.base import ReceiverEnd
 
 AfterApply = Callable[[Any, int], None]
@@ -93,6 +93,8 @@ class EnvStateReceiver:
         self._seen = 0
         self._failed = NO_FAILURE
         self._config: TensorDictBase | None = None
+        self._apply_to: Any = None
+        self._apply_config: Callable[[TensorDictBase], None] = lambda config: None
         self.version_tensor = torch.zeros((), dtype=torch.int64)
         self._closed = False
         self._truncates = spec.truncates
@@ -144,12 +146,14 @@ class EnvStateReceiver:
         off; when the collector lets go, a version that arrived meanwhile is applied."""
         with self._lock:
             self._busy += 1
+            self.end.set_busy(True)
         try:
             yield
         finally:
             with self._lock:
                 self._busy -= 1
                 if not self._busy:
+                    self.end.set_busy(False)
                     self._apply_if_idle()
 
     def before_reset(self) -> None:
@@ -179,7 +183,7 @@ class EnvStateReceiver:
         return self._truncates and self._pending(self.end.target())
 
     def on_wake(self) -> None:
-        """Called by the listener thread after the sender notified this worker."""
+        """Called by the listener thread when woken by the sender (or every half second)."""
         with self._lock:
             self._notice(self.end.target())
             if not self._busy:
@@ -191,6 +195,12 @@ class EnvStateReceiver:
             return
         if self._apply_latest() and self._resets_after_idle_apply:
             self._reset_env()
+
+    def _applier(self, env: Any) -> Callable[[TensorDictBase], None]:
+        if self._apply_to is not env:
+            self._apply_config = config_applier(env, self.spec.apply)
+            self._apply_to = env
+        return self._apply_config
 
     def _apply_latest(self) -> bool:
         """Apply the latest desired state; on failure restore the previous one and report."""
@@ -206,7 +216,7 @@ class EnvStateReceiver:
             saved_state = read_env_state(env, env_state)
         try:
             if config is not None:
-                apply_config(env, self.spec.apply, config)
+                self._applier(env)(config)
             if env_state is not None:
                 load_env_state_(env, env_state)
             for callback in self._after_apply:
@@ -214,7 +224,7 @@ class EnvStateReceiver:
         except Exception:
             text = traceback.format_exc()
             if self._config is not None:
-                apply_config(env, self.spec.apply, self._config)
+                self._applier(env)(self._config)
             if saved_state is not None:
                 load_env_state_(env, saved_state)
             self._failed = version
@@ -236,10 +246,11 @@ def _listen(ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
             return
         end = receiver.end
         del receiver
-        woke = end.wait_notice(_LISTEN_PERIOD)
+        end.wait_notice(_LISTEN_PERIOD)
         receiver = ref()
         if receiver is None or receiver._closed:
             return
-        if woke:
-            receiver.on_wake()
+        # also on a timeout: a version published while the collector was letting go is
+        # picked up here at the latest
+        receiver.on_wake()
         del receiver

@@ -301,7 +301,8 @@ class EnvStateSender:
         attachment = self._live_attachment()
         undo = Undo(version, {}, None)
         if default is not None:
-            undo.default = previous_values(self._desired.payload(self.env_state_template().values), default)
+            template = self.env_state_template().values if "env_state" in default.keys() else TensorDict()
+            undo.default = self._desired.previous_values(default, template)
             self._desired.update(default, version)
         if attachment is not None:
             for worker, update in updates.items():

@@ -7,6 +7,7 @@ shapes and dtypes are set by the template. The *env state* is a subset of an env
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -71,7 +72,14 @@ def _fit(what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: 
             fits = isinstance(value, int) and not isinstance(value, bool)
         if not fits:
             raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {type(value).__name__} {value!r}")
+        if not allow_nonfinite and not math.isfinite(value):
+            raise ValidationError(
+                f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
+            )
         tensor = torch.as_tensor(value, dtype=like.dtype)
+        if tensor.shape != like.shape:
+            raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}")
+        return tensor
     elif isinstance(value, torch.Tensor):
         widens_to_float = like.is_floating_point() and value.dtype not in (torch.bool,) and not value.is_complex()
         if value.dtype != like.dtype and not widens_to_float:
@@ -229,14 +237,20 @@ def find_config_method(env: Any, name: str) -> Callable[..., Any]:
     raise ValidationError(f"apply={name!r}: no such method on the env or its base envs {chain}")
 
 
-def apply_config(env: Any, apply: str | ApplyFn | None, config: TensorDictBase) -> None:
-    """Apply a whole config to an env: call its config method, or the user's callable."""
+def config_applier(env: Any, apply: str | ApplyFn | None) -> Callable[[TensorDictBase], None]:
+    """Resolve, once, how ``env`` takes a whole config: its config method, or the user's
+    callable. (Looking a method up through torchrl's env wrappers costs ~0.2 ms.)"""
     if apply is None:
-        return
+        return lambda config: None
     if isinstance(apply, str):
-        find_config_method(env, apply)(**config_kwargs(config))
-    else:
-        apply(env, config)
+        method = find_config_method(env, apply)
+        return lambda config: method(**config_kwargs(config))
+    return lambda config: apply(env, config)
+
+
+def apply_config(env: Any, apply: str | ApplyFn | None, config: TensorDictBase) -> None:
+    """Apply a whole config to an env once (see :func:`config_applier` to apply repeatedly)."""
+    config_applier(env, apply)(config)
 
 
 def _dotted(key: str | tuple[str, ...]) -> str:

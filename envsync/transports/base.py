@@ -28,7 +28,7 @@ class SenderEnd(Protocol):
         """Publish ``payload`` as the desired state of ``worker`` at ``version``, atomically."""
 
     def notify(self, worker: int) -> None:
-        """Wake the worker's idle listener."""
+        """Wake the worker's idle listener (a busy worker needs no wake-up)."""
 
     def status(self, worker: int) -> WorkerStatus:
         """Read the worker's acknowledgements."""
@@ -60,6 +60,9 @@ class ReceiverEnd(Protocol):
 
     def report_failure(self, version: int, text: str) -> None:
         """Tell the sender this version failed, with the traceback text."""
+
+    def set_busy(self, busy: bool) -> None:
+        """Tell the sender whether the collector drives the env (then it needs no wake-up)."""
 
     def wait_notice(self, timeout: float) -> bool:
         """Block until the sender notifies this worker or ``timeout`` passes."""
