@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel from this machine's disk instead of a CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	$(BIN)/python -m pip install --quiet -e ".[test,bench,docs]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,7 +26,14 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck unit
+test: lint typecheck unit docs
+
+docs: $(STAMP)
+	test -x $(BIN)/mkdocs || $(BIN)/python -m pip install --quiet -e ".[docs]"
+	$(BIN)/mkdocs build --strict -d build/site
+
+examples-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_examples.py
 
 bench: $(STAMP)
 	$(BIN)/envsync bench

@@ -146,6 +146,19 @@ class ConfigTemplate:
         return _nest(fitted)
 
 
+def _flatten_dotted(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Flatten nested mappings of state_dict entries into dotted keys (keys may hold dots)."""
+    if not isinstance(values, Mapping):
+        raise ValidationError(f"env_state must be a mapping like env.state_dict(), got {type(values).__name__}")
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten_dotted(value, prefix=f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 class EnvStateTemplate:
     """The keys, shapes and dtypes of an env's ``state_dict()`` that a push may carry.
 
@@ -185,7 +198,7 @@ class EnvStateTemplate:
         Raises:
             ValidationError: a key the env does not have, wrong shape or dtype, non-finite value.
         """
-        flat = _flatten(values) if isinstance(values, TensorDictBase) else dict(values)
+        flat = _flatten(values) if isinstance(values, TensorDictBase) else _flatten_dotted(values)
         fitted = {}
         for key, value in flat.items():
             if key not in self._flat:

@@ -144,10 +144,9 @@ class Check:
             if not workers:
                 self.failures.append(f"batch {index}, version {version}: {measured} matches no worker's physics")
                 continue
-            if version > 0:
+            if len(workers) == 1:
                 owners.add(workers[0])
-            for worker in workers if version == 0 else workers[:1]:
-                self.measured[version][worker].append(measured)
+            self.measured[version][workers[0]].append(measured)
         if len(owners) > 1:
             self.failures.append(f"batch {index}: its versions match different workers {sorted(owners)}")
 
@@ -183,46 +182,54 @@ def collect(args: Args) -> Check:
 
 
 def report(check: Check) -> str:
+    """One row per version and worker: pushed physics, what the dynamics show, batches checked."""
     lines = [
-        "version  worker       g      m      l  max_speed   3g/2l pushed  measured   3/ml2 pushed  measured  frames",
-        "-------  ------  ------  -----  -----  ---------   ------------  --------   ------------  --------  ------",
+        "version  worker      g     m     l  max_speed | 3g/2l pushed  measured | 3/ml2 pushed  measured | batches",
+        "-------  ------  -----  ----  ----  --------- | ------------  -------- | ------------  -------- | -------",
     ]
     for version in sorted(check.pushed):
-        for worker, physics in sorted(check.pushed[version].items()):
+        rows = check.pushed[version]
+        if version == 0:
+            rows = {0: TEMPLATE}  # the template: every worker runs it, the data cannot tell them apart
+        for worker, physics in sorted(rows.items()):
             a, b = identifiable(physics)
             seen = check.measured.get(version, {}).get(worker, [])
-            ma = f"{seen[0]['a']:8.3f}" if seen else "   (n/a)"
-            mb = f"{seen[0]['b']:8.3f}" if seen else "   (n/a)"
+            ma, mb = (f"{seen[0]['a']:8.3f}", f"{seen[0]['b']:8.3f}") if seen else ("     n/a", "     n/a")
+            who = "all" if version == 0 else str(worker)
             lines.append(
-                f"{version:>7}  {worker:>6}  {physics['g']:6.2f}  {physics['m']:5.2f}  {physics['l']:5.2f}"
-                f"  {physics['max_speed']:9.2f}   {a:12.3f}  {ma}   {b:12.3f}  {mb}  {check.frames.get(version, 0):>6}"
+                f"{version:>7}  {who:>6}  {physics['g']:5.2f}  {physics['m']:4.2f}  {physics['l']:4.2f}"
+                f"  {physics['max_speed']:9.2f} | {a:12.3f}  {ma} | {b:12.3f}  {mb} | {len(seen):>7}"
             )
     return "\n".join(lines)
 
 
 def plot(check: Check, path: Path) -> None:
+    """Pushed (circles) vs measured (crosses) physics per version, one colour per worker."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharex=True)
     colours = plt.get_cmap("tab10")
     for version in sorted(check.pushed):
         for worker, physics in check.pushed[version].items():
-            pushed = identifiable(physics)
+            pushed = (*identifiable(physics), physics["max_speed"])
             for axis, value in zip(axes, pushed, strict=True):
-                axis.scatter(version, value, marker="o", facecolors="none", edgecolors=colours(worker), s=60)
+                axis.scatter(version, value, marker="o", facecolors="none", edgecolors=colours(worker), s=70)
             for seen in check.measured.get(version, {}).get(worker, []):
-                for axis, key in zip(axes, ("a", "b"), strict=True):
+                for axis, key in zip(axes, ("a", "b", "top_speed"), strict=True):
                     axis.scatter(version, seen[key], marker="x", color=colours(worker), s=30)
-    axes[0].set_title("3g/(2l): pushed (o) vs measured from the dynamics (x)")
-    axes[1].set_title("3/(ml²): pushed (o) vs measured from the dynamics (x)")
+    axes[0].set_title("3g/(2l): pushed (o), measured from the dynamics (x)")
+    axes[1].set_title("3/(ml²): pushed (o), measured from the dynamics (x)")
+    axes[2].set_title("max_speed pushed (o), top |thdot| in the data (x)")
     for axis in axes:
         axis.set_xlabel("env_version")
-    handles = [plt.Line2D([], [], color=colours(w), marker="o", linestyle="", label=f"worker {w}") for w in
-               sorted({w for physics in check.pushed.values() for w in physics})]
-    axes[1].legend(handles=handles, fontsize="small")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    workers = sorted({w for physics in check.pushed.values() for w in physics})
+    handles = [plt.Line2D([], [], color=colours(w), marker="o", linestyle="", label=f"worker {w}") for w in workers]
+    axes[2].legend(handles=handles, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -86,3 +86,29 @@ def test_env_state_loads_in_place_and_reads_back() -> None:
     assert read_env_state(env, state)["transforms", "0", "loc"].tolist() == [1.0, 2.0]
     with pytest.raises(ValidationError, match="'transforms.5.loc' is not in the env's state_dict"):
         template.validate({"transforms.5.loc": torch.zeros(2)})
+
+
+def test_env_state_accepts_flat_nested_and_tensordict_forms() -> None:
+    template = EnvStateTemplate({"transforms.0.loc": torch.zeros(2), "transforms.0.scale": torch.ones(2)})
+    forms = [
+        {"transforms.0.loc": torch.ones(2)},
+        {"transforms": {"0": {"loc": torch.ones(2)}}},
+        TensorDict({"transforms": {"0": {"loc": torch.ones(2)}}}),
+    ]
+    for form in forms:
+        out = template.validate(form)  # type: ignore[arg-type]
+        assert list(out.keys(include_nested=True, leaves_only=True)) == [("transforms", "0", "loc")]
+    with pytest.raises(ValidationError, match="env_state must be a mapping"):
+        template.validate([1, 2])  # type: ignore[arg-type]
+
+
+def test_an_apply_callable_sees_the_same_env_at_build_time_as_in_a_worker() -> None:
+    from torchrl.envs import GymEnv
+
+    from envsync import EnvStateSender
+
+    seen: list[str] = []
+    sender = EnvStateSender(config={"g": 10.0}, apply=lambda env, config: seen.append(type(env).__name__))
+    env = sender.env_fn(lambda: GymEnv("Pendulum-v1"))()
+    assert seen == ["TransformedEnv"] and type(env).__name__ == "TransformedEnv"
+    sender.close()

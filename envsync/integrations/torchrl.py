@@ -110,13 +110,15 @@ class EnvSyncTransform(Transform):
 
 
 def _finish_env(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> EnvBase:
-    """Apply the template config, then append the transform last (no nesting)."""
-    apply_config(env, spec.apply, initial_config)
+    """Append the transform last (no nesting), then apply the template config to the result,
+    so an apply callable always receives the same kind of env as in the worker later."""
     transform = EnvSyncTransform(spec, initial_config)
     if isinstance(env, TransformedEnv):
         env.append_transform(transform)
-        return env
-    return TransformedEnv(env, transform)
+    else:
+        env = TransformedEnv(env, transform)
+    apply_config(env, spec.apply, initial_config)
+    return env
 
 
 class EnvFactory:

@@ -1,0 +1,86 @@
+"""Each example runs end to end with its smoke budget and writes its outputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from helpers import start_method
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def load(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_smoke(name: str, out: Path) -> None:
+    main: Callable[[list[str]], None] = load(name).main
+    # fork: the workers start in milliseconds and inherit the example module as imported here
+    with start_method("fork"):
+        main(["--smoke", "--out", str(out)])
+
+
+@pytest.mark.timeout(120)
+def test_domain_randomization(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("domain_randomization", tmp_path)
+    result = json.loads((tmp_path / "domain_randomization.json").read_text())
+    assert result["failures"] == []
+    assert any(int(v) > 0 for v in result["measured"])
+    assert (tmp_path / "domain_randomization.png").stat().st_size > 0
+    assert "verified from the dynamics" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_task_bandit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("task_bandit", tmp_path)
+    result = json.loads((tmp_path / "task_bandit.json").read_text())
+    assert sum(arm["pulls"] for arm in result["arms"]) == len(result["pulls"]) == 8
+    assert "mean return" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_restart_vs_envsync(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("restart_vs_envsync", tmp_path)
+    result = json.loads((tmp_path / "restart_vs_envsync.json").read_text())
+    assert len(result["restart"]["switches"]) == len(result["envsync"]["switches"]) == 2
+    assert result["restart"]["failures"] == result["envsync"]["failures"] == []
+    out = capsys.readouterr().out
+    assert "restart" in out and "envsync" in out
+
+
+@pytest.mark.timeout(120)
+def test_curriculum_ppo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("curriculum_ppo", tmp_path)
+    log = json.loads((tmp_path / "curriculum_ppo.json").read_text())
+    assert log["failures"] == []
+    assert log["switches"][0]["version"] == 1 and any(1 in versions for versions in log["versions"])
+    assert (tmp_path / "curriculum_ppo.png").stat().st_size > 0
+    assert "env_versions seen in the data" in capsys.readouterr().out
+
+
+def test_a_failed_check_exits_non_zero(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    bandit = load("task_bandit")
+
+    def no_pulls(args: object) -> object:
+        teacher = bandit.Teacher(bandit.Args.smoke(), sender=None)
+        teacher.failures.append("forced")
+        return teacher
+
+    monkeypatch.setattr(bandit, "run", no_pulls)
+    with pytest.raises(SystemExit) as exit_info:
+        bandit.main(["--smoke", "--out", str(tmp_path)])
+    assert exit_info.value.code != 0
