@@ -30,10 +30,14 @@ def stamped(update: TensorDictBase, version: int) -> TensorDictBase:
 
 
 def previous_values(payload: TensorDictBase, update: TensorDictBase) -> TensorDict:
-    """The entries of ``payload`` that ``update`` is about to overwrite (stamps included)."""
+    """The entries of ``payload`` that ``update`` is about to replace (stamps included).
+
+    They are references, not copies: the sender never writes into a tensor it has published
+    (each push brings fresh tensors), so the old ones stay as they were.
+    """
     keys = [k if isinstance(k, tuple) else (k,) for k in update.keys(include_nested=True, leaves_only=True)]
     keys += [("stamp", *k[1:]) for k in keys if k[0] == "env_state"]
-    return TensorDict({k: payload.get(k).clone() for k in keys})
+    return TensorDict({k: payload.get(k) for k in keys})
 
 
 class DesiredState:
@@ -65,20 +69,44 @@ class DesiredState:
     def previous_values(self, update: TensorDictBase, env_state_template: TensorDictBase) -> TensorDict:
         """What ``update`` is about to overwrite in this desired state (see :func:`previous_values`)."""
         if "env_state" in update.keys():
-            return previous_values(self.payload(env_state_template), update)
+            return previous_values(self._current(env_state_template), update)
         return previous_values(TensorDict(config=self.config), update)
 
     def payload(self, env_state_template: TensorDictBase) -> TensorDict:
         """One worker's full payload: template env state overlaid with what was pushed."""
-        payload = TensorDict(config=self.config.clone())
+        return self._current(env_state_template).clone()
+
+    def _current(self, env_state_template: TensorDictBase) -> TensorDict:
+        payload = TensorDict(config=self.config.copy())
         if not env_state_template.is_empty():
-            values = env_state_template.clone()
+            values = env_state_template.copy()
             values.update(self._env_state)
             stamps = env_state_template.apply(lambda t: torch.zeros((), dtype=torch.int64))
             stamps.update(self._stamps)
             payload["env_state"] = values
             payload["stamp"] = stamps
         return payload
+
+
+class Mirror:
+    """Per worker, the tensors last published to it, by reference (no copies), so that what a
+    push replaces is known without reading shared memory back.
+
+    Args:
+        payload: the payload every worker starts from.
+        num_workers: how many workers.
+    """
+
+    def __init__(self, payload: TensorDictBase, num_workers: int) -> None:
+        self._workers = [payload.copy() for _ in range(num_workers)]
+
+    def previous_values(self, worker: int, update: TensorDictBase) -> TensorDict:
+        """What ``update`` is about to replace for ``worker``."""
+        return previous_values(self._workers[worker], update)
+
+    def record(self, worker: int, published: TensorDictBase) -> None:
+        """Remember what was just published to ``worker``."""
+        self._workers[worker].update(published)
 
 
 @dataclass

@@ -94,6 +94,8 @@ class EnvStateReceiver:
         self._failed = NO_FAILURE
         self._config: TensorDictBase | None = None
         self._apply_to: Any = None
+        # the env state a failed apply restores; kept across applies (no 32 MB allocations)
+        self._saved: TensorDictBase | None = None
         self._apply_config: Callable[[TensorDictBase], None] = lambda config: None
         self.version_tensor = torch.zeros((), dtype=torch.int64)
         self._closed = False
@@ -213,7 +215,12 @@ class EnvStateReceiver:
             env_state = None
         saved_state = None
         if env_state is not None:
-            saved_state = read_env_state(env, env_state)
+            if self._saved is None:
+                self._saved = read_env_state(env, env_state)
+            missing = [k for k in env_state.keys(True, True) if k not in self._saved.keys(True, True)]
+            if missing:
+                self._saved.update(read_env_state(env, env_state.select(*missing)))
+            saved_state = read_env_state(env, env_state, out=self._saved)
         try:
             if config is not None:
                 self._applier(env)(config)

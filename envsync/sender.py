@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from envsync.desired import DesiredState, Undo, previous_values, stamped
+from envsync.desired import DesiredState, Mirror, Undo, stamped
 from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
 from envsync.probe import Probe
 from envsync.protocol import NO_FAILURE, ApplyAt, Until, failure_to_raise, is_done
@@ -44,6 +44,7 @@ class Attachment:
     alive: Callable[[int], bool]
     detached: Callable[[], bool]
     on_close: Callable[[], None] = lambda: None
+    mirror: Mirror = field(default_factory=lambda: Mirror(TensorDict(), 0))
 
 
 class EnvStateSender:
@@ -158,7 +159,9 @@ class EnvStateSender:
             if previous is not None:
                 previous.on_close()
                 previous.channel.close()
-            attachment = make(self._desired.payload(self.env_state_template().values))
+            payload = self._desired.payload(self.env_state_template().values)
+            attachment = make(payload)
+            attachment.mirror = Mirror(payload, attachment.channel.num_workers)
             for worker in range(attachment.channel.num_workers):
                 attachment.channel.write(worker, self._version, TensorDict())
             self._attachment = attachment
@@ -306,8 +309,10 @@ class EnvStateSender:
             self._desired.update(default, version)
         if attachment is not None:
             for worker, update in updates.items():
-                undo.workers[worker] = previous_values(attachment.channel.view(worker), update)
-                attachment.channel.write(worker, version, stamped(update, version))
+                published = stamped(update, version)
+                undo.workers[worker] = attachment.mirror.previous_values(worker, update)
+                attachment.channel.write(worker, version, published)
+                attachment.mirror.record(worker, published)
             for worker in updates:
                 attachment.channel.notify(worker)
         self._version = version

@@ -101,6 +101,28 @@ def test_a_failed_apply_rolls_the_whole_fleet_back() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_rollback_restores_transform_state_on_every_worker() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=picky_on_worker_one, apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, [partial(make_normed_counter_env, label=i) for i in range(WORKERS)])
+    try:
+        batches = iter(collector)
+        next(batches)
+        loc = torch.tensor([0.5, 0.0, 0.0])
+        good = sender.push(config={"difficulty": 1.0}, env_state={"transforms.0.loc": loc}, wait="applied")
+        with pytest.raises(WorkerApplyError) as info:
+            sender.push(config={"difficulty": -1.0}, env_state={"transforms.0.loc": torch.ones(3)}, wait="applied")
+        assert info.value.worker == 1 and info.value.rollback == good + 2
+        for worker_loc in collector.get_distant_attr("env.transform.transforms.0.loc"):
+            assert torch.equal(worker_loc, loc)
+        batch = next(batches)
+        assert bool((batch["next", "observation"][..., 0] == 0.5).all())  # (1.0 - 0.5) / 1
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_failure_after_the_push_returned_is_raised_by_the_next_push() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply=picky_apply, apply_at="step")
     with start_method("fork"):

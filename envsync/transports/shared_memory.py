@@ -236,29 +236,39 @@ class SharedMemoryReceiver:
         self._c = views.counters
         self._target = views.counters["target"]
         self._semaphore = semaphore
+        self._scratch: TensorDict | None = None
         self._c["pid"][worker] = os.getpid()
 
     def target(self) -> int:
         return int(self._target[self.worker])
 
     def read(self, since: int = -1) -> tuple[int, TensorDict]:
-        """Snapshot (version, payload); env-state entries stamped <= ``since`` are left out."""
+        """Snapshot (version, payload); env-state entries stamped <= ``since`` are left out.
+
+        Env-state entries are copied into buffers this end keeps (allocating 32 MB afresh
+        costs more than the copy): they stay valid until the next ``read``.
+        """
         seq = self._c["seq"]
         i = self.worker
+        slot = self._views.slots[i]
         while True:
             before = seq[i]
             if before % 2 == 0:
-                slot = self._views.slots[i]
-                stamps = slot.get("stamp", None)
                 version = int(self._target[i])
                 snapshot = slot.exclude("env_state").clone()
-                if stamps is not None and "env_state" in slot.keys():
-                    fresh = stamps.apply(lambda s: s > since)
-                    keys = [k for k, v in fresh.items(True, True) if bool(v)]
-                    snapshot["env_state"] = slot["env_state"].select(*keys).clone()
+                if "stamp" in snapshot.keys():
+                    keys = [k for k, stamp in snapshot["stamp"].items(True, True) if int(stamp) > since]
+                    snapshot["env_state"] = self._copy_env_state(slot, keys)
                 if seq[i] == before:
                     return version, snapshot
             time.sleep(0.0001)
+
+    def _copy_env_state(self, slot: TensorDictBase, keys: list[Any]) -> TensorDict:
+        if self._scratch is None:
+            self._scratch = slot["env_state"].clone()
+        out = self._scratch.select(*keys)
+        out.update_(slot["env_state"].select(*keys))
+        return out
 
     def ack_received(self, version: int) -> None:
         received = self._c["received"]
