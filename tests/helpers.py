@@ -16,6 +16,17 @@ from torchrl.envs.transforms import Transform
 from envsync.envs import make_drift_env
 
 
+def set_action_reward_done_specs(env: EnvBase) -> None:
+    """One float action in [-1, 1], a float reward, and done/terminated/truncated flags."""
+    env.action_spec = Bounded(-1.0, 1.0, (1,))
+    env.reward_spec = Unbounded((1,))
+    env.done_spec = Composite(
+        done=Categorical(2, (1,), dtype=torch.bool),
+        terminated=Categorical(2, (1,), dtype=torch.bool),
+        truncated=Categorical(2, (1,), dtype=torch.bool),
+    )
+
+
 class CounterEnv(EnvBase):
     """A torchrl-native env whose observation is ``[difficulty, label, step]``.
 
@@ -30,13 +41,7 @@ class CounterEnv(EnvBase):
         self.difficulty = float(difficulty)
         self.count = 0
         self.observation_spec = Composite(observation=Unbounded((3,), dtype=torch.float32))
-        self.action_spec = Bounded(-1.0, 1.0, (1,))
-        self.reward_spec = Unbounded((1,))
-        self.done_spec = Composite(
-            done=Categorical(2, (1,), dtype=torch.bool),
-            terminated=Categorical(2, (1,), dtype=torch.bool),
-            truncated=Categorical(2, (1,), dtype=torch.bool),
-        )
+        set_action_reward_done_specs(self)
 
     def set_difficulty(self, difficulty: float) -> None:
         self.difficulty = float(difficulty)
@@ -140,13 +145,7 @@ class NoisyEnv(EnvBase):
         self.observation_spec = Composite(
             observation=Unbounded((3,), dtype=torch.float32), count=Unbounded((1,), dtype=torch.int64)
         )
-        self.action_spec = Bounded(-1.0, 1.0, (1,))
-        self.reward_spec = Unbounded((1,))
-        self.done_spec = Composite(
-            done=Categorical(2, (1,), dtype=torch.bool),
-            terminated=Categorical(2, (1,), dtype=torch.bool),
-            truncated=Categorical(2, (1,), dtype=torch.bool),
-        )
+        set_action_reward_done_specs(self)
 
     def set_scale(self, scale: float) -> None:
         self.scale = float(scale)
