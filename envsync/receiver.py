@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 
 from envsync.protocol import NO_FAILURE, ApplyAt
@@ -97,7 +96,6 @@ class EnvStateReceiver:
         # the env state a failed apply restores; kept across applies (no 32 MB allocations)
         self._saved: TensorDictBase | None = None
         self._apply_config: Callable[[TensorDictBase], None] = lambda config: None
-        self.version_tensor = torch.zeros((), dtype=torch.int64)
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
@@ -240,7 +238,6 @@ class EnvStateReceiver:
         if config is not None:
             self._config = config
         self.version = version
-        self.version_tensor = torch.tensor(version, dtype=torch.int64)
         self.end.ack_applied(version)
         return True
 

@@ -70,9 +70,10 @@ class EnvSyncTransform(Transform):
         return EnvSyncTransform(self.spec, self.initial_config)
 
     def _tag(self, batch_shape: torch.Size) -> torch.Tensor:
+        # a fresh tensor per frame: the collector may later write into what the env returned
         receiver = self.receiver
-        version = receiver.version_tensor if receiver is not None else torch.zeros((), dtype=torch.int64)
-        return version.expand(batch_shape).clone()
+        version = receiver.version if receiver is not None else 0
+        return torch.full(batch_shape, version, dtype=torch.int64)
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         observation_spec[VERSION_KEY] = Unbounded(
