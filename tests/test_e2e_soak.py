@@ -64,9 +64,9 @@ def soak(method: str, min_pushes: int, min_seconds: float) -> dict[str, float]:
                 last_version[worker] = versions[-1].item()
             if not memory_after_warmup and time.monotonic() - start > min(5.0, min_seconds / 4):
                 memory_after_warmup = rss(pids)
-            if len(difficulty) - 1 >= min_pushes and time.monotonic() - start >= min_seconds:
-                if sender.versions() == [sender.version] * WORKERS:
-                    break
+            done_pushing = len(difficulty) - 1 >= min_pushes and time.monotonic() - start >= min_seconds
+            if done_pushing and sender.versions() == [sender.version] * WORKERS:
+                break
             assert batches < 100 * (min_pushes + 100)
         memory_at_end = rss(pids)
         elapsed = time.monotonic() - start
@@ -79,7 +79,9 @@ def soak(method: str, min_pushes: int, min_seconds: float) -> dict[str, float]:
     # every push acknowledged: each worker ended up applying the last one
     assert acknowledged == [sender.version] * WORKERS
     assert max(last_version.values()) <= sender.version
-    growth = max(end / begin - 1 for begin, end in zip(memory_after_warmup or memory_at_end, memory_at_end, strict=True))
+    growth = max(
+        end / begin - 1 for begin, end in zip(memory_after_warmup or memory_at_end, memory_at_end, strict=True)
+    )
     return {"pushes": float(sender.version), "seconds": elapsed, "batches": float(batches), "rss_growth": growth}
 
 

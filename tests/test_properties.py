@@ -57,7 +57,9 @@ def template_and_push(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any], 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(template_and_push())
-def test_valid_pushes_round_trip_exactly_through_shared_memory(case: tuple[dict[str, Any], dict[str, Any], Any]) -> None:
+def test_valid_pushes_round_trip_exactly_through_shared_memory(
+    case: tuple[dict[str, Any], dict[str, Any], Any],
+) -> None:
     template, push, _ = case
     tpl = ConfigTemplate(template)
     channel = SharedMemoryChannel(TensorDict(config=tpl.values), 2, semaphores=[threading.Semaphore(0)] * 2)
@@ -87,8 +89,10 @@ def invalid_push(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
     elif broken == "shape":
         push[name] = torch.zeros(7)
     elif broken == "nonfinite":
-        push[name] = draw(st.sampled_from([math.nan, math.inf, -math.inf])) if kind != "vector" else torch.full(
-            template[name].shape, math.nan
+        push[name] = (
+            draw(st.sampled_from([math.nan, math.inf, -math.inf]))
+            if kind != "vector"
+            else torch.full(template[name].shape, math.nan)
         )
         if kind in ("int", "bool"):
             push[name] = "not a number"

@@ -1,0 +1,59 @@
+"""Each benchmark runs end to end with its ``--quick`` budget and writes its results.
+
+Smoke runs only: nothing here asserts a speed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+DOCUMENT_KEYS = {"benchmark", "quick", "args", "machine", "rows", "summary", "targets", "notes"}
+ROW_KEYS = {
+    "bench_switch_latency": {
+        "workers",
+        "envsync_idle_us",
+        "envsync_iter_us",
+        "map_fn_idle_us",
+        "gym_call_us",
+        "restart_fork_ms",
+        "restart_spawn_ms",
+        "map_fn_iter_dropped",
+        "spawn_over_idle",
+    },
+    "bench_payload": {"size", "workers", "envsync_ms", "map_fn_ms", "memcpy_ms", "envsync_over_memcpy"},
+    "bench_hot_path": {"env", "collector", "fps_without", "fps_tag", "fps_with", "overhead_pct"},
+    "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
+}
+
+
+@pytest.mark.timeout(80)
+@pytest.mark.parametrize("module", sorted(ROW_KEYS))
+def test_benchmark_quick_run_writes_its_results(module: str, tmp_path: Path) -> None:
+    bench = importlib.import_module(module)
+    returned = bench.main(["--quick", "--out", str(tmp_path)])
+    document = json.loads((tmp_path / f"{bench.NAME}.json").read_text())
+    assert document == json.loads(json.dumps(returned))
+    assert set(document) >= DOCUMENT_KEYS and document["quick"] is True
+    assert document["benchmark"] == bench.NAME and document["machine"]["cpus"] >= 1
+    assert document["rows"] and all(ROW_KEYS[module] <= set(row) for row in document["rows"])
+    assert all({"target", "measured", "goal", "met"} <= set(t) for t in document["targets"])
+    assert (tmp_path / f"{bench.NAME}.md").read_text().startswith(f"### {bench.NAME}")
+    assert all((tmp_path / plot).is_file() for plot in document["summary"]["plots"])
+
+
+def test_cli_bench_says_where_the_benchmarks_should_be(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from envsync import cli
+
+    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path / "nowhere")
+    with pytest.raises(SystemExit, match="run_all.py not found"):
+        cli.main(["bench", "--quick"])
