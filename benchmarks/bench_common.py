@@ -1,0 +1,204 @@
+"""What every benchmark shares: arguments, timing, the machine, and writing JSON + Markdown + PNG."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+A = TypeVar("A")
+
+
+def parse_args(argv: Sequence[str] | None, cls: type[A], doc: str | None, quick: Callable[[A], A]) -> A:
+    """Build a command line from the dataclass ``cls`` (one ``--flag`` per field, lists take
+    several values), plus ``--quick`` (``quick`` shrinks the budget) and ``--out``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny budget (a smoke run, well under a minute)")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results[/quick])")
+    defaults = cls()
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name in ("quick", "out"):
+            continue
+        value = getattr(defaults, field.name)
+        flag = f"--{field.name.replace('_', '-')}"
+        if isinstance(value, list):
+            parser.add_argument(flag, nargs="+", type=type(value[0]), default=None)
+        else:
+            parser.add_argument(flag, type=type(value), default=None)
+    ns = parser.parse_args(argv)
+    args = quick(defaults) if ns.quick else defaults
+    given = {k: v for k, v in vars(ns).items() if v is not None and k not in ("quick", "out")}
+    out = ns.out or (RESULTS / "quick" if ns.quick else RESULTS)
+    return dataclasses.replace(args, quick=ns.quick, out=out, **given)  # type: ignore[type-var]
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@contextmanager
+def start_method(method: str) -> Iterator[None]:
+    """Build collectors under ``method`` (``"spawn"`` or ``"fork"``), then restore the previous one."""
+    previous = mp.get_start_method(allow_none=True)
+    mp.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(previous or "spawn", force=True)
+
+
+def envsync_fingerprint() -> str:
+    """A short hash of envsync's source files: which code the numbers were measured on."""
+    import envsync
+
+    digest = hashlib.sha1()
+    for path in sorted(Path(envsync.__file__).parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+SOURCE_AT_START = envsync_fingerprint()
+
+
+def machine() -> dict[str, Any]:
+    """The facts a reader needs to weigh the numbers."""
+    import gymnasium
+    import tensordict
+    import torch
+    import torchrl
+
+    return {
+        "envsync_source_sha1": envsync_fingerprint(),
+        "envsync_source_sha1_at_start": SOURCE_AT_START,
+        "cpus": os.cpu_count(),
+        "load_avg_1min": os.getloadavg()[0],
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torchrl": torchrl.__version__,
+        "tensordict": tensordict.__version__,
+        "gymnasium": gymnasium.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def target(name: str, measured: float, goal: float, *, higher_is_better: bool, unit: str = "x") -> dict[str, Any]:
+    """One target of the issue, checked against a ratio measured in this run."""
+    met = measured >= goal if higher_is_better else measured <= goal
+    return {
+        "target": name,
+        "measured": measured,
+        "goal": f"{'>=' if higher_is_better else '<='} {goal:g}{unit}",
+        "met": bool(met),
+    }
+
+
+def fmt(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != value:
+            return "n/a"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3g}"
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) or "-"
+    return "-" if value is None else str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    """``columns`` are (key, header) pairs."""
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(k)) for k, _ in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def targets_table(targets: Sequence[dict[str, Any]]) -> str:
+    return markdown_table(targets, [("target", "target"), ("measured", "measured"), ("goal", "goal"), ("met", "met")])
+
+
+@dataclasses.dataclass
+class Report:
+    """What a benchmark hands back: written as ``<name>.json`` and ``<name>.md``.
+
+    ``tables`` are (title, columns) views of ``rows``; columns are (key, header) pairs.
+    """
+
+    name: str
+    args: Any
+    rows: list[dict[str, Any]]
+    tables: list[tuple[str, list[tuple[str, str]]]]
+    summary: dict[str, Any]
+    targets: list[dict[str, Any]]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def markdown(self) -> str:
+        parts = [f"### {self.name}"]
+        for title, columns in self.tables:
+            parts += ["", f"{title}:", "", markdown_table(self.rows, columns)]
+        if self.targets:
+            parts += ["", "Targets:", "", targets_table(self.targets)]
+        if self.notes:
+            parts += [""] + [f"- {note}" for note in self.notes]
+        return "\n".join(parts) + "\n"
+
+    def write(self, out: Path) -> dict[str, Any]:
+        """Write JSON and Markdown under ``out``; print the tables; return the JSON document."""
+        out.mkdir(parents=True, exist_ok=True)
+        args = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self.args).items()}
+        facts = machine()
+        if facts["envsync_source_sha1"] != facts["envsync_source_sha1_at_start"]:
+            self.notes.append("WARNING: envsync's source changed while this ran; the numbers mix two versions")
+        document = {
+            "benchmark": self.name,
+            "quick": bool(args.get("quick")),
+            "args": args,
+            "machine": facts,
+            "rows": self.rows,
+            "summary": self.summary,
+            "targets": self.targets,
+            "notes": self.notes,
+        }
+        (out / f"{self.name}.json").write_text(json.dumps(document, indent=2) + "\n")
+        text = self.markdown()
+        (out / f"{self.name}.md").write_text(text)
+        print("\n" + text)
+        return document
+
+
+def save_plot(fig: Any, out: Path, name: str) -> Path:
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,173 @@
+"""What does envsync cost a collector when nothing is pending?
+
+Frames/s of the same collector with envsync attached (``sender.env_fn`` + ``sender.schemes()``,
+no push) and without, for an env whose step costs ~300 µs (``BusyDriftEnv`` busy-waits) and
+for a very cheap one (``DriftEnv`` through ``GymEnv``). A third variant appends a do-nothing
+transform instead (``TagTransform``, no envsync): what torchrl charges for any appended
+transform, so the rest is envsync's own code. Collectors: the single-process ``Collector`` and
+a ``MultiSyncCollector`` (workers idle between batches, so every window starts from the same
+state). The variants take turns in short windows, so they share the machine's noise; medians
+over the windows.
+
+    python benchmarks/bench_hot_path.py [--quick]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from bench_common import RESULTS, Report, median, parse_args, save_plot, start_method, target, timed
+from bench_envs import make_busy_env, with_tag
+from tqdm import tqdm
+
+from envsync import EnvStateSender
+from envsync.envs import make_drift_env
+
+NAME = "hot_path"
+ENVS: dict[str, Callable[[], Any]] = {"busy-300us": partial(make_busy_env, step_us=300.0), "cheap": make_drift_env}
+
+
+@dataclass
+class Args:
+    envs: list[str] = field(default_factory=lambda: list(ENVS))
+    collectors: list[str] = field(default_factory=lambda: ["single", "sync-2"])
+    frames_per_batch: int = 200
+    batches: int = 2  # batches per timed window
+    windows: int = 30  # timed windows per variant
+    start_method: str = "fork"
+    quick: bool = False
+    out: Path = RESULTS
+
+
+def quick(args: Args) -> Args:
+    return replace(args, collectors=["single"], batches=1, windows=2)
+
+
+VARIANTS = ("without", "tag", "with")
+
+
+def _build(kind: str, variant: str, make_env: Callable[[], Any], sender: EnvStateSender, args: Args) -> Any:
+    from torchrl.collectors import Collector, MultiSyncCollector
+
+    if variant == "with":
+        factory = sender.env_fn(make_env)
+    else:
+        factory = partial(with_tag, make_env) if variant == "tag" else make_env
+    extra = {"weight_sync_schemes": sender.schemes()} if variant == "with" else {}
+    common = {"frames_per_batch": args.frames_per_batch, "total_frames": -1, **extra}
+    if kind == "single":
+        return Collector(factory, None, **common)
+    workers = int(kind.split("-")[1])
+    return MultiSyncCollector([factory] * workers, None, **common)
+
+
+def _window(batches: Iterator[Any], args: Args) -> float:
+    """Frames/s over ``args.batches`` batches (after one batch that is not timed)."""
+    next(batches)
+    seconds = timed(lambda: [next(batches) for _ in range(args.batches)])
+    return args.batches * args.frames_per_batch / seconds
+
+
+def _measure(env_name: str, kind: str, args: Args, bar: tqdm) -> dict[str, Any]:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
+    collectors: dict[str, Any] = {}
+    fps: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    try:
+        with start_method(args.start_method):
+            for variant in VARIANTS:
+                collectors[variant] = _build(kind, variant, ENVS[env_name], sender, args)
+        iterators = {variant: iter(collector) for variant, collector in collectors.items()}
+        for i in range(args.windows):
+            for variant in VARIANTS[i % 3 :] + VARIANTS[: i % 3]:
+                fps[variant].append(_window(iterators[variant], args))
+                bar.update()
+    finally:
+        for collector in collectors.values():
+            collector.shutdown()
+        sender.close()
+    without, tag, with_ = (median(fps[variant]) for variant in VARIANTS)
+    return {
+        "env": env_name,
+        "collector": kind,
+        "fps_without": without,
+        "fps_tag": tag,
+        "fps_with": with_,
+        "overhead_pct": (1 - with_ / without) * 100,
+        "tag_overhead_pct": (1 - tag / without) * 100,
+        "us_per_frame_added": (1 / with_ - 1 / without) * 1e6,
+        "us_per_frame_over_tag": (1 / with_ - 1 / tag) * 1e6,
+        "raw_fps": fps,
+    }
+
+
+COLUMNS = [
+    ("env", "env"),
+    ("collector", "collector"),
+    ("fps_without", "frames/s without envsync"),
+    ("fps_with", "frames/s with envsync"),
+    ("overhead_pct", "envsync overhead (%)"),
+    ("us_per_frame_added", "µs added per frame"),
+    ("fps_tag", "frames/s with a do-nothing transform"),
+    ("tag_overhead_pct", "do-nothing transform overhead (%)"),
+    ("us_per_frame_over_tag", "envsync µs per frame beyond it"),
+]
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    busy = [r for r in rows if r["env"].startswith("busy")] or rows
+    worst = max(busy, key=lambda r: r["overhead_pct"])
+    name = f"hot-path cost, ~300 µs/step env (worst collector: {worst['collector']})"
+    return [target(name, worst["overhead_pct"], 3, higher_is_better=False, unit="%")]
+
+
+def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['env']}\n{r['collector']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(5, 1.8 * len(rows)), 4))
+    ax.bar([i - 0.27 for i in x], [r["fps_without"] for r in rows], width=0.27, label="without envsync")
+    ax.bar(list(x), [r["fps_tag"] for r in rows], width=0.27, label="a do-nothing transform")
+    ax.bar([i + 0.27 for i in x], [r["fps_with"] for r in rows], width=0.27, label="envsync, nothing pending")
+    for i, r in zip(x, rows, strict=True):
+        ax.annotate(f"{-r['overhead_pct']:+.1f}%", (i + 0.27, r["fps_with"]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set(ylabel="median frames/s", title="Collector throughput with and without envsync")
+    ax.legend(fontsize=8)
+    return save_plot(fig, out, NAME)
+
+
+def run(args: Args) -> dict[str, Any]:
+    pairs = [(e, k) for e in args.envs for k in args.collectors]
+    rows = []
+    with tqdm(total=len(pairs) * len(VARIANTS) * args.windows, desc=NAME, unit="window") as bar:
+        for env_name, kind in pairs:
+            bar.set_postfix(env=env_name, collector=kind)
+            rows.append(_measure(env_name, kind, args, bar))
+    report = Report(
+        name=NAME,
+        args=args,
+        rows=rows,
+        tables=[("Median frames/s, envsync attached with nothing pending vs not attached", COLUMNS)],
+        summary={"plots": [_plot(rows, args.out).name]},
+        targets=_targets(rows),
+        notes=[
+            f"{args.windows} windows per variant of {args.batches} x {args.frames_per_batch} frames, variants "
+            f"taking turns; policy=None (random actions); multi-process collectors built with {args.start_method}",
+            "overhead = 1 - fps_with / fps_without; negative values are noise; the do-nothing transform "
+            "(TagTransform) adds an int64 key per frame like envsync's tag, without envsync",
+        ],
+    )
+    return report.write(args.out)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    return run(parse_args(argv, Args, __doc__, quick))
+
+
+if __name__ == "__main__":
+    main()

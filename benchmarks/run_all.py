@@ -1,0 +1,43 @@
+"""Run every benchmark, then print (and write) the issue's targets in one table.
+
+python benchmarks/run_all.py [--quick] [--out DIR]     # or: envsync bench [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import bench_hot_path
+import bench_payload
+import bench_switch_latency
+import bench_throughput_switch
+from bench_common import RESULTS, targets_table
+
+BENCHMARKS = [bench_switch_latency, bench_payload, bench_hot_path, bench_throughput_switch]
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tiny budget for every benchmark")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default: benchmarks/results[/quick])")
+    args = parser.parse_args(argv)
+    out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
+    passed = ["--out", str(out)] + (["--quick"] if args.quick else [])
+    start = time.perf_counter()
+    documents = [bench.main(passed) for bench in BENCHMARKS]
+    targets = [t | {"benchmark": d["benchmark"]} for d in documents for t in d["targets"]]
+    text = f"## Targets ({'quick' if args.quick else 'full'} run, {time.perf_counter() - start:.0f} s)\n\n"
+    text += targets_table(targets) + "\n"
+    (out / "targets.md").write_text(text)
+    (out / "targets.json").write_text(json.dumps(targets, indent=2) + "\n")
+    print("\n" + text)
+    return documents
+
+
+if __name__ == "__main__":
+    main()
