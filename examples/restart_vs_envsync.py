@@ -77,7 +77,7 @@ class Timing:
 
     def check(self, batch: TensorDictBase, stage: int, way: str) -> None:
         """Every frame shows the stage's difficulty (its observation's second entry)."""
-        self.frames += batch.numel()
+        self.frames += batch.batch_size.numel()
         seen = batch["next", "observation"][..., 1]
         if not bool((seen - difficulty(stage)).abs().max() < 1e-6):
             self.failures.append(f"{way}, stage {stage}: frames show difficulties {sorted(set(seen.tolist()))}")
@@ -132,9 +132,11 @@ def with_envsync(args: Args) -> Timing:
             collected = 0
             while collected < args.batches_per_stage:
                 batch = next(batches)
-                fresh = batch[batch["next", "env_version"].reshape(-1) == version]
-                timing.stale_frames += batch.numel() - fresh.numel()
-                if fresh.numel():
+                is_fresh = batch["next", "env_version"].reshape(-1) == version
+                fresh = batch[is_fresh]
+                # count with the mask: TensorDict.numel() reports 1, not 0, for an empty batch
+                timing.stale_frames += int((~is_fresh).sum())
+                if bool(is_fresh.any()):
                     timing.check(fresh, stage, "envsync")
                     collected += 1
     finally:
