@@ -108,9 +108,14 @@ def call(method: str, *args: Any, **kwargs: Any) -> Policy:
     return Policy("call", method=method, args=args, kwargs=dict(kwargs))
 
 
+_CONSTANT = 1e-6
+"""Below this standard deviation a feature counts as constant for ``recompute``."""
+
+
 class ObservationNormHandler:
     """``reset``: back to the loc/scale the env was built with; ``recompute``: re-run the
-    statistics although they are initialised, keeping the tensors' storage."""
+    statistics although they are initialised, keeping the tensors' storage (features that do
+    not vary in the gathered data get scale 1: they are only centred)."""
 
     def __init__(self) -> None:
         self._initial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -137,7 +142,10 @@ class ObservationNormHandler:
         samples = torch.cat([d.reshape(-1, *d.shape[rollout.ndim :]) for d in data])
         shape = samples.shape[1:] if isinstance(transform.loc, nn.UninitializedBuffer) else transform.loc.shape
         samples = samples.reshape(-1, *shape)
-        loc, scale = samples.mean(0), samples.std(0).clamp_min(transform.eps)
+        loc, std = samples.mean(0), samples.std(0)
+        # a feature that does not vary under the new config (a config value shown in the
+        # observation, say) is only centred: dividing by eps would turn rounding into noise
+        scale = torch.where(std > _CONSTANT, std, torch.ones_like(std))
         if not transform.standard_normal:
             scale = 1 / scale
             loc = -loc * scale

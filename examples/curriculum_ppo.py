@@ -5,7 +5,9 @@ against a drift whose strength is the *difficulty* (reward ``1 - |x|`` per step,
 Four workers collect through one ``MultiAsyncCollector`` that runs for the whole training.
 When the mean return of the last ``window`` episodes run under the current difficulty passes
 ``threshold``, the main loop pushes the next difficulty with ``sender.push``; each worker
-switches at its next episode reset, so no episode mixes two difficulties.
+switches at its next episode reset, so no episode mixes two difficulties. The observation
+goes through an ``ObservationNorm`` whose statistics envsync recomputes for every stage, once,
+in the main process (``reinit.recompute(where="main")``), so all workers normalise alike.
 
 Only episodes tagged with the current version count towards the threshold: batches collected
 before a switch still arrive afterwards, truthfully tagged with the older version. The
@@ -34,12 +36,12 @@ from tensordict import TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torchrl.collectors import MultiAsyncCollector
-from torchrl.envs import RewardSum, TransformedEnv
+from torchrl.envs import Compose, ObservationNorm, RewardSum, TransformedEnv
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
-from envsync import EnvStateSender
+from envsync import EnvStateSender, reinit
 from envsync.envs import MAX_EPISODE_STEPS, make_drift_env
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
@@ -61,6 +63,7 @@ class Args:
     lr: float = 1e-3
     gamma: float = 0.98
     seed: int = 0
+    norm_steps: int = 500
     out: Path = DEFAULT_OUT
 
     @classmethod
@@ -70,8 +73,16 @@ class Args:
 
 
 def make_env() -> TransformedEnv:
-    """``DriftEnv`` (observation ``[x, difficulty]``) with the episode return summed up."""
-    return TransformedEnv(make_drift_env(), RewardSum())
+    """``DriftEnv`` (observation ``[x, difficulty]``), normalised, with the episode return summed
+    up. envsync recomputes the normalisation at every stage (see ``train``)."""
+    norm = ObservationNorm(
+        loc=torch.zeros(2),
+        scale=torch.ones(2),
+        in_keys=["observation"],
+        out_keys=["observation_norm"],  # the raw observation stays, to check the tags against
+        standard_normal=True,
+    )
+    return TransformedEnv(make_drift_env(), Compose(norm, RewardSum()))
 
 
 def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
@@ -84,7 +95,7 @@ def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
                 MLP(in_features=observation, out_features=2 * action, num_cells=[64, 64], activation_class=nn.Tanh),
                 NormalParamExtractor(),
             ),
-            in_keys=["observation"],
+            in_keys=["observation_norm"],
             out_keys=["loc", "scale"],
         ),
         spec=env.action_spec,
@@ -95,7 +106,7 @@ def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
     )
     value = ValueOperator(
         MLP(in_features=observation, out_features=1, num_cells=[64, 64], activation_class=nn.Tanh),
-        in_keys=["observation"],
+        in_keys=["observation_norm"],
     )
     return actor, value
 
@@ -170,7 +181,14 @@ def train(args: Args) -> Log:
     loss = ClipPPOLoss(actor, value, clip_epsilon=0.2, entropy_coeff=1e-3, normalize_advantage=True)
     gae = GAE(gamma=args.gamma, lmbda=0.95, value_network=value, average_gae=False)
     optim = torch.optim.Adam(loss.parameters(), lr=args.lr)
-    sender = EnvStateSender(config={"difficulty": STAGES[0]}, apply="set_difficulty", apply_at="reset")
+    sender = EnvStateSender(
+        config={"difficulty": STAGES[0]},
+        apply="set_difficulty",
+        apply_at="reset",
+        # fresh statistics for each stage, computed once in this process: every worker
+        # normalises identically
+        reinit={"ObservationNorm": reinit.recompute(num_iter=args.norm_steps, where="main")},
+    )
     collector = MultiAsyncCollector(
         [sender.env_fn(make_env)] * args.workers,
         actor,
