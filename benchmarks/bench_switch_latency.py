@@ -121,11 +121,11 @@ def _probe_map_fn(workers: int, args: Args) -> dict[str, Any]:
 
 def _measure(workers: int, args: Args, bar: tqdm) -> dict[str, Any]:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    vec = gym.vector.AsyncVectorEnv([DriftEnv] * workers, context="fork")
-    vec.reset(seed=0)
-    collector = None
+    vec = collector = None
     restarts: dict[str, list[float]] = {"fork": [], "spawn": []}
     try:
+        vec = gym.vector.AsyncVectorEnv([DriftEnv] * workers, context="fork")
+        vec.reset(seed=0)
         with start_method(args.start_method):
             collector = _build(sender, workers, args)
         idle = _idle(collector, sender, vec, workers, args, bar)
@@ -143,7 +143,8 @@ def _measure(workers: int, args: Args, bar: tqdm) -> dict[str, Any]:
     finally:
         if collector is not None:
             collector.shutdown()
-        vec.close()
+        if vec is not None:
+            vec.close()
         sender.close()
     probe = _probe_map_fn(workers, args) if workers in args.probe_workers else {"error": "not probed"}
     bar.update()

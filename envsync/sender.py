@@ -310,11 +310,10 @@ class EnvStateSender:
         if attachment is not None:
             for worker, update in updates.items():
                 published = stamped(update, version)
-                undo.workers[worker] = attachment.mirror.previous_values(worker, update)
                 attachment.channel.write(worker, version, published)
+                attachment.channel.notify(worker)  # at once: this worker applies while we go on
+                undo.workers[worker] = attachment.mirror.previous_values(worker, update)
                 attachment.mirror.record(worker, published)
-            for worker in updates:
-                attachment.channel.notify(worker)
         self._version = version
         self._undo = undo
         return version

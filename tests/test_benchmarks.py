@@ -31,7 +31,7 @@ ROW_KEYS = {
         "spawn_over_idle",
     },
     "bench_payload": {"size", "workers", "envsync_ms", "map_fn_ms", "memcpy_ms", "envsync_over_memcpy"},
-    "bench_hot_path": {"env", "collector", "fps_without", "fps_tag", "fps_with", "overhead_pct"},
+    "bench_hot_path": {"env", "collector", "fps_without", "fps_with", "overhead_pct", "overhead_cpu_pct"},
     "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
 }
 
