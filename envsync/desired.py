@@ -104,6 +104,10 @@ class Mirror:
         """What ``update`` is about to replace for ``worker``."""
         return previous_values(self._workers[worker], update)
 
+    def config(self, worker: int) -> TensorDictBase:
+        """The config last published to ``worker`` (references: do not write into it)."""
+        return self._workers[worker]["config"]
+
     def record(self, worker: int, published: TensorDictBase) -> None:
         """Remember what was just published to ``worker``."""
         self._workers[worker].update(published)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import ReinitSpec
@@ -94,7 +94,7 @@ class EnvStateReceiver:
         self._config: TensorDictBase | None = None
         self._apply_to: Any = None
         # the env state a failed apply restores; kept across applies (no 32 MB allocations)
-        self._saved: TensorDictBase | None = None
+        self._saved = TensorDict()
         self._apply_config: Callable[[TensorDictBase], None] = lambda config: None
         self._closed = False
         self._truncates = spec.truncates
@@ -211,14 +211,7 @@ class EnvStateReceiver:
         env_state = payload.get("env_state", None)
         if env_state is not None and env_state.is_empty():
             env_state = None
-        saved_state = None
-        if env_state is not None:
-            if self._saved is None:
-                self._saved = read_env_state(env, env_state)
-            missing = [k for k in env_state.keys(True, True) if k not in self._saved.keys(True, True)]
-            if missing:
-                self._saved.update(read_env_state(env, env_state.select(*missing)))
-            saved_state = read_env_state(env, env_state, out=self._saved)
+        saved_state = None if env_state is None else read_env_state(env, env_state, into=self._saved)
         try:
             if config is not None:
                 self._applier(env)(config)

@@ -242,19 +242,18 @@ class ReinitSpec:
         return any(policy.kind == "recompute" and policy.where == "main" for _, policy in self.rules)
 
 
+def flatten(transform: Transform | None) -> Iterator[Transform]:
+    """The transforms of a transform tree in order, nested ``Compose`` flattened."""
+    if isinstance(transform, Compose):
+        for child in transform:
+            yield from flatten(child)
+    elif isinstance(transform, Transform):
+        yield transform
+
+
 def chain(env: Any) -> list[Transform]:
     """The env's transforms in order, nested Compose flattened, envsync's own left out."""
-    from envsync.integrations.torchrl import EnvSyncTransform
-
-    def walk(transform: Transform) -> Iterator[Transform]:
-        if isinstance(transform, Compose):
-            for child in transform:
-                yield from walk(child)
-        elif not isinstance(transform, EnvSyncTransform):
-            yield transform
-
-    transform = getattr(env, "transform", None)
-    return list(walk(transform)) if isinstance(transform, Transform) else []
+    return [t for t in flatten(getattr(env, "transform", None)) if not getattr(t, "envsync_internal", False)]
 
 
 def _matches(selector: Selector, index: int, transform: Transform) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
@@ -44,7 +44,6 @@ class Attachment:
     alive: Callable[[int], bool]
     detached: Callable[[], bool]
     on_close: Callable[[], None] = lambda: None
-    mirror: Mirror = field(default_factory=lambda: Mirror(TensorDict(), 0))
 
 
 class EnvStateSender:
@@ -92,6 +91,7 @@ class EnvStateSender:
         self._probe: Probe | None = None
         self._env_state_template: EnvStateTemplate | None = None
         self._attachment: Attachment | None = None
+        self._mirror = Mirror(TensorDict(), 0)  # what each attached worker was last sent
         self._reported: dict[int, int] = {}
         self._lock = threading.RLock()
         self._closed = False
@@ -161,7 +161,7 @@ class EnvStateSender:
                 previous.channel.close()
             payload = self._desired.payload(self.env_state_template().values)
             attachment = make(payload)
-            attachment.mirror = Mirror(payload, attachment.channel.num_workers)
+            self._mirror = Mirror(payload, attachment.channel.num_workers)
             for worker in range(attachment.channel.num_workers):
                 attachment.channel.write(worker, self._version, TensorDict())
             self._attachment = attachment
@@ -213,19 +213,13 @@ class EnvStateSender:
             WorkerApplyError: a worker failed to apply this (or an earlier) version.
             AckTimeout: some targeted workers did not answer in time, or died.
         """
-        with self._lock:
-            until = self._check_wait(wait)
-            self._check_open()
-            self._raise_failures()
+
+        def prepare(cache: dict[bytes, TensorDict]) -> tuple[dict[int, TensorDict], TensorDict | None]:
             update = self._validated(config, env_state)
-            targets = self._targets(workers)
-            stats: dict[bytes, TensorDict] = {}
-            updates = {w: self._with_main_stats(update, w, stats) for w in targets}
-            default = self._with_main_stats(update, None, stats) if workers is None else None
-            version = self._publish(updates, default=default)
-        if until is not None:
-            self.wait(version, until=until.value, workers=targets, timeout=timeout)
-        return version
+            updates = {w: self._with_main_stats(update, w, cache) for w in self._targets(workers)}
+            return updates, (self._with_main_stats(update, None, cache) if workers is None else None)
+
+        return self._send(prepare, wait=wait, timeout=timeout)
 
     def push_each(
         self,
@@ -244,16 +238,30 @@ class EnvStateSender:
         Returns:
             The new version.
         """
+
+        def prepare(cache: dict[bytes, TensorDict]) -> tuple[dict[int, TensorDict], TensorDict | None]:
+            targets = self._targets(list(configs))
+            return {w: self._with_main_stats(self._validated(configs[w], None), w, cache) for w in targets}, None
+
+        return self._send(prepare, wait=wait, timeout=timeout)
+
+    def _send(
+        self,
+        prepare: Callable[[dict[bytes, TensorDict]], tuple[dict[int, TensorDict], TensorDict | None]],
+        *,
+        wait: str | None,
+        timeout: float,
+    ) -> int:
+        """The one way a push goes out: check -> raise pending failures -> ``prepare`` the
+        validated per-worker updates (and the default's) -> publish -> wait."""
         with self._lock:
             until = self._check_wait(wait)
             self._check_open()
             self._raise_failures()
-            targets = self._targets(list(configs))
-            stats: dict[bytes, TensorDict] = {}
-            updates = {w: self._with_main_stats(self._validated(configs[w], None), w, stats) for w in targets}
-            version = self._publish(updates, default=None)
+            updates, default = prepare({})
+            version = self._publish(updates, default=default)
         if until is not None:
-            self.wait(version, until=until.value, workers=targets, timeout=timeout)
+            self.wait(version, until=until.value, workers=list(updates), timeout=timeout)
         return version
 
     def _validated(self, config: Any, env_state: Any) -> TensorDict:
@@ -312,8 +320,8 @@ class EnvStateSender:
                 published = stamped(update, version)
                 attachment.channel.write(worker, version, published)
                 attachment.channel.notify(worker)  # at once: this worker applies while we go on
-                undo.workers[worker] = attachment.mirror.previous_values(worker, update)
-                attachment.mirror.record(worker, published)
+                undo.workers[worker] = self._mirror.previous_values(worker, update)
+                self._mirror.record(worker, published)
         self._version = version
         self._undo = undo
         return version
@@ -323,9 +331,8 @@ class EnvStateSender:
         undo = self._undo
         if undo is None or undo.version != failed or failed != self._version:
             return None
-        self._undo = None
         version = self._publish(undo.workers, default=undo.default)
-        self._undo = None
+        self._undo = None  # a rollback is not rolled back in turn
         return version
 
     # ---- waiting ---------------------------------------------------------------------------
@@ -413,7 +420,7 @@ class EnvStateSender:
         if attachment is None:
             raise ValidationError("worker= needs an attached collector; none is attached")
         self._targets([worker])
-        return attachment.channel.desired(worker)["config"]
+        return self._mirror.config(worker).clone()
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of the desired state: ``{"version", "config"}``.
@@ -424,9 +431,7 @@ class EnvStateSender:
         if attachment is None:
             config = self._desired.config.clone()
         else:
-            config = TensorDict.stack(
-                [attachment.channel.desired(w)["config"] for w in range(attachment.channel.num_workers)]
-            )
+            config = TensorDict.stack([self._mirror.config(w) for w in range(attachment.channel.num_workers)]).clone()
         return {"version": self._version, "config": config}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:

@@ -28,24 +28,32 @@ def _leaf_tensor(path: str, value: Any) -> torch.Tensor:
     raise ValidationError(f"config value {path!r} must be a number or a tensor, got {type(value).__name__}")
 
 
-def _flatten(values: Mapping[str, Any] | TensorDictBase, prefix: str = "") -> dict[str, Any]:
+def _flatten(values: Any, *, what: str, expected: str, dotted_keys: bool = False, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested mappings (or a TensorDict) into dot-joined paths to their leaves.
+
+    Config names may not hold dots; state_dict keys do (``transforms.0.loc``): ``dotted_keys``.
+    """
     if isinstance(values, TensorDictBase):
         return {
             ".".join(k) if isinstance(k, tuple) else k: v
             for k, v in values.items(include_nested=True, leaves_only=True)
         }
     if not isinstance(values, Mapping):
-        raise ValidationError(f"config must be a mapping of names to values, got {type(values).__name__}")
+        raise ValidationError(f"{what} must be {expected}, got {type(values).__name__}")
     flat: dict[str, Any] = {}
     for name, value in values.items():
-        if not isinstance(name, str) or not name or "." in name:
-            raise ValidationError(f"config name {name!r} must be a non-empty string without '.'")
+        if not dotted_keys and (not isinstance(name, str) or not name or "." in name):
+            raise ValidationError(f"{what} name {name!r} must be a non-empty string without '.'")
         path = f"{prefix}{name}"
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, prefix=f"{path}."))
+            flat.update(_flatten(value, what=what, expected=expected, dotted_keys=dotted_keys, prefix=f"{path}."))
         else:
             flat[path] = value
     return flat
+
+
+def _flatten_config(values: Any) -> dict[str, Any]:
+    return _flatten(values, what="config", expected="a mapping of names to values")
 
 
 def _nest(flat: Mapping[str, torch.Tensor]) -> TensorDict:
@@ -116,7 +124,7 @@ class ConfigTemplate:
     """
 
     def __init__(self, config: Mapping[str, ConfigValue], *, allow_nonfinite: bool = False) -> None:
-        flat = {path: _leaf_tensor(path, v) for path, v in _flatten(config).items()}
+        flat = {path: _leaf_tensor(path, v) for path, v in _flatten_config(config).items()}
         if not allow_nonfinite:
             for path, tensor in flat.items():
                 _check_finite("config value", path, tensor)
@@ -141,26 +149,13 @@ class ConfigTemplate:
         Raises:
             ValidationError: unknown name, wrong shape or dtype, non-numeric or non-finite value.
         """
-        flat = _flatten(values)
+        flat = _flatten_config(values)
         fitted = {}
         for path, value in flat.items():
             if path not in self._flat:
                 raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
             fitted[path] = _fit("config value", path, value, self._flat[path], self.allow_nonfinite)
         return _nest(fitted)
-
-
-def _flatten_dotted(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Flatten nested mappings of state_dict entries into dotted keys (keys may hold dots)."""
-    if not isinstance(values, Mapping):
-        raise ValidationError(f"env_state must be a mapping like env.state_dict(), got {type(values).__name__}")
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten_dotted(value, prefix=f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class EnvStateTemplate:
@@ -202,7 +197,7 @@ class EnvStateTemplate:
         Raises:
             ValidationError: a key the env does not have, wrong shape or dtype, non-finite value.
         """
-        flat = _flatten(values) if isinstance(values, TensorDictBase) else _flatten_dotted(values)
+        flat = _flatten(values, what="env_state", expected="a mapping like env.state_dict()", dotted_keys=True)
         fitted = {}
         for key, value in flat.items():
             if key not in self._flat:
@@ -274,17 +269,23 @@ def _dotted(key: str | tuple[str, ...]) -> str:
     return ".".join(key) if isinstance(key, tuple) else key
 
 
-def read_env_state(env: Any, like: TensorDictBase, out: TensorDictBase | None = None) -> TensorDictBase:
-    """Copy the env's current values of the state_dict entries that ``like`` names, into
-    ``out`` when given (its entries must cover ``like``'s), else into fresh tensors."""
+def read_env_state(env: Any, like: TensorDictBase, into: TensorDictBase | None = None) -> TensorDictBase:
+    """Copy the env's current values of the state_dict entries that ``like`` names.
+
+    With ``into``, the values are copied into its tensors (entries it lacks are added), so a
+    caller that keeps ``into`` across calls allocates each entry once; the entries of ``like``
+    are returned, as a view of ``into``.
+    """
     current = env.state_dict()
+    into = TensorDict() if into is None else into
     keys = list(like.keys(include_nested=True, leaves_only=True))
-    if out is not None:
-        selected = out.select(*keys)
-        for key in keys:
-            selected.get(key).copy_(current[_dotted(key)])
-        return selected
-    return _nest({_dotted(k): current[_dotted(k)].detach().clone() for k in keys})
+    for key in keys:
+        kept = into.get(key, None)
+        if kept is None:
+            into.set(key, current[_dotted(key)].detach().clone())
+        else:
+            kept.copy_(current[_dotted(key)])
+    return into.select(*keys)
 
 
 def load_env_state_(env: Any, env_state: TensorDictBase) -> None:

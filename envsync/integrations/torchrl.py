@@ -30,7 +30,7 @@ from torch import nn
 from torchrl.collectors import Collector
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase, TransformedEnv
-from torchrl.envs.transforms import Compose, Transform
+from torchrl.envs.transforms import Transform
 from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
 
 from envsync import reinit
@@ -59,6 +59,9 @@ class EnvSyncTransform(Transform):
         >>> int(env.reset()["env_version"])
         0
     """
+
+    envsync_internal = True
+    """Left out of the transform chain that ``reinit`` selectors index."""
 
     def __init__(self, spec: ApplySpec, initial_config: TensorDictBase | None) -> None:
         super().__init__(in_keys=[], out_keys=[VERSION_KEY])
@@ -166,22 +169,14 @@ def wrap_env_fn(sender: EnvStateSender, fn: Callable[..., EnvBase] | EnvBase) ->
     return factory
 
 
-def _transforms(env: Any) -> Iterator[Transform]:
-    """Every transform of ``env`` and of the envs it wraps, outermost env first."""
-    while env is not None:
-        transform = getattr(env, "transform", None)
-        if isinstance(transform, Compose):
-            yield from transform
-        elif isinstance(transform, Transform):
-            yield transform
-        env = getattr(env, "base_env", None)
-
-
 def find_transform(env: EnvBase) -> EnvSyncTransform:
     """The :class:`EnvSyncTransform` of a collector's env (the outermost one if several)."""
-    for transform in _transforms(env):
-        if isinstance(transform, EnvSyncTransform):
-            return transform
+    wrapped: Any = env
+    while wrapped is not None:
+        for transform in reinit.flatten(getattr(wrapped, "transform", None)):
+            if isinstance(transform, EnvSyncTransform):
+                return transform
+        wrapped = getattr(wrapped, "base_env", None)
     raise ValidationError(
         "the collector's env has no envsync transform: build the collector with "
         f"create_env_fn=sender.env_fn(make_env); its env is {type(env).__name__}"

@@ -171,12 +171,8 @@ class SharedMemoryChannel:
             seq[worker] += 1
 
     def desired(self, worker: int) -> TensorDict:
-        """A copy of the payload currently published to ``worker``."""
-        return self.view(worker).clone()
-
-    def view(self, worker: int) -> TensorDictBase:
-        """The payload published to ``worker``, as views into shared memory (no copy)."""
-        return self._live().slots[worker]
+        """A copy of the payload currently published to ``worker``, read back from the file."""
+        return self._live().slots[worker].clone()
 
     def notify(self, worker: int) -> None:
         """Wake the worker's listener, unless its collector is busy: a busy worker notices
