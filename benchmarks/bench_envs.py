@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
-from torchrl.envs import EnvBase, Transform, TransformedEnv
+from torchrl.envs import Compose, EnvBase, Transform, TransformedEnv
 
 from envsync.envs import DriftEnv, make_drift_env
 
@@ -57,7 +57,7 @@ class BufferTransform(Transform):
 
 def make_buffer_env(numel: int) -> Any:
     """The demo env with a :class:`BufferTransform` of ``numel`` elements as ``transforms.0``."""
-    return TransformedEnv(make_drift_env(), BufferTransform(numel))
+    return TransformedEnv(make_drift_env(), Compose(BufferTransform(numel)))
 
 
 class TagTransform(Transform):

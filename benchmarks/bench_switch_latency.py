@@ -34,7 +34,7 @@ from envsync import EnvStateSender
 from envsync.envs import DriftEnv, make_drift_env
 
 NAME = "switch_latency"
-MAP_FN_PATH = "env.base_env._env.unwrapped.set_difficulty"  # the method envsync's apply="set_difficulty" finds
+MAP_FN_PATH = "env._env.unwrapped.set_difficulty"  # the method envsync's apply="set_difficulty" finds
 PROBE = Path(__file__).resolve().with_name("mapfn_probe.py")
 
 

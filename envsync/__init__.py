@@ -9,8 +9,8 @@ Examples:
 """
 
 from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
+from envsync.integrations.torchrl import EnvStateSender
 from envsync.receiver import EnvStateReceiver
-from envsync.sender import EnvStateSender
 
 __all__ = [
     "AckTimeout",

@@ -16,8 +16,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from envsync import EnvStateSender
 from envsync.envs import make_drift_env
-from envsync.sender import EnvStateSender
 
 
 @dataclass

@@ -1,122 +1,66 @@
-"""The sender's record of the desired state: what workers joining later start from, and
-what the latest push replaced (so a failed push can be rolled back).
+"""The sender's records of desired state, as flat leaves (:data:`~envsync.links.base.Key`):
+the default (what a worker joining later starts from), what each attached worker was last
+sent, and what the latest push replaced (so a failed push can be rolled back).
 
-A *payload* is one worker's desired state as the transport carries it: ``"config"`` (the
-whole config), ``"env_state"`` (entries of the env's ``state_dict()``) and ``"stamp"`` (per
-env-state entry, the version that last pushed it; 0 = never pushed, so never loaded).
+Leaves are kept by reference, never copied: every push brings fresh tensors and the sender
+never writes into a tensor it has published, so an old reference keeps its old value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+
+from envsync.links.base import Flat, Key
+
+NEVER = torch.zeros((), dtype=torch.int64)
+"""The stamp of an env-state entry that was never pushed (a worker never loads it)."""
 
 
-def stamped(update: TensorDictBase, version: int) -> TensorDictBase:
-    """Add the version stamp of every env-state entry an update carries.
+def leaves(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Tensor], version: int) -> Flat:
+    """One update as leaves: config names, env-state entries and their stamps.
 
     Examples:
-        >>> update = TensorDict(env_state=TensorDict(loc=torch.zeros(2)))
-        >>> stamped(update, 7)["stamp", "loc"].item()
-        7
+        >>> sorted(leaves({"x": torch.tensor(1.0)}, {"t.0.loc": torch.zeros(2)}, 7))
+        [('config', 'x'), ('env_state', 't.0.loc'), ('stamp', 't.0.loc')]
     """
-    if "env_state" not in update.keys():
-        return update
-    out = update.clone(recurse=False)
-    out["stamp"] = update["env_state"].apply(lambda t: torch.full((), version, dtype=torch.int64))
+    out: Flat = {("config", k): v for k, v in config.items()}
+    stamp = torch.tensor(version, dtype=torch.int64)
+    for key, value in env_state.items():
+        out[("env_state", key)] = value
+        out[("stamp", key)] = stamp
     return out
 
 
-def previous_values(payload: TensorDictBase, update: TensorDictBase) -> TensorDict:
-    """The entries of ``payload`` that ``update`` is about to replace (stamps included).
-
-    They are references, not copies: the sender never writes into a tensor it has published
-    (each push brings fresh tensors), so the old ones stay as they were.
-    """
-    keys = [k if isinstance(k, tuple) else (k,) for k in update.keys(include_nested=True, leaves_only=True)]
-    keys += [("stamp", *k[1:]) for k in keys if k[0] == "env_state"]
-    return TensorDict({k: payload.get(k) for k in keys})
+def start(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Tensor]) -> Flat:
+    """The leaves every worker starts from: the template config, env state never pushed."""
+    out = leaves(config, env_state, 0)
+    for key in env_state:
+        out[("stamp", key)] = NEVER
+    return out
 
 
-class DesiredState:
-    """The desired state of workers that join later (the result of every broadcast push).
-
-    Args:
-        config: the config template's values (version 0).
-
-    Examples:
-        >>> desired = DesiredState(TensorDict(difficulty=torch.tensor(0.0)))
-        >>> desired.update(TensorDict(config=TensorDict(difficulty=torch.tensor(0.5))), version=1)
-        >>> desired.payload(TensorDict())["config", "difficulty"].item()
-        0.5
-    """
-
-    def __init__(self, config: TensorDict) -> None:
-        self.config = config.clone()
-        self._env_state = TensorDict()
-        self._stamps = TensorDict()
-
-    def update(self, update: TensorDictBase, version: int) -> None:
-        """Merge a broadcast push into the desired state."""
-        if "config" in update.keys():
-            self.config.update(update["config"])
-        if "env_state" in update.keys():
-            self._env_state.update(update["env_state"])
-            self._stamps.update(stamped(update, version)["stamp"])
-
-    def previous_values(self, update: TensorDictBase, env_state_template: TensorDictBase) -> TensorDict:
-        """What ``update`` is about to overwrite in this desired state (see :func:`previous_values`)."""
-        if "env_state" in update.keys():
-            return previous_values(self._current(env_state_template), update)
-        return previous_values(TensorDict(config=self.config), update)
-
-    def payload(self, env_state_template: TensorDictBase) -> TensorDict:
-        """One worker's full payload: template env state overlaid with what was pushed."""
-        return self._current(env_state_template).clone()
-
-    def _current(self, env_state_template: TensorDictBase) -> TensorDict:
-        payload = TensorDict(config=self.config.copy())
-        if not env_state_template.is_empty():
-            values = env_state_template.copy()
-            values.update(self._env_state)
-            stamps = env_state_template.apply(lambda t: torch.zeros((), dtype=torch.int64))
-            stamps.update(self._stamps)
-            payload["env_state"] = values
-            payload["stamp"] = stamps
-        return payload
+def section(flat: Mapping[Key, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The leaves of one section by dotted name (``"config"``, ``"env_state"``, ``"stamp"``)."""
+    return {k[1]: v for k, v in flat.items() if k[0] == name}
 
 
-class Mirror:
-    """Per worker, the tensors last published to it, by reference (no copies), so that what a
-    push replaces is known without reading shared memory back.
+def pushed_env_state(flat: Mapping[Key, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The env-state entries that were pushed at least once (stamp > 0)."""
+    return {k[1]: v for k, v in flat.items() if k[0] == "env_state" and int(flat[("stamp", k[1])]) > 0}
 
-    Args:
-        payload: the payload every worker starts from.
-        num_workers: how many workers.
-    """
 
-    def __init__(self, payload: TensorDictBase, num_workers: int) -> None:
-        self._workers = [payload.copy() for _ in range(num_workers)]
-
-    def previous_values(self, worker: int, update: TensorDictBase) -> TensorDict:
-        """What ``update`` is about to replace for ``worker``."""
-        return previous_values(self._workers[worker], update)
-
-    def config(self, worker: int) -> TensorDictBase:
-        """The config last published to ``worker`` (references: do not write into it)."""
-        return self._workers[worker]["config"]
-
-    def record(self, worker: int, published: TensorDictBase) -> None:
-        """Remember what was just published to ``worker``."""
-        self._workers[worker].update(published)
+def replaced(current: Mapping[Key, torch.Tensor], update: Iterable[Key]) -> Flat:
+    """The entries of ``current`` that ``update`` is about to replace (references)."""
+    return {key: current[key] for key in update}
 
 
 @dataclass
 class Undo:
-    """What the latest push replaced: per targeted worker, and in the default state."""
+    """What the latest push replaced: per targeted fleet index, and in the default state."""
 
     version: int
-    workers: dict[int, TensorDict]
-    default: TensorDict | None
+    workers: dict[int, Flat] = field(default_factory=dict)
+    default: Flat | None = None

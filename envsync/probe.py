@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
 from envsync.reinit import compute_in_main, plan
-from envsync.state import EnvStateTemplate, apply_config
+from envsync.state import EnvStateTemplate, apply_config, env_state_dict
 
 if TYPE_CHECKING:
     from envsync.receiver import ApplySpec
@@ -57,7 +57,7 @@ class Probe:
                 "add a StepCounter or use GymEnv"
             )
         plan(env, spec.reinit)
-        return EnvStateTemplate(env.state_dict(), allow_nonfinite=allow_nonfinite)
+        return EnvStateTemplate(env_state_dict(env), allow_nonfinite=allow_nonfinite)
 
     def main_stats(self, spec: ApplySpec, config: TensorDictBase) -> dict[str, torch.Tensor]:
         """Run the ``recompute(where="main")`` policies under ``config``; return the state.

@@ -1,38 +1,38 @@
 """EnvStateReceiver: notice a version -> apply it at a safe point -> acknowledge.
 
-One receiver lives in each worker, next to the env it drives. Safe points are called by the
-env's :class:`~envsync.integrations.torchrl.EnvSyncTransform` from the collector's thread:
-``before_reset`` (before the base env resets), ``before_step`` (before any transform and the
-base step) and ``after_step``. While the collector is idle (not inside a rollout), a daemon
-thread woken by the sender applies ``"step"`` and ``"truncate"`` versions at once.
+One receiver lives beside each env, bound to one link end and one env adapter. Its safe
+points are called by the adapter from the thread that drives the env: :meth:`before_reset`
+(before the env resets), :meth:`before_step` (before a step) and :meth:`truncate_now`
+(after a step). While the collector is idle, a daemon thread woken by the sender applies
+``"step"`` and ``"truncate"`` versions at once.
 
-One apply, in order: config method -> env state (``load_state_dict`` semantics, in place) ->
-after-apply callbacks (re-initialisation). If any part raises, the previous config and env
-state are restored, the failure is reported with its traceback, and the env keeps running
-its previous version.
+One apply, in order: config method -> env state (copied from the link straight into the
+env's tensors) -> re-initialisation -> (``"truncate"`` while idle: the reset that follows).
+Everything runs inside one ``try``: if any part raises, the previous config and env state
+are restored, the failure is reported with its traceback, and the env keeps running its
+previous version. Nothing is acknowledged as applied before the whole apply succeeded.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
+from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import ReinitSpec
-from envsync.state import ApplyFn, config_applier, load_env_state_, read_env_state
-from envsync.transports.base import ReceiverEnd
-
-AfterApply = Callable[[Any, int], None]
-"""A callback run after config and env state of a version are in place: ``fn(env, version)``."""
 
 _LISTEN_PERIOD = 0.5
+_MAX_RETRIES = 8
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class ApplySpec:
         reinit: the re-initialisation policies run after each apply.
     """
 
-    apply: str | ApplyFn | None
+    apply: Any
     apply_at: ApplyAt
     reinit: ReinitSpec = field(default_factory=ReinitSpec)
 
@@ -56,16 +56,30 @@ class ApplySpec:
         return self.apply_at is ApplyAt.TRUNCATE or (self.apply_at is ApplyAt.STEP and self.reinit.moves_env)
 
 
+class EnvAdapter(Protocol):
+    """What a receiver needs from the env it serves (see ``envsync.integrations``)."""
+
+    def apply_config(self, config: TensorDictBase) -> None:
+        """Give the env a whole config through the user's config method."""
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The env's live ``state_dict()`` tensors by key (written in place)."""
+
+    def reinit(self, version: int) -> None:
+        """Run the re-initialisation policies after a version is in place."""
+
+    def reset(self) -> None:
+        """Reset the env through its collector, so the next rollout starts a fresh episode."""
+
+
 class EnvStateReceiver:
-    """The worker side of envsync, bound to one collector and one worker index.
+    """The worker side of envsync, bound to one link end and one env adapter.
 
     Args:
-        end: this worker's end of the transport.
+        link: this worker's end of the link.
         spec: how versions are applied.
-        collector: the (inner) collector whose env receives the state; held by weakref.
-        reset_env: resets the env through the collector, so the next rollout starts a
-            fresh episode.
-        after_apply: callbacks run after each apply, in order.
+        adapter: the env this receiver serves.
+        initial_config: the config the env was built with (version 0).
 
     Examples:
         >>> EnvStateReceiver.__name__
@@ -73,29 +87,20 @@ class EnvStateReceiver:
     """
 
     def __init__(
-        self,
-        *,
-        end: ReceiverEnd,
-        spec: ApplySpec,
-        collector: Any,
-        reset_env: Callable[[], None],
-        after_apply: list[AfterApply] | None = None,
+        self, *, link: ReceiverLink, spec: ApplySpec, adapter: EnvAdapter, initial_config: TensorDictBase | None
     ) -> None:
-        self.end = end
+        self.link = link
         self.spec = spec
-        self._collector = weakref.ref(collector)
-        self._reset_env = reset_env
-        self._after_apply = list(after_apply or [])
+        self.adapter = adapter
         self._lock = threading.RLock()
         self._busy = 0
+        self.applying = False
         self.version = 0
-        self._seen = 0
+        self.seen = 0
         self._failed = NO_FAILURE
-        self._config: TensorDictBase | None = None
-        self._apply_to: Any = None
-        # the env state a failed apply restores; kept across applies (no 32 MB allocations)
-        self._saved = TensorDict()
-        self._apply_config: Callable[[TensorDictBase], None] = lambda config: None
+        self._config = None if initial_config is None else initial_config.clone()
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._snapshot_version = 0
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
@@ -103,26 +108,14 @@ class EnvStateReceiver:
 
     @property
     def worker(self) -> int:
-        """This receiver's worker index."""
-        return self.end.worker
+        """This receiver's worker index on its link."""
+        return self.link.worker
 
-    def _env(self) -> Any:
-        collector = self._collector()
-        if collector is None:
-            raise RuntimeError("the collector of this receiver is gone")
-        return collector.env
-
-    def start(self, initial_config: TensorDictBase | None) -> None:
-        """Catch up with the latest desired state, then listen while idle.
-
-        Args:
-            initial_config: the config the env was built with (version 0).
-        """
-        self._config = None if initial_config is None else initial_config.clone()
+    def start(self) -> None:
+        """Catch up with the latest desired state (then reset), and listen while idle."""
         with self._lock:
-            if self._pending(self.end.target()):
-                self._apply_latest()
-                self._reset_env()
+            if self._pending(self.link.target()):
+                self._apply_latest(reset_after=True)
         thread = threading.Thread(
             target=_listen, args=(weakref.ref(self),), name=f"envsync-receiver-{self.worker}", daemon=True
         )
@@ -136,118 +129,164 @@ class EnvStateReceiver:
         return target != self.version and target != self._failed
 
     def _notice(self, target: int) -> None:
-        if target != self._seen:
-            self._seen = target
-            self.end.ack_received(target)
+        if target != self.seen:
+            self.seen = target
+            self.link.ack_received(target)
 
     @contextmanager
     def busy(self) -> Iterator[None]:
-        """Mark the collector as driving the env (a rollout or a reset): the listener keeps
-        off; when the collector lets go, a version that arrived meanwhile is applied."""
+        """Mark the collector as driving the env: the listener keeps off meanwhile."""
         with self._lock:
             self._busy += 1
-            self.end.set_busy(True)
+            self.link.set_busy(True)
         try:
             yield
         finally:
             with self._lock:
                 self._busy -= 1
                 if not self._busy:
-                    self.end.set_busy(False)
-                    self._apply_if_idle()
+                    self.link.set_busy(False)
 
     def before_reset(self) -> None:
-        """Safe point before the base env resets: every mode applies a pending version here."""
-        target = self.end.target()
+        """Safe point before the env resets: every mode applies a pending version here."""
+        if self.applying:
+            return
+        target = self.link.target()
         if self._pending(target):
             with self._lock:
-                self._notice(target)
-                self._apply_latest()
+                self._apply_latest(reset_after=False)
 
     def before_step(self) -> None:
         """Safe point before a step: arm a new version; ``"step"`` mode applies it."""
-        target = self.end.target()
-        if self._applies_at_step:
-            if not self._pending(target):
-                return
-            with self._lock:
-                self._notice(target)
-                if self._pending(target):
-                    self._apply_latest()
-        elif target != self._seen:
-            with self._lock:
-                self._notice(target)
+        if self.applying:
+            return
+        target = self.link.target()
+        with self._lock:
+            self._notice(target)
+            if self._applies_at_step and self._pending(target):
+                self._apply_latest(reset_after=False)
 
     def truncate_now(self) -> bool:
         """Whether the step just taken must end the episode (``"truncate"`` mode, pending)."""
-        return self._truncates and self._pending(self.end.target())
+        return self._truncates and not self.applying and self._pending(self.link.target())
 
     def on_wake(self) -> None:
         """Called by the listener thread when woken by the sender (or every half second)."""
         with self._lock:
-            self._notice(self.end.target())
+            self._notice(self.link.target())
             if not self._busy:
-                self._apply_if_idle()
+                self.apply_if_idle()
 
-    def _apply_if_idle(self) -> None:
-        """With the collector idle (lock held): ``"step"`` and ``"truncate"`` apply at once."""
-        if self.spec.apply_at is ApplyAt.RESET or not self._pending(self.end.target()):
-            return
-        if self._apply_latest() and self._resets_after_idle_apply:
-            self._reset_env()
+    def apply_if_idle(self) -> None:
+        """With the collector idle: ``"step"`` and ``"truncate"`` apply at once."""
+        with self._lock:
+            if self.spec.apply_at is ApplyAt.RESET or not self._pending(self.link.target()):
+                return
+            self._apply_latest(reset_after=self._resets_after_idle_apply)
 
-    def _applier(self, env: Any) -> Callable[[TensorDictBase], None]:
-        if self._apply_to is not env:
-            self._apply_config = config_applier(env, self.spec.apply)
-            self._apply_to = env
-        return self._apply_config
-
-    def _apply_latest(self) -> bool:
+    def _apply_latest(self, *, reset_after: bool) -> bool:
         """Apply the latest desired state; on failure restore the previous one and report."""
-        version, payload = self.end.read(since=self.version)
-        self._notice(version)
-        env = self._env()
-        config = payload.get("config", None)
-        env_state = payload.get("env_state", None)
-        if env_state is not None and env_state.is_empty():
-            env_state = None
-        saved_state = None if env_state is None else read_env_state(env, env_state, into=self._saved)
+        self.applying = True
+        previous = self.version
+        version = self.link.target()
+        loaded: list[str] = []
+        config = self._config
         try:
-            if config is not None:
-                self._applier(env)(config)
-            if env_state is not None:
-                load_env_state_(env, env_state)
-            for callback in self._after_apply:
-                callback(env, version)
+            for _ in range(_MAX_RETRIES):
+                header = self.link.read_header()
+                version = header.version
+                self._notice(version)
+                config = _nest(header.config)
+                self.adapter.apply_config(config)
+                self._undo(header.undo)
+                names = [name for name, stamp in header.stamps.items() if stamp > self.version]
+                loaded = []
+                if self._load(version, names, loaded):
+                    break
+            self.adapter.reinit(version)
+            if reset_after:
+                self.version = version  # the reset's observation comes from this version
+                self.adapter.reset()
         except Exception:
+            self.version = previous
             text = traceback.format_exc()
-            if self._config is not None:
-                self._applier(env)(self._config)
-            if saved_state is not None:
-                load_env_state_(env, saved_state)
+            text += self._restore(loaded)
             self._failed = version
-            self.end.report_failure(version, text)
+            self.link.report_failure(version, text)
             return False
-        if config is not None:
-            self._config = config
+        finally:
+            self.applying = False
+        self._config = config
         self.version = version
-        self.end.ack_applied(version)
+        self.link.ack_applied(version)
         return True
+
+    def _load(self, version: int, names: list[str], loaded: list[str]) -> bool:
+        """Copy the given env-state entries from the link into the env, keeping what they
+        replace (a later step of this apply, or another worker, may still fail)."""
+        if not names:
+            return True
+        live = self.adapter.state_tensors()
+
+        def load(name: str, view: torch.Tensor) -> None:
+            target = live[name]
+            kept = self._snapshot.get(name)
+            if kept is None or kept.shape != target.shape or kept.dtype != target.dtype:
+                self._snapshot[name] = target.detach().clone()
+            else:
+                kept.copy_(target)
+            loaded.append(name)
+            target.data.copy_(view)
+
+        self._snapshot_version = version
+        return self.link.load_entries(version, names, load)
+
+    def _undo(self, undo: int) -> None:
+        """A rollback of ``undo``: put back the env state this worker had before it."""
+        if undo and undo == self._snapshot_version:
+            live = self.adapter.state_tensors()
+            for name, value in self._snapshot.items():
+                live[name].data.copy_(value)
+            self._snapshot_version = 0
+
+    def _restore(self, loaded: list[str]) -> str:
+        """Put the previous config and env state back; return what failed doing so."""
+        try:
+            if self._config is not None:
+                self.adapter.apply_config(self._config)
+            live = self.adapter.state_tensors() if loaded else {}
+            for name in loaded:
+                live[name].data.copy_(self._snapshot[name])
+        except Exception:
+            return "\nwhile restoring the previous state:\n" + traceback.format_exc()
+        return ""
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> TensorDict:
+    return TensorDict({tuple(k.split(".")): v for k, v in flat.items()}, batch_size=[])
 
 
 def _listen(ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
-    """The idle listener: wait for a wake-up, apply if the collector is idle."""
+    """The idle listener: wait for a wake-up, apply if the collector is idle. Any error is
+    reported as a failure of the target version; the listener never dies of one."""
     while True:
         receiver = ref()
         if receiver is None or receiver._closed:
             return
-        end = receiver.end
+        link = receiver.link
         del receiver
-        end.wait_notice(_LISTEN_PERIOD)
+        link.wait_notice(_LISTEN_PERIOD)
+        if not link.owner_alive():
+            # torchrl's workers never notice a killed main process (they hold its pipe
+            # ends themselves and wait forever): without a sender, end the worker
+            os._exit(1)
         receiver = ref()
         if receiver is None or receiver._closed:
             return
-        # also on a timeout: a version published while the collector was letting go is
-        # picked up here at the latest
-        receiver.on_wake()
+        try:
+            receiver.on_wake()
+        except Exception:
+            target = link.target()
+            receiver._failed = target
+            link.report_failure(target, traceback.format_exc())
         del receiver

@@ -16,16 +16,15 @@ Teach envsync a new stateful transform with :func:`register`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
-from torch import nn
-from torchrl.envs.transforms import CatFrames, Compose, ObservationNorm, RewardSum, Transform, VecNorm, VecNormV2
+from torchrl.envs.transforms import Compose, Transform
 
 from envsync.errors import ValidationError
+from envsync.state import env_state_dict
 
 Selector = type | str | int
 
@@ -108,85 +107,8 @@ def call(method: str, *args: Any, **kwargs: Any) -> Policy:
     return Policy("call", method=method, args=args, kwargs=dict(kwargs))
 
 
-_CONSTANT = 1e-6
-"""Below this standard deviation a feature counts as constant for ``recompute``."""
-
-
-class ObservationNormHandler:
-    """``reset``: back to the loc/scale the env was built with; ``recompute``: re-run the
-    statistics although they are initialised, keeping the tensors' storage (features that do
-    not vary in the gathered data get scale 1: they are only centred)."""
-
-    def __init__(self) -> None:
-        self._initial: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def remember(self, transform: ObservationNorm) -> None:
-        if not isinstance(transform.loc, nn.UninitializedBuffer):
-            self._initial[id(transform)] = (transform.loc.detach().clone(), transform.scale.detach().clone())
-
-    def reset(self, transform: ObservationNorm) -> None:
-        loc, scale = self._initial[id(transform)]
-        transform.loc.copy_(loc)
-        transform.scale.copy_(scale)
-
-    def recompute(self, transform: ObservationNorm, num_iter: int) -> None:
-        key = transform.in_keys[0]
-        parent = transform.parent
-        if parent is None:
-            raise RuntimeError("ObservationNorm has no parent env to gather statistics from")
-        data, frames = [], 0
-        while frames < num_iter:
-            rollout = parent.rollout(max_steps=num_iter)
-            frames += rollout.numel()
-            data.append(rollout.get(key))
-        samples = torch.cat([d.reshape(-1, *d.shape[rollout.ndim :]) for d in data])
-        shape = samples.shape[1:] if isinstance(transform.loc, nn.UninitializedBuffer) else transform.loc.shape
-        samples = samples.reshape(-1, *shape)
-        loc, std = samples.mean(0), samples.std(0)
-        # a feature that does not vary under the new config (a config value shown in the
-        # observation, say) is only centred: dividing by eps would turn rounding into noise
-        scale = torch.where(std > _CONSTANT, std, torch.ones_like(std))
-        if not transform.standard_normal:
-            scale = 1 / scale
-            loc = -loc * scale
-        for buffer, value in ((transform.loc, loc), (transform.scale, scale)):
-            if isinstance(buffer, nn.UninitializedBuffer):
-                buffer.materialize(shape=value.shape, dtype=value.dtype)
-            buffer.copy_(value)
-
-
-class ZeroStatsHandler:
-    """``reset`` for transforms whose initial statistics are zeros (VecNorm, VecNormV2,
-    CatFrames): zero them in place, so shared statistics stay shared."""
-
-    def reset(self, transform: Any) -> None:
-        if isinstance(transform, VecNormV2):
-            for stats in (transform._loc, transform._var, transform._count):
-                if stats is not None:
-                    stats.zero_()
-        elif isinstance(transform, VecNorm):
-            if transform._td is not None:
-                transform._td.zero_()
-        else:
-            for buffer in transform.buffers():
-                if not isinstance(buffer, nn.UninitializedBuffer):
-                    buffer.zero_()
-
-
-class EpisodicHandler:
-    """``reset`` for transforms whose state restarts with every episode (RewardSum)."""
-
-    def reset(self, transform: Any) -> None:
-        return None
-
-
-_REGISTRY: dict[type, Any] = {
-    ObservationNorm: ObservationNormHandler(),
-    VecNorm: ZeroStatsHandler(),
-    VecNormV2: ZeroStatsHandler(),
-    CatFrames: ZeroStatsHandler(),
-    RewardSum: EpisodicHandler(),
-}
+_REGISTRY: dict[type, Any] = {}
+"""Transform class -> handler; ``envsync.integrations.torchrl.handlers`` fills in torchrl's."""
 
 
 def register(cls: type, handler: Any) -> None:
@@ -311,10 +233,9 @@ def plan(env: Any, spec: ReinitSpec) -> list[Step]:
         transform = transforms[i]
         handler = _handler(spec, transform)
         _check_supported(selector, policy, transform, handler)
-        if isinstance(handler, ObservationNormHandler):
-            handler = copy.copy(handler)
-            handler._initial = {}
-            handler.remember(transform)
+        bind = getattr(handler, "bind", None)
+        if callable(bind):
+            handler = bind(transform)  # a handler that keeps per-transform state
         if policy.kind != "keep":
             steps.append(Step(transform, policy, handler))
     return steps
@@ -352,12 +273,14 @@ def compute_in_main(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
         if step.policy.kind == "recompute" and step.policy.where == "main":
             step.handler.recompute(step.transform, step.policy.num_iter)
             keys.append(transforms.index(step.transform))
-    state = env.state_dict()
+    state = env_state_dict(env)
     prefixes = _state_prefixes(env)
     return {k: v.detach().clone() for k, v in state.items() if any(k.startswith(prefixes[i]) for i in keys)}
 
 
 def _state_prefixes(env: Any) -> list[str]:
     """The state_dict key prefix of each transform of :func:`chain`, in the same order."""
+    if not isinstance(env.transform, Compose):
+        return ["transforms.0."]
     names = {id(module): name for name, module in env.transform.named_modules()}
-    return [f"{names[id(t)]}." if names[id(t)] else "" for t in chain(env)]
+    return [f"{names[id(t)]}." for t in chain(env)]

@@ -1,9 +1,13 @@
-"""EnvStateSender: validate -> write -> bump version -> wait for acknowledgements.
+"""The sender: validate -> write -> bump version -> wait for acknowledgements.
 
-The sender owns the *desired* env state of every worker: a config (fixed template) and,
-optionally, entries of the env's ``state_dict()``. Each push publishes a new integer version
-(the template is version 0). Before a collector is attached, pushes only change the desired
-state; a collector attached later starts every worker from it.
+:class:`Sender` owns the *desired* env state of every worker: a config (fixed template)
+and, optionally, entries of the env's ``state_dict()``. Each push publishes a new integer
+version (the template is version 0). Before a collector is attached, pushes only change the
+desired state; a collector attached later starts every worker from it.
+
+The core knows no framework: an integration (``envsync.integrations.torchrl``) gives it a
+probe env (:meth:`Sender.use_probe`) and attaches collectors through :meth:`Sender.attach`
+and :meth:`Sender.detach`. Users build :class:`envsync.EnvStateSender`, the torchrl front.
 """
 
 from __future__ import annotations
@@ -11,43 +15,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync.desired import DesiredState, Mirror, Undo, stamped
+from envsync import desired
+from envsync.desired import Undo
 from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
+from envsync.fleet import Attachment, Fleet, Member
+from envsync.links.base import Flat, Key, SenderLink
 from envsync.probe import Probe
-from envsync.protocol import NO_FAILURE, ApplyAt, Until, failure_to_raise, is_done
+from envsync.protocol import NO_FAILURE, ApplyAt, Until, is_done
 from envsync.receiver import ApplySpec
 from envsync.reinit import Policy, ReinitSpec, Selector
 from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate
-from envsync.transports.shared_memory import SharedMemoryChannel
 
-_SPIN = 200
-_POLL = 0.0005
+_ACK_SLICE = 0.05
+"""Longest blocking wait for an acknowledgement before liveness is checked again."""
 
-
-@dataclass
-class Attachment:
-    """A live link to one collector's workers, made by an integration.
-
-    Args:
-        channel: the transport's sender end.
-        alive: tells whether a worker's process still runs.
-        detached: tells whether the collector has been shut down.
-        on_close: run when the sender closes (e.g. stop an in-process receiver).
-    """
-
-    channel: SharedMemoryChannel
-    alive: Callable[[int], bool]
-    detached: Callable[[], bool]
-    on_close: Callable[[], None] = lambda: None
+Prepare = Callable[[], tuple[dict[int, Flat], Flat | None]]
 
 
-class EnvStateSender:
-    """Publishes the desired env state to the workers of a torchrl collector.
+class Sender:
+    """Publishes the desired env state to the workers of attached collectors.
 
     Args:
         config: the config template: names to numbers or tensors, nested mappings allowed.
@@ -57,9 +48,12 @@ class EnvStateSender:
         reinit: re-initialisation policies for stateful transforms (see ``envsync.reinit``).
         apply_at: ``"reset"`` (default), ``"step"`` or ``"truncate"``.
         allow_nonfinite: accept NaN and inf config values.
+        env_state_template: the env-state entries a push may carry (like
+            ``env.state_dict()``); given, no env is ever built in the main process to learn
+            them (use it when envs must not be initialised before workers fork).
 
     Examples:
-        >>> sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+        >>> sender = Sender(config={"difficulty": 0.0}, apply="set_difficulty")
         >>> sender.push(config={"difficulty": 0.5})  # no collector yet: desired state only
         1
         >>> sender.desired_config()["difficulty"].item()
@@ -75,6 +69,7 @@ class EnvStateSender:
         reinit: Mapping[Selector, Policy] | None = None,
         apply_at: str = "reset",
         allow_nonfinite: bool = False,
+        env_state_template: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         try:
             mode = ApplyAt(apply_at)
@@ -85,50 +80,30 @@ class EnvStateSender:
         self.template = ConfigTemplate(config or {}, allow_nonfinite=allow_nonfinite)
         self.spec = ApplySpec(apply=apply, apply_at=mode, reinit=ReinitSpec.from_mapping(reinit))
         self._allow_nonfinite = allow_nonfinite
+        self._env_state_template = None
+        if env_state_template is not None:
+            self._env_state_template = EnvStateTemplate(env_state_template, allow_nonfinite=allow_nonfinite)
+        self._declared = env_state_template is not None
         self._version = 0
-        self._desired = DesiredState(self.template.values)
+        self._default: Flat = desired.start(self.template.flat, {})
+        self._rows: list[Flat] | None = None
+        self._unchecked_env_state: Any = None
         self._undo: Undo | None = None
         self._probe: Probe | None = None
-        self._env_state_template: EnvStateTemplate | None = None
-        self._attachment: Attachment | None = None
-        self._mirror = Mirror(TensorDict(), 0)  # what each attached worker was last sent
-        self._reported: dict[int, int] = {}
+        self._fleet = Fleet()
+        self._raised: dict[int, int] = {}
         self._lock = threading.RLock()
         self._closed = False
 
-    # ---- attaching (the integration calls these) -------------------------------------------
+    # ---- the env the workers run (an integration supplies it) ------------------------------
 
-    def env_fn(self, fn: Callable[..., Any] | Any) -> Any:
-        """Wrap an env factory (or a built env) so its env carries envsync's safe points.
-
-        Args:
-            fn: a callable returning an ``EnvBase``, or an ``EnvBase``.
-
-        Returns:
-            A picklable factory (or, for a built env, that env with the transform appended).
-        """
-        from envsync.integrations.torchrl import wrap_env_fn
-
-        return wrap_env_fn(self, fn)
-
-    def schemes(self, policy_scheme: Any | None = None) -> dict[str, Any]:
-        """The ``weight_sync_schemes`` to pass to the collector.
-
-        Args:
-            policy_scheme: replaces the default ``"policy"`` scheme.
-
-        Returns:
-            ``{"env": <envsync scheme>, "policy": <policy scheme>}``.
-        """
-        from envsync.integrations.torchrl import make_schemes
-
-        return make_schemes(self, policy_scheme)
-
-    def _remember_env(self, probe: Probe) -> None:
+    def use_probe(self, probe: Probe) -> None:
+        """Take ``probe`` as the env that stands for the workers' envs (replaces any earlier)."""
         if self._probe is not None:
             self._probe.close()
         self._probe = probe
-        self._env_state_template = None
+        if not self._declared:
+            self._env_state_template = None
 
     def _probe_or_fail(self) -> Probe:
         if self._probe is None:
@@ -136,46 +111,77 @@ class EnvStateSender:
         return self._probe
 
     def env_state_template(self) -> EnvStateTemplate:
-        """The env-state keys a push may carry, read once from a probe env in this process.
+        """The env-state keys a push may carry: declared, or read once from the probe env.
 
         The probe also checks, before any worker starts, that ``apply_at="truncate"`` has a
         ``"truncated"`` key and that every ``reinit`` selector matches a transform that
         supports its policy.
 
         Raises:
-            ValidationError: no env factory was wrapped with :meth:`env_fn` yet, or the env
-                does not fit the sender's settings.
+            ValidationError: no env factory was wrapped yet, or the env does not fit the
+                sender's settings.
         """
         if self._env_state_template is None:
             self._env_state_template = self._probe_or_fail().describe(self.spec, self._allow_nonfinite)
         return self._env_state_template
 
-    def _attach(self, make: Callable[[TensorDict], Attachment]) -> Attachment:
-        """Attach a collector: ``make`` builds the transport from the initial payload."""
+    # ---- attaching (integrations call these) -----------------------------------------------
+
+    def attach(
+        self,
+        num_workers: int,
+        make_link: Callable[[Flat], SenderLink],
+        *,
+        detached: Callable[[], bool],
+        on_close: Callable[[], None] = lambda: None,
+        envs_per_worker: int = 1,
+    ) -> Attachment:
+        """Attach a collector's ``num_workers`` workers after the fleet's others.
+
+        ``make_link`` builds the link from the leaves every worker starts from; then each
+        worker is given the latest version (and its own checkpointed row, if any).
+
+        Raises:
+            ValidationError: a loaded per-worker checkpoint has another number of workers.
+        """
         with self._lock:
             self._check_open()
-            previous = self._attachment
-            self._attachment = None
-            if previous is not None:
-                previous.on_close()
-                previous.channel.close()
-            payload = self._desired.payload(self.env_state_template().values)
-            attachment = make(payload)
-            self._mirror = Mirror(payload, attachment.channel.num_workers)
-            for worker in range(attachment.channel.num_workers):
-                attachment.channel.write(worker, self._version, TensorDict())
-            self._attachment = attachment
-            self._reported = {}
+            self._prune()
+            rows = self._rows
+            if rows is not None and len(rows) != num_workers:
+                raise ValidationError(
+                    f"the checkpoint has {len(rows)} worker configs; the collector has {num_workers} workers"
+                )
+            start = self._start_leaves()
+            attachment = Attachment(make_link(start), detached, on_close, envs_per_worker)
+            self._fleet.add(attachment, start)
+            for worker in range(num_workers):
+                entries = rows[worker] if rows is not None else {}
+                attachment.link.write(worker, self._version, entries)
+                attachment.mirrors[worker].update(entries)
+            self._rows = None
             return attachment
 
-    def _live_attachment(self) -> Attachment | None:
-        attachment = self._attachment
-        if attachment is not None and attachment.detached():
-            self._attachment = None
-            attachment.on_close()
-            attachment.channel.close()
-            return None
-        return attachment
+    def _start_leaves(self) -> Flat:
+        template = self.env_state_template().flat if (self._probe is not None or self._declared) else {}
+        if self._unchecked_env_state is not None:
+            restored = self.env_state_template().fit(self._unchecked_env_state)
+            self._set_default(desired.leaves({}, restored, self._version))
+            self._unchecked_env_state = None
+        leaves = desired.start(self.template.flat, template)
+        leaves.update(self._default)
+        return leaves
+
+    def detach(self, attachment: Attachment) -> None:
+        """Take a collector out of the fleet and release its link; idempotent."""
+        with self._lock:
+            if attachment in self._fleet.attachments:
+                self._fleet.attachments.remove(attachment)
+            _release(attachment)
+
+    def _prune(self) -> None:
+        for attachment in self._fleet.prune():
+            _release(attachment)
 
     # ---- pushing ---------------------------------------------------------------------------
 
@@ -186,9 +192,16 @@ class EnvStateSender:
 
     @property
     def num_workers(self) -> int | None:
-        """The number of workers of the attached collector, or ``None``."""
-        attachment = self._live_attachment()
-        return None if attachment is None else attachment.channel.num_workers
+        """How many workers the attached collectors have, or ``None`` when none is attached."""
+        with self._lock:
+            self._prune()
+            return len(self._fleet.indices()) if self._fleet.attachments else None
+
+    def fleet(self) -> list[Member]:
+        """Every attached worker: fleet index, collector (attach order), worker, envs."""
+        with self._lock:
+            self._prune()
+            return self._fleet.members()
 
     def push(
         self,
@@ -204,7 +217,7 @@ class EnvStateSender:
         Args:
             config: a subset of the template's names with new values.
             env_state: entries of the env's ``state_dict()`` to load, in place.
-            workers: the workers to target (default: all).
+            workers: the fleet indices to target (default: every worker of every collector).
             wait: ``"received"``, ``"applied"`` or ``None``.
             timeout: seconds to wait for acknowledgements.
 
@@ -214,10 +227,19 @@ class EnvStateSender:
             AckTimeout: some targeted workers did not answer in time, or died.
         """
 
-        def prepare(cache: dict[bytes, TensorDict]) -> tuple[dict[int, TensorDict], TensorDict | None]:
-            update = self._validated(config, env_state)
-            updates = {w: self._with_main_stats(update, w, cache) for w in self._targets(workers)}
-            return updates, (self._with_main_stats(update, None, cache) if workers is None else None)
+        def prepare() -> tuple[dict[int, Flat], Flat | None]:
+            cfg = self.template.fit(config) if config is not None else {}
+            env = self.env_state_template().fit(env_state) if env_state is not None else {}
+            version = self._version + 1
+            cache: dict[bytes, dict[str, torch.Tensor]] = {}
+            updates = {
+                w: desired.leaves(cfg, self._with_main_stats(cfg, env, w, cache), version)
+                for w in self._fleet.targets(workers)
+            }
+            default = None
+            if workers is None:
+                default = desired.leaves(cfg, self._with_main_stats(cfg, env, None, cache), version)
+            return updates, default
 
         return self._send(prepare, wait=wait, timeout=timeout)
 
@@ -231,7 +253,7 @@ class EnvStateSender:
         """Publish one version that gives each listed worker its own config.
 
         Args:
-            configs: worker index to a (partial) config.
+            configs: fleet index to a (partial) config.
             wait: ``"received"``, ``"applied"`` or ``None``.
             timeout: seconds to wait for acknowledgements.
 
@@ -239,101 +261,95 @@ class EnvStateSender:
             The new version.
         """
 
-        def prepare(cache: dict[bytes, TensorDict]) -> tuple[dict[int, TensorDict], TensorDict | None]:
-            targets = self._targets(list(configs))
-            return {w: self._with_main_stats(self._validated(configs[w], None), w, cache) for w in targets}, None
+        def prepare() -> tuple[dict[int, Flat], Flat | None]:
+            version = self._version + 1
+            cache: dict[bytes, dict[str, torch.Tensor]] = {}
+            updates = {}
+            for w in self._fleet.targets(list(configs)):
+                cfg = self.template.fit(configs[w])
+                updates[w] = desired.leaves(cfg, self._with_main_stats(cfg, {}, w, cache), version)
+            return updates, None
 
         return self._send(prepare, wait=wait, timeout=timeout)
 
-    def _send(
-        self,
-        prepare: Callable[[dict[bytes, TensorDict]], tuple[dict[int, TensorDict], TensorDict | None]],
-        *,
-        wait: str | None,
-        timeout: float,
-    ) -> int:
+    def _send(self, prepare: Prepare, *, wait: str | None, timeout: float) -> int:
         """The one way a push goes out: check -> raise pending failures -> ``prepare`` the
         validated per-worker updates (and the default's) -> publish -> wait."""
+        until = self._check_wait(wait)
         with self._lock:
-            until = self._check_wait(wait)
             self._check_open()
+            self._prune()
             self._raise_failures()
-            updates, default = prepare({})
+            updates, default = prepare()
             version = self._publish(updates, default=default)
-        if until is not None:
+        if until is not None and updates:
             self.wait(version, until=until.value, workers=list(updates), timeout=timeout)
         return version
 
-    def _validated(self, config: Any, env_state: Any) -> TensorDict:
-        update = TensorDict()
-        if config is not None:
-            update["config"] = self.template.validate(config)
-        if env_state is not None:
-            update["env_state"] = self.env_state_template().validate(env_state)
-        return update
-
-    def _with_main_stats(self, update: TensorDict, worker: int | None, cache: dict[bytes, TensorDict]) -> TensorDict:
+    def _with_main_stats(
+        self,
+        config: dict[str, torch.Tensor],
+        env_state: dict[str, torch.Tensor],
+        worker: int | None,
+        cache: dict[bytes, dict[str, torch.Tensor]],
+    ) -> dict[str, torch.Tensor]:
         """Add the statistics of ``recompute(where="main")`` policies, computed on the probe
         env under the config ``worker`` (or, for ``None``, a worker joining later) will run;
         ``cache`` holds them per distinct config, so equal configs get identical statistics."""
-        if not self.spec.reinit.computes_in_main or "config" not in update.keys():
-            return update
-        merged = self.desired_config(worker)
-        merged.update(update["config"])
-        key = b"".join(v.numpy().tobytes() for _, v in sorted(merged.items(True, True), key=lambda kv: str(kv[0])))
+        if not self.spec.reinit.computes_in_main or not config:
+            return env_state
+        source = self._default if worker is None else self._mirror(worker)
+        merged = desired.section(source, "config")
+        merged.update(config)
+        key = b"".join(merged[k].numpy().tobytes() for k in sorted(merged))
         if key not in cache:
-            stats = self._probe_or_fail().main_stats(self.spec, merged)
-            cache[key] = self.env_state_template().validate(stats)
-        env_state = cache[key].clone()
-        if "env_state" in update.keys():
-            env_state.update(update["env_state"])
-        out = update.clone(recurse=False)
-        out["env_state"] = env_state
-        return out
+            stats = self._probe_or_fail().main_stats(self.spec, _nest(merged))
+            cache[key] = self.env_state_template().fit(stats)
+        return {**cache[key], **env_state}
 
-    def _targets(self, workers: Sequence[int] | None) -> list[int]:
-        count = self.num_workers
-        if workers is None:
-            return list(range(count or 0))
-        if count is None:
-            raise ValidationError("workers= needs an attached collector; none is attached")
-        chosen = []
-        for worker in workers:
-            if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < count:
-                raise ValidationError(f"worker {worker!r} does not exist; workers are 0..{count - 1}")
-            if worker not in chosen:
-                chosen.append(worker)
-        return chosen
-
-    def _publish(self, updates: Mapping[int, TensorDict], *, default: TensorDict | None) -> int:
-        """Write each worker's update under a new version; ``default`` also changes the
-        desired state of workers that join later. Records what it replaces in ``_undo``."""
+    def _publish(self, updates: Mapping[int, Flat], *, default: Flat | None, undo_mark: int = 0) -> int:
+        """Write each worker's update under a new version, notifying each worker as soon as
+        its slot is written; ``default`` also changes what workers joining later start from.
+        Records what it replaces in ``_undo``."""
         version = self._version + 1
-        attachment = self._live_attachment()
-        undo = Undo(version, {}, None)
+        undo = Undo(version)
         if default is not None:
-            template = self.env_state_template().values if "env_state" in default.keys() else TensorDict()
-            undo.default = self._desired.previous_values(default, template)
-            self._desired.update(default, version)
-        if attachment is not None:
-            for worker, update in updates.items():
-                published = stamped(update, version)
-                attachment.channel.write(worker, version, published)
-                attachment.channel.notify(worker)  # at once: this worker applies while we go on
-                undo.workers[worker] = self._mirror.previous_values(worker, update)
-                self._mirror.record(worker, published)
+            undo.default = {k: self._default.get(k) for k in default}  # type: ignore[misc]
+            self._set_default(default)
+        for index, update in updates.items():
+            attachment, worker = self._fleet.locate(index)
+            mirror = attachment.mirrors[worker]
+            attachment.link.write(worker, version, update, undo=undo_mark)
+            attachment.link.notify(worker)
+            undo.workers[index] = desired.replaced(mirror, update)
+            mirror.update(update)
         self._version = version
         self._undo = undo
         return version
 
+    def _set_default(self, entries: Mapping[Key, torch.Tensor | None]) -> None:
+        for key, value in entries.items():
+            if value is None:
+                self._default.pop(key, None)
+            else:
+                self._default[key] = value
+
     def _roll_back(self, failed: int) -> int | None:
-        """Publish, as a new version, what the failed latest push replaced; return it."""
+        """Publish, as a new version, what the failed latest push replaced; return it.
+        Workers that applied it put their own env state back (the undo mark)."""
         undo = self._undo
         if undo is None or undo.version != failed or failed != self._version:
             return None
-        version = self._publish(undo.workers, default=undo.default)
+        live = set(self._fleet.indices())
+        version = self._publish(
+            {w: u for w, u in undo.workers.items() if w in live}, default=undo.default, undo_mark=failed
+        )
         self._undo = None  # a rollback is not rolled back in turn
         return version
+
+    def _mirror(self, index: int) -> Flat:
+        attachment, worker = self._fleet.locate(index)
+        return attachment.mirrors[worker]
 
     # ---- waiting ---------------------------------------------------------------------------
 
@@ -348,41 +364,67 @@ class EnvStateSender:
         """Block until the workers have received or applied ``version``.
 
         Args:
-            version: the version to wait for.
+            version: a published version.
             until: ``"received"`` or ``"applied"``.
-            workers: the workers to wait for (default: all).
+            workers: the fleet indices to wait for (default: all).
             timeout: seconds before :class:`~envsync.AckTimeout`.
 
         Raises:
+            ValidationError: ``version`` was never published.
             WorkerApplyError: a worker failed to apply a version.
-            AckTimeout: some workers did not answer in time; a dead worker is reported at once.
+            AckTimeout: some workers did not answer in time; a dead worker, or one whose
+                collector shut down meanwhile, is reported at once.
         """
         mode = self._check_wait(until)
         assert mode is not None
-        attachment = self._live_attachment()
-        if attachment is None:
-            return
-        pending = self._targets(workers)
+        if version > self._version or version < 0:
+            raise ValidationError(f"version {version} was never published; the latest is {self._version}")
+        with self._lock:
+            self._prune()
+            pending = self._fleet.targets(workers)
         deadline = time.monotonic() + timeout
-        spins = 0
-        while True:
+        try:
+            while True:
+                link = self._progress(pending, version, mode)
+                if link is None:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AckTimeout(version, pending, dead=[], until=mode.value)
+                link.wait_acks(min(_ACK_SLICE, remaining))
+        except RuntimeError as err:  # a link closed under us
+            if self._closed:
+                raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err
+            raise
+
+    def _progress(self, pending: list[int], version: int, mode: Until) -> SenderLink | None:
+        """Drop the workers that are done from ``pending``; raise failures and deaths; return
+        a link to block on (``None`` when nothing is pending)."""
+        try:
             with self._lock:
-                try:
-                    self._raise_failures(pending)
-                except WorkerApplyError as err:
-                    self._confirm_rollback(err, mode, deadline)
-                    raise
-            pending = [w for w in pending if not is_done(attachment.channel.status(w), version, mode)]
-            if not pending:
-                return
-            dead = [w for w in pending if not attachment.alive(w)]
-            if dead or time.monotonic() > deadline:
-                raise AckTimeout(version, pending, dead=dead, until=mode.value)
-            spins += 1
-            time.sleep(0 if spins < _SPIN else _POLL)
+                self._prune()
+                self._raise_failures(pending, version)
+                live = set(self._fleet.indices())
+                gone = [w for w in pending if w not in live]
+                pending[:] = [w for w in pending if w in live and not self._done(w, version, mode)]
+                dead = gone + [w for w in pending if not self._alive(w)]
+                if dead:
+                    raise AckTimeout(version, sorted(set(pending) | set(gone)), dead=dead, until=mode.value)
+                return self._fleet.locate(pending[0])[0].link if pending else None
+        except WorkerApplyError as err:
+            self._confirm_rollback(err, mode, time.monotonic() + 5.0)
+            raise
+
+    def _done(self, index: int, version: int, mode: Until) -> bool:
+        attachment, worker = self._fleet.locate(index)
+        return is_done(attachment.link.status(worker), version, mode)
+
+    def _alive(self, index: int) -> bool:
+        attachment, worker = self._fleet.locate(index)
+        return attachment.link.alive(worker)
 
     def _confirm_rollback(self, err: WorkerApplyError, until: Until, deadline: float) -> None:
-        """Wait (within what is left of the deadline) until the rollback is in place too."""
+        """Wait (without holding the sender's lock) until the rollback is in place too."""
         if err.rollback is None:
             return
         try:
@@ -390,85 +432,97 @@ class EnvStateSender:
         except EnvSyncError as late:
             err.add_note(f"rollback version {err.rollback} not confirmed: {late}")
 
-    def _raise_failures(self, workers: Sequence[int] | None = None) -> None:
-        """Raise the first failure not raised yet; if it is of the latest push, roll it back."""
-        attachment = self._attachment
-        if attachment is None:
-            return
-        for worker in range(attachment.channel.num_workers) if workers is None else workers:
-            status = attachment.channel.status(worker)
-            failed = failure_to_raise(status, self._reported.get(worker, NO_FAILURE))
-            if failed is not None:
-                self._reported[worker] = failed
-                rollback = self._roll_back(failed)
-                raise WorkerApplyError(worker, failed, attachment.channel.error_text(worker), rollback=rollback)
+    def _raise_failures(self, workers: Sequence[int] | None = None, version: int | None = None) -> None:
+        """Raise the first failure not raised yet (or, for a wait, one of ``version``
+        itself, even if another caller raised it); if it is of the latest push, roll it back."""
+        for index in self._fleet.indices() if workers is None else workers:
+            try:
+                attachment, worker = self._fleet.locate(index)
+            except KeyError:
+                continue
+            failed = attachment.link.status(worker).failed
+            if failed == NO_FAILURE or not (failed > self._raised.get(index, NO_FAILURE) or failed == version):
+                continue
+            self._raised[index] = max(failed, self._raised.get(index, NO_FAILURE))
+            rollback = self._roll_back(failed)
+            raise WorkerApplyError(index, failed, attachment.link.error_text(worker), rollback=rollback)
 
     def versions(self) -> list[int]:
-        """The version each worker's env runs now (empty when no collector is attached)."""
-        attachment = self._live_attachment()
-        if attachment is None:
-            return []
-        return [attachment.channel.status(w).applied for w in range(attachment.channel.num_workers)]
+        """The version each attached worker's env runs now, in fleet order (empty when no
+        collector is attached)."""
+        with self._lock:
+            self._prune()
+            out = []
+            for attachment in self._fleet.attachments:
+                out += [attachment.link.status(w).applied for w in range(attachment.link.num_workers)]
+            return out
 
     # ---- desired state and checkpoints -----------------------------------------------------
 
     def desired_config(self, worker: int | None = None) -> TensorDict:
-        """The desired config of ``worker`` (default: of every worker not addressed alone)."""
+        """The desired config of fleet index ``worker`` (default: of a worker joining later)."""
         if worker is None:
-            return self._desired.config.clone()
-        attachment = self._live_attachment()
-        if attachment is None:
-            raise ValidationError("worker= needs an attached collector; none is attached")
-        self._targets([worker])
-        return self._mirror.config(worker).clone()
+            return _nest(desired.section(self._default, "config")).clone()
+        with self._lock:
+            self._prune()
+            self._fleet.targets([worker])
+            return _nest(desired.section(self._mirror(worker), "config")).clone()
 
     def state_dict(self) -> dict[str, Any]:
-        """A checkpoint of the desired state: ``{"version", "config"}``.
+        """A checkpoint of the desired state: ``{"version", "config", "env_state"}``.
 
-        ``"config"`` has one row per worker when a collector is attached, else no batch dim.
+        ``"config"`` has one row per worker when a collector is attached, else no batch dim;
+        ``"env_state"`` holds every env-state entry pushed (or computed in main) so far.
         """
-        attachment = self._live_attachment()
-        if attachment is None:
-            config = self._desired.config.clone()
-        else:
-            config = TensorDict.stack([self._mirror.config(w) for w in range(attachment.channel.num_workers)]).clone()
-        return {"version": self._version, "config": config}
+        with self._lock:
+            self._prune()
+            indices = self._fleet.indices()
+            config = TensorDict.stack([self.desired_config(w) for w in indices]) if indices else self.desired_config()
+            env_state = {k: v.clone() for k, v in desired.pushed_env_state(self._default).items()}
+            return {"version": self._version, "config": config, "env_state": env_state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         """Restore a checkpoint made by :meth:`state_dict`; returns the version now desired.
 
-        With a collector attached, the restored configs are pushed as a new version (applied
-        per the apply mode); without one, every worker of the next collector starts from them.
+        With a collector attached, the restored state is pushed as a new version (applied
+        per the apply mode). Without one, it becomes what the next collector starts from:
+        one row per worker for a per-worker checkpoint (the collector must then have that
+        many workers).
+
+        Raises:
+            ValidationError: not a checkpoint, a config row that does not fit the template,
+                or (attached) a number of rows that is not the number of workers.
         """
         if "version" not in state or "config" not in state:
             raise ValidationError("a sender checkpoint has the keys 'version' and 'config'")
         config = state["config"]
         if not isinstance(config, TensorDictBase):
             config = TensorDict(config)
-        rows = [config] if config.batch_dims == 0 else list(config.unbind(0))
-        for row in rows:
-            self.template.validate(row)
+        rows = [self.template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
+        env_state = state.get("env_state") or None
         with self._lock:
             self._check_open()
             if self.num_workers is None:
-                if len(rows) != 1:
-                    raise ValidationError("a per-worker checkpoint can only be loaded with a collector attached")
-                self._desired.config.update(self.template.validate(rows[0]))
                 self._version = max(self._version, int(state["version"]))
+                self._set_default(desired.leaves(rows[0], {}, self._version))
+                self._rows = None if len(rows) == 1 else [desired.leaves(r, {}, self._version) for r in rows]
+                self._unchecked_env_state = env_state
                 return self._version
         if len(rows) == 1:
-            return self.push(config=rows[0], wait=None)
+            return self.push(config=rows[0], env_state=env_state, wait=None)
         if len(rows) != self.num_workers:
             raise ValidationError(
-                f"checkpoint has {len(rows)} worker configs, the collector has {self.num_workers} workers"
+                f"the checkpoint has {len(rows)} worker configs; the collector has {self.num_workers} workers"
             )
-        return self.push_each(dict(enumerate(rows)), wait=None)
+        if env_state:
+            self.push(env_state=env_state, wait=None)
+        return self.push_each(dict(zip(self._fleet.indices(), rows, strict=True)), wait=None)
 
     # ---- life cycle ------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValidationError("this EnvStateSender is closed")
+            raise ValidationError("this sender is closed")
 
     @staticmethod
     def _check_wait(wait: str | None) -> Until | None:
@@ -480,18 +534,27 @@ class EnvStateSender:
             raise ValidationError(f"wait={wait!r}; expected 'received', 'applied' or None") from None
 
     def close(self) -> None:
-        """Release the shared memory, the probe env and in-process listeners; idempotent."""
+        """Release every link, the probe env and in-process listeners; idempotent."""
         with self._lock:
             self._closed = True
             if self._probe is not None:
                 self._probe.close()
-            attachment, self._attachment = self._attachment, None
-            if attachment is not None:
-                attachment.on_close()
-                attachment.channel.close()
+                self._probe = None
+            attachments, self._fleet.attachments = self._fleet.attachments, []
+            for attachment in attachments:
+                _release(attachment)
 
-    def __enter__(self) -> EnvStateSender:
+    def __enter__(self) -> Sender:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release(attachment: Attachment) -> None:
+    attachment.on_close()
+    attachment.link.close()
+
+
+def _nest(flat: Mapping[str, torch.Tensor]) -> TensorDict:
+    return TensorDict({tuple(k.split(".")): v for k, v in flat.items()}, batch_size=[])

@@ -149,13 +149,21 @@ class ConfigTemplate:
         Raises:
             ValidationError: unknown name, wrong shape or dtype, non-numeric or non-finite value.
         """
-        flat = _flatten_config(values)
+        return _nest(self.fit(values))
+
+    def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, torch.Tensor]:
+        """Like :meth:`validate`, but flat: dotted names to fresh tensors."""
         fitted = {}
-        for path, value in flat.items():
+        for path, value in _flatten_config(values).items():
             if path not in self._flat:
                 raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
             fitted[path] = _fit("config value", path, value, self._flat[path], self.allow_nonfinite)
-        return _nest(fitted)
+        return fitted
+
+    @property
+    def flat(self) -> dict[str, torch.Tensor]:
+        """The template's values by dotted name (do not write into them)."""
+        return self._flat
 
 
 class EnvStateTemplate:
@@ -197,13 +205,22 @@ class EnvStateTemplate:
         Raises:
             ValidationError: a key the env does not have, wrong shape or dtype, non-finite value.
         """
+        return _nest(self.fit(values))
+
+    def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, torch.Tensor]:
+        """Like :meth:`validate`, but flat: state_dict keys to fresh tensors."""
         flat = _flatten(values, what="env_state", expected="a mapping like env.state_dict()", dotted_keys=True)
         fitted = {}
         for key, value in flat.items():
             if key not in self._flat:
                 raise ValidationError(f"env_state key {key!r} is not in the env's state_dict; known: {self.keys}")
             fitted[key] = _fit("env_state", key, value, self._flat[key], self.allow_nonfinite)
-        return _nest(fitted)
+        return fitted
+
+    @property
+    def flat(self) -> dict[str, torch.Tensor]:
+        """The template's values by state_dict key (do not write into them)."""
+        return self._flat
 
 
 def config_kwargs(config: TensorDictBase) -> dict[str, Any]:
@@ -269,27 +286,20 @@ def _dotted(key: str | tuple[str, ...]) -> str:
     return ".".join(key) if isinstance(key, tuple) else key
 
 
-def read_env_state(env: Any, like: TensorDictBase, into: TensorDictBase | None = None) -> TensorDictBase:
-    """Copy the env's current values of the state_dict entries that ``like`` names.
+def env_state_dict(env: Any, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The env's ``state_dict()`` as envsync names it: a transform chain always counts as a
+    ``Compose``, so a lone transform's entries read ``transforms.0.<name>`` (as they do once
+    a second transform is appended), and ``reinit`` indices match the keys.
 
-    With ``into``, the values are copied into its tensors (entries it lacks are added), so a
-    caller that keeps ``into`` across calls allocates each entry once; the entries of ``like``
-    are returned, as a view of ``into``.
+    Examples:
+        >>> from torchrl.envs import ObservationNorm, TransformedEnv
+        >>> from envsync.envs import make_drift_env
+        >>> norm = ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"])
+        >>> sorted(env_state_dict(TransformedEnv(make_drift_env(), norm)))
+        ['transforms.0.loc', 'transforms.0.scale', 'transforms.0.standard_normal']
     """
-    current = env.state_dict()
-    into = TensorDict() if into is None else into
-    keys = list(like.keys(include_nested=True, leaves_only=True))
-    for key in keys:
-        kept = into.get(key, None)
-        if kept is None:
-            into.set(key, current[_dotted(key)].detach().clone())
-        else:
-            kept.copy_(current[_dotted(key)])
-    return into.select(*keys)
-
-
-def load_env_state_(env: Any, env_state: TensorDictBase) -> None:
-    """Copy the given state_dict entries into the env's tensors, in place (strict=False)."""
-    current = env.state_dict()
-    for key, value in env_state.items(include_nested=True, leaves_only=True):
-        current[_dotted(key)].copy_(value)
+    state = dict(env.state_dict(keep_vars=keep_vars))
+    transform = getattr(env, "transform", None)
+    if transform is not None and not hasattr(transform, "transforms"):
+        return {f"transforms.0.{k}": v for k, v in state.items()}
+    return state

@@ -11,7 +11,7 @@ import pytest
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 
 from envsync import EnvStateSender
-from envsync.transports.shared_memory import PREFIX, SHM_DIR
+from envsync.links.shared_memory import PREFIX, SHM_DIR
 
 KINDS = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
 

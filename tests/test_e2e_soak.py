@@ -1,7 +1,9 @@
-"""End to end: pushes while a MultiAsyncCollector is iterated without pause.
+"""End to end: pushes while a collector is iterated without pause.
 
-The short run (200 pushes, both start methods) is the core's guarantee; the long run (at
-least 2,000 pushes over at least 60 s) is the load guarantee of docs/guarantees.md.
+The short run (200 pushes into a MultiAsyncCollector, both start methods) is the core's
+guarantee; the load run (at least 2,000 pushes over at least 60 s into a MultiAsyncCollector)
+is the load guarantee of docs/guarantees.md, repeated shorter (600 pushes over 20 s) for the
+single-process ``Collector`` and the ``MultiSyncCollector``.
 """
 
 from __future__ import annotations
@@ -25,18 +27,19 @@ def rss(pids: list[int]) -> list[int]:
     return [psutil.Process(pid).memory_info().rss for pid in pids]
 
 
-def soak(method: str, min_pushes: int, min_seconds: float) -> dict[str, float]:
-    """Iterate and push (waits mixed) until both minimums are met; check every batch."""
+def soak(method: str, min_pushes: int, min_seconds: float, kind: str = "async") -> dict[str, float]:
+    """Iterate a collector of ``kind`` and push (waits mixed) until both minimums are met;
+    check every batch."""
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    makers = [partial(make_counter_env, label=i, max_steps=10**9) for i in range(WORKERS)]
+    workers = 1 if kind == "single" else WORKERS
+    makers = [partial(make_counter_env, label=i, max_steps=10**9) for i in range(workers)]
     with start_method(method):
-        collector = build("async", sender, makers, frames_per_batch=FRAMES)
-    pids = [0, *(p.pid for p in collector.procs)]
-    pids[0] = psutil.Process().pid
+        collector = build(kind, sender, makers, frames_per_batch=FRAMES)
+    pids = [psutil.Process().pid, *(p.pid for p in getattr(collector, "procs", []))]
     waits = itertools.cycle(["received", None, "applied"])
     difficulty = {0: 0.0}
-    last_step = dict.fromkeys(range(WORKERS), 0.0)
-    last_version = dict.fromkeys(range(WORKERS), 0)
+    last_step = dict.fromkeys(range(workers), 0.0)
+    last_version = dict.fromkeys(range(workers), 0)
     batches = frames = 0
     start = time.monotonic()
     memory_after_warmup: list[int] = []
@@ -65,7 +68,7 @@ def soak(method: str, min_pushes: int, min_seconds: float) -> dict[str, float]:
             if not memory_after_warmup and time.monotonic() - start > min(5.0, min_seconds / 4):
                 memory_after_warmup = rss(pids)
             done_pushing = len(difficulty) - 1 >= min_pushes and time.monotonic() - start >= min_seconds
-            if done_pushing and sender.versions() == [sender.version] * WORKERS:
+            if done_pushing and sender.versions() == [sender.version] * workers:
                 break
             assert batches < 100 * (min_pushes + 100)
         memory_at_end = rss(pids)
@@ -77,7 +80,7 @@ def soak(method: str, min_pushes: int, min_seconds: float) -> dict[str, float]:
     assert frames == batches * FRAMES
     assert sum(last_step.values()) == frames
     # every push acknowledged: each worker ended up applying the last one
-    assert acknowledged == [sender.version] * WORKERS
+    assert acknowledged == [sender.version] * workers
     assert max(last_version.values()) <= sender.version
     growth = max(
         end / begin - 1 for begin, end in zip(memory_after_warmup or memory_at_end, memory_at_end, strict=True)
@@ -92,8 +95,14 @@ def test_pushes_while_iterating_lose_nothing(method: str) -> None:
     assert result["pushes"] == 200
 
 
+LOAD = {"async": (2000, 60.0), "single": (600, 20.0), "sync": (600, 20.0)}
+"""Per collector kind: (minimum pushes, minimum seconds) of the load run."""
+
+
 @pytest.mark.timeout(300)
-def test_load_two_thousand_pushes_over_a_minute() -> None:
-    result = soak("fork", min_pushes=2000, min_seconds=60)
-    assert result["pushes"] >= 2000 and result["seconds"] >= 60
+@pytest.mark.parametrize("kind", ["single", "sync", "async"])
+def test_load_pushes_while_iterating(kind: str) -> None:
+    min_pushes, min_seconds = LOAD[kind]
+    result = soak("fork", min_pushes=min_pushes, min_seconds=min_seconds, kind=kind)
+    assert result["pushes"] >= min_pushes and result["seconds"] >= min_seconds
     assert result["rss_growth"] < 0.10, result

@@ -14,7 +14,7 @@ from conftest import build
 from helpers import check_truthful, make_counter_env, rows, start_method
 
 from envsync import EnvStateSender, ValidationError
-from envsync.transports.shared_memory import SHM_DIR
+from envsync.links.shared_memory import SHM_DIR
 
 WORKERS = 2
 
@@ -143,7 +143,7 @@ def test_close_and_gc_leave_no_shared_memory_and_no_process() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
     collector = build("async", sender, labelled())
     next(iter(collector))
-    path = sender._attachment.channel.path  # type: ignore[union-attr]
+    path = sender._fleet.attachments[0].link.path
     pids = [p.pid for p in collector.procs]
     assert os.path.exists(path)
     assert os.stat(path).st_mode & 0o777 == 0o600
@@ -159,9 +159,10 @@ def test_close_and_gc_leave_no_shared_memory_and_no_process() -> None:
 @pytest.mark.timeout(60)
 def test_gc_of_an_unclosed_sender_removes_its_file() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
-    collector = build("single", sender, partial(make_counter_env, label=0))
+    with start_method("fork"):  # a single Collector has no file: its link is in-process
+        collector = build("sync", sender, partial(make_counter_env, label=0), workers=1)
     next(iter(collector))
-    path = sender._attachment.channel.path  # type: ignore[union-attr]
+    path = sender._fleet.attachments[0].link.path
     collector.shutdown()
     del collector, sender
     gc.collect()

@@ -47,7 +47,7 @@ def test_bad_input_with_a_collector_changes_nothing() -> None:
     try:
         next(iter(collector))
         good = sender.push(config={"difficulty": 1.0}, wait="applied")
-        before = [sender._attachment.channel.desired(w) for w in range(WORKERS)]  # type: ignore[union-attr]
+        before = [sender._fleet.attachments[0].link.read_back(w) for w in range(WORKERS)]
         bad_calls = [
             (lambda: sender.push(config={"difficulty": "x"}), "'difficulty' must be a number"),
             (lambda: sender.push(config={"difficulty": float("inf")}), "NaN or inf"),
@@ -62,8 +62,9 @@ def test_bad_input_with_a_collector_changes_nothing() -> None:
             with pytest.raises(ValidationError, match=message):
                 call()
             assert sender.version == good and sender.versions() == [good, good]
-            after = [sender._attachment.channel.desired(w) for w in range(WORKERS)]  # type: ignore[union-attr]
-            assert all((a == b).all() for a, b in zip(before, after, strict=True))
+            after = [sender._fleet.attachments[0].link.read_back(w) for w in range(WORKERS)]
+            for a, b in zip(before, after, strict=True):
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     finally:
         collector.shutdown()
         sender.close()
@@ -113,7 +114,7 @@ def test_a_rollback_restores_transform_state_on_every_worker() -> None:
         with pytest.raises(WorkerApplyError) as info:
             sender.push(config={"difficulty": -1.0}, env_state={"transforms.0.loc": torch.ones(3)}, wait="applied")
         assert info.value.worker == 1 and info.value.rollback == good + 2
-        for worker_loc in collector.get_distant_attr("env.transform.transforms.0.loc"):
+        for worker_loc in collector.get_distant_attr("env.transform.loc"):
             assert torch.equal(worker_loc, loc)
         batch = next(batches)
         assert bool((batch["next", "observation"][..., 0] == 0.5).all())  # (1.0 - 0.5) / 1
@@ -133,7 +134,7 @@ def test_a_failure_after_the_push_returned_is_raised_by_the_next_push() -> None:
         good = sender.push(config={"difficulty": 1.0}, wait="applied")
         sender.push(config={"difficulty": -2.0}, workers=[0], wait=None)
         deadline = time.monotonic() + 10
-        while sender._attachment.channel.status(0).failed < 0 and time.monotonic() < deadline:  # type: ignore[union-attr]
+        while sender._fleet.attachments[0].link.status(0).failed < 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(WorkerApplyError, match="worker 0 failed to apply version") as info:
             sender.push(config={"difficulty": 2.0}, wait="applied")
@@ -153,7 +154,7 @@ def test_a_dead_worker_is_reported_promptly_and_close_still_cleans_up() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     with start_method("fork"):
         collector = build("sync", sender, labelled())
-    path = sender._attachment.channel.path  # type: ignore[union-attr]
+    path = sender._fleet.attachments[0].link.path
     try:
         next(iter(collector))
         victim = collector.procs[1]
@@ -192,7 +193,8 @@ def test_a_timeout_names_the_late_workers_and_a_later_push_works() -> None:
 def test_the_data_plane_never_unpickles() -> None:
     """Workers read tensors only: no module on the data path imports a pickler."""
     root = pathlib.Path(envsync.__file__).parent
-    for module in ("receiver.py", "transports/shared_memory.py", "transports/base.py", "protocol.py"):
+    links = ("links/shared_memory.py", "links/slots.py", "links/local.py", "links/base.py")
+    for module in ("receiver.py", *links, "protocol.py"):
         tree = ast.parse((root / module).read_text())
         imported = {
             alias.name.split(".")[0]

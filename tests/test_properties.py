@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import math
-import threading
 from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
 
 from envsync import EnvStateSender, ValidationError
+from envsync.links.local import LocalLink
 from envsync.state import ConfigTemplate
-from envsync.transports.shared_memory import SharedMemoryChannel
 
 NAMES = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
 FLOATS = st.floats(-1e6, 1e6, allow_nan=False, width=32)
@@ -57,25 +55,21 @@ def template_and_push(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any], 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(template_and_push())
-def test_valid_pushes_round_trip_exactly_through_shared_memory(
+def test_valid_pushes_round_trip_exactly_through_a_link(
     case: tuple[dict[str, Any], dict[str, Any], Any],
 ) -> None:
     template, push, _ = case
     tpl = ConfigTemplate(template)
-    channel = SharedMemoryChannel(TensorDict(config=tpl.values), 2, semaphores=[threading.Semaphore(0)] * 2)
-    try:
-        channel.write(1, 7, TensorDict(config=tpl.validate(push)))
-        expected = tpl.values.clone()
-        expected.update(tpl.validate(push))
-        version, payload = channel.handle().open(1).read()
-        assert version == 7
-        for key, value in expected.items(True, True):
-            got = payload["config", key]
-            assert got.dtype == value.dtype and torch.equal(got, value)
-        untouched = channel.handle().open(0).read()[1]["config"]
-        assert all(torch.equal(untouched[k], v) for k, v in tpl.values.items(True, True))
-    finally:
-        channel.close()
+    link = LocalLink({("config", k): v for k, v in tpl.flat.items()}, 2)
+    link.write(1, 7, {("config", k): v for k, v in tpl.fit(push).items()})
+    expected = {**tpl.flat, **tpl.fit(push)}
+    header = link.handle().open(1).read_header()
+    assert header.version == 7
+    for key, value in expected.items():
+        got = header.config[key]
+        assert got.dtype == value.dtype and torch.equal(got, value)
+    untouched = link.handle().open(0).read_header().config
+    assert all(torch.equal(untouched[k], v) for k, v in tpl.flat.items())
 
 
 @st.composite

@@ -14,9 +14,8 @@ from envsync.state import (
     EnvStateTemplate,
     apply_config,
     config_kwargs,
+    env_state_dict,
     find_config_method,
-    load_env_state_,
-    read_env_state,
 )
 
 
@@ -81,9 +80,11 @@ def test_env_state_loads_in_place_and_reads_back() -> None:
     template = EnvStateTemplate(env.state_dict())
     storage = env.transform[0].loc.data_ptr()
     state = template.validate({"transforms.0.loc": torch.tensor([1.0, 2.0])})
-    load_env_state_(env, state)
+    live = env_state_dict(env, keep_vars=True)
+    for key, value in state.items(include_nested=True, leaves_only=True):
+        live[".".join(key)].data.copy_(value)
     assert env.transform[0].loc.tolist() == [1.0, 2.0] and env.transform[0].loc.data_ptr() == storage
-    assert read_env_state(env, state)["transforms", "0", "loc"].tolist() == [1.0, 2.0]
+    assert env_state_dict(env)["transforms.0.loc"].tolist() == [1.0, 2.0]
     with pytest.raises(ValidationError, match="'transforms.5.loc' is not in the env's state_dict"):
         template.validate({"transforms.5.loc": torch.zeros(2)})
 
@@ -110,5 +111,6 @@ def test_an_apply_callable_sees_the_same_env_at_build_time_as_in_a_worker() -> N
     seen: list[str] = []
     sender = EnvStateSender(config={"g": 10.0}, apply=lambda env, config: seen.append(type(env).__name__))
     env = sender.env_fn(lambda: GymEnv("Pendulum-v1"))()
-    assert seen == ["TransformedEnv"] and type(env).__name__ == "TransformedEnv"
+    # the user's own env, in a worker as at build time: envsync adds no wrapper layer
+    assert seen == ["GymEnv"] and type(env).__name__ == "GymEnv"
     sender.close()

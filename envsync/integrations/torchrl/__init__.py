@@ -1,0 +1,63 @@
+"""The torchrl integration: the only package that knows torchrl's collectors and envs.
+
+* :mod:`.factory` wraps env factories (hooks, template config);
+* :mod:`.adapter` holds the hooks on an env, the receiver's view of it, and the binding
+  to a collector;
+* :mod:`.scheme` attaches a sender to a collector through ``weight_sync_schemes``;
+* :mod:`.handlers` teaches ``envsync.reinit`` torchrl's stateful transforms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torchrl.envs import EnvBase
+from torchrl.weight_update import WeightSyncScheme
+
+from envsync.integrations.torchrl import handlers as _handlers  # noqa: F401  (registers them)
+from envsync.integrations.torchrl.factory import wrap_env_fn
+from envsync.integrations.torchrl.scheme import make_schemes
+from envsync.sender import Sender
+
+
+class EnvStateSender(Sender):
+    """Publishes the desired env state to the workers of torchrl collectors.
+
+    Takes the arguments of :class:`envsync.sender.Sender` (config template, ``apply``,
+    ``reinit``, ``apply_at``, ``allow_nonfinite``, ``env_state_template``) and adds what a
+    torchrl collector needs: :meth:`env_fn` and :meth:`schemes`.
+
+    Examples:
+        >>> sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+        >>> sender.push(config={"difficulty": 0.5})  # no collector yet: desired state only
+        1
+        >>> sender.desired_config()["difficulty"].item()
+        0.5
+        >>> sender.close()
+    """
+
+    def env_fn(self, fn: Callable[..., EnvBase] | EnvBase) -> Any:
+        """Wrap an env factory (or a built env) so its env carries envsync's safe points.
+
+        Args:
+            fn: a callable returning an ``EnvBase``, or an ``EnvBase``.
+
+        Returns:
+            A picklable factory (or, for a built env, that env, hooked).
+        """
+        return wrap_env_fn(self, fn)
+
+    def schemes(self, policy_scheme: WeightSyncScheme | None = None) -> dict[str, WeightSyncScheme]:
+        """The ``weight_sync_schemes`` to pass to the collector.
+
+        Args:
+            policy_scheme: replaces the default ``"policy"`` scheme.
+
+        Returns:
+            ``{"env": <envsync scheme>, "policy": <policy scheme>}``.
+        """
+        return make_schemes(self, policy_scheme)
+
+
+__all__ = ["EnvStateSender"]

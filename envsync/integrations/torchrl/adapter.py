@@ -1,0 +1,308 @@
+"""How a receiver sits beside a torchrl env without a ``TransformedEnv`` layer.
+
+:class:`EnvHooks` is installed on the env a wrapped factory builds: it replaces that env
+instance's ``_step`` and ``_reset`` (torchrl calls them through every wrapper around it),
+which makes them the receiver's safe points. With nothing pending, a step costs one integer
+read and a counter increment. Tags are not written per step: the hooks note at which step
+of the rollout a version took effect, and :meth:`EnvHooks.tag` writes ``"env_version"`` (at
+the root and under ``"next"``) and ``"env_index"`` once per rollout.
+
+:class:`CollectorAdapter` is the receiver's view of that env and its collector, and
+:func:`bind` ties a receiver to a collector: it wraps the collector instance's ``rollout``
+and the commands torchrl's worker loop runs on the env (reset, seed, state dicts, close),
+so the idle listener never applies while the collector drives the env.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torchrl.envs import EnvBase
+
+from envsync import reinit
+from envsync.errors import ValidationError
+from envsync.links.base import LinkHandle
+from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.state import config_applier, env_state_dict
+
+VERSION_KEY = "env_version"
+INDEX_KEY = "env_index"
+_GUARDED = ("reset", "set_seed", "state_dict", "load_state_dict", "shutdown", "cascade_execute", "get_distant_attr")
+
+Changes = list[tuple[int, int]]
+"""``(frame index, version)`` pairs: the version from that frame of the rollout on."""
+
+
+def _mark(changes: Changes, frame: int, version: int) -> None:
+    if changes[-1][1] == version:
+        return
+    if changes[-1][0] == frame:
+        changes[-1] = (frame, version)
+    else:
+        changes.append((frame, version))
+
+
+def _fill(out: torch.Tensor, changes: Changes) -> None:
+    steps = out.shape[-1]
+    for i, (frame, version) in enumerate(changes):
+        end = changes[i + 1][0] if i + 1 < len(changes) else steps
+        if frame < steps:
+            out[..., frame:end] = version
+
+
+class EnvHooks:
+    """Safe points and tag bookkeeping for one env (installed by the wrapped factory).
+
+    Args:
+        env: the env to hook; its ``_step`` and ``_reset`` are replaced on the instance.
+        spec: how versions are applied.
+        initial_config: the config the env was built with (version 0).
+
+    Examples:
+        >>> from envsync.envs import make_drift_env
+        >>> from envsync.protocol import ApplyAt
+        >>> env = make_drift_env()
+        >>> hooks = EnvHooks.install(env, ApplySpec(None, ApplyAt.RESET), None)
+        >>> _ = env.rollout(3)
+        >>> hooks.frame
+        3
+    """
+
+    def __init__(self, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase | None) -> None:
+        self.spec = spec
+        self.initial_config = initial_config
+        self.receiver: EnvStateReceiver | None = None
+        self.env_index = 0
+        self.frame = 0
+        self.obs_version = 0
+        self._root: Changes = [(0, 0)]
+        self._next: Changes = [(0, 0)]
+        self._settled = True
+        self._targets: Any = None
+        self._worker = 0
+        self._step = env._step
+        self._reset = env._reset
+
+    @classmethod
+    def install(cls, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase | None) -> EnvHooks:
+        """Hook ``env`` (once: an env hooked already keeps its hooks)."""
+        hooks = env.__dict__.get("_envsync_hooks")
+        if isinstance(hooks, EnvHooks):
+            return hooks
+        hooks = cls(env, spec, initial_config)
+        env.__dict__["_envsync_hooks"] = hooks
+        env._step = hooks.step
+        env._reset = hooks.reset
+        return hooks
+
+    def bind(self, receiver: EnvStateReceiver, env_index: int) -> None:
+        """Serve ``receiver`` from now on (replacing any earlier one)."""
+        previous = self.receiver
+        if previous is not None:
+            previous.close()
+        self.receiver = receiver
+        self.env_index = env_index
+        self._targets = receiver.link.targets  # type: ignore[attr-defined]
+        self._worker = receiver.link.worker
+        self._settled = False
+
+    def step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        frame = self.frame
+        self.frame = frame + 1
+        receiver = self.receiver
+        if receiver is None or (self._settled and self._targets[self._worker] == receiver.seen):
+            return self._step(tensordict)
+        return self._slow_step(receiver, frame, tensordict)
+
+    def _slow_step(self, receiver: EnvStateReceiver, frame: int, tensordict: TensorDictBase) -> TensorDictBase:
+        if receiver.applying:
+            return self._step(tensordict)
+        receiver.before_step()
+        version = receiver.version
+        _mark(self._next, frame, version)
+        out = self._step(tensordict)
+        if receiver.truncate_now():
+            _truncate(out)
+        _mark(self._root, frame + 1, version)
+        self.obs_version = version
+        self._settled = receiver.version == version
+        return out
+
+    def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        receiver = self.receiver
+        if receiver is None:
+            return self._reset(tensordict, **kwargs)
+        receiver.before_reset()
+        out = self._reset(tensordict, **kwargs)
+        self.obs_version = receiver.version
+        _mark(self._root, self.frame, self.obs_version)
+        self._settled = False
+        return out
+
+    def begin(self) -> None:
+        """A rollout starts: frames count from 0; tags carry over from the last state."""
+        version = self.receiver.version if self.receiver is not None else 0
+        self.frame = 0
+        self._root = [(0, self.obs_version)]
+        self._next = [(0, version)]
+        self._settled = version == self.obs_version
+
+    def tag(self, batch: TensorDictBase) -> None:
+        """Write the rollout's tags into ``batch`` (in place when it has them already)."""
+        shape = batch.batch_size
+        for key, changes in ((VERSION_KEY, self._root), (("next", VERSION_KEY), self._next)):
+            out = batch.get(key, None)
+            if out is None:
+                out = torch.empty(shape, dtype=torch.int64)
+                _fill(out, changes)
+                _set(batch, key, out)
+            else:
+                _fill(out, changes)
+        for key in (INDEX_KEY, ("next", INDEX_KEY)):
+            if batch.get(key, None) is None:
+                _set(batch, key, torch.full(shape, self.env_index, dtype=torch.int64))
+
+    def truncate_last(self, batch: TensorDictBase) -> None:
+        """End the rollout's last frame as truncated (a ``"truncate"`` version is pending)."""
+        nxt = batch.get("next")
+        last = nxt[..., -1]
+        _truncate(last)
+        nxt[..., -1] = last
+
+
+def _set(batch: TensorDictBase, key: Any, value: torch.Tensor) -> None:
+    if batch.is_locked:
+        with batch.unlock_():
+            batch.set(key, value)
+    else:
+        batch.set(key, value)
+
+
+def _truncate(next_tensordict: TensorDictBase) -> None:
+    done = next_tensordict.get("done")
+    truncated = next_tensordict.get("truncated", None)
+    truncated = torch.zeros_like(done) if truncated is None else truncated
+    next_tensordict.set("truncated", truncated | ~done)
+    next_tensordict.set("done", torch.ones_like(done))
+
+
+def find_hooks(env: Any) -> tuple[EnvBase, EnvHooks]:
+    """The hooked env inside a collector's env (torchrl may wrap it further) and its hooks."""
+    wrapped = env
+    while wrapped is not None:
+        hooks = getattr(wrapped, "__dict__", {}).get("_envsync_hooks")
+        if isinstance(hooks, EnvHooks):
+            return wrapped, hooks
+        wrapped = getattr(wrapped, "base_env", None)
+    raise ValidationError(
+        "the collector's env was not built by an envsync factory: build the collector with "
+        f"create_env_fn=sender.env_fn(make_env); its env is {type(env).__name__}"
+    )
+
+
+class CollectorAdapter:
+    """The receiver's view of a hooked env and the collector that drives it (both by weakref).
+
+    Args:
+        collector: the (inner) collector.
+        env: the hooked env (the one the factory built).
+        spec: how versions are applied.
+    """
+
+    def __init__(self, collector: Any, env: EnvBase, spec: ApplySpec) -> None:
+        self._collector = weakref.ref(collector)
+        self._env = weakref.ref(env)
+        self._apply = config_applier(env, spec.apply)
+        self._reinit = reinit.runner(reinit.plan(env, spec.reinit))
+
+    def _live_env(self) -> EnvBase:
+        env = self._env()
+        if env is None:
+            raise RuntimeError("the env of this receiver is gone")
+        return env
+
+    def apply_config(self, config: TensorDictBase) -> None:
+        self._apply(config)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return env_state_dict(self._live_env(), keep_vars=True)
+
+    def reinit(self, version: int) -> None:
+        self._reinit(self._live_env(), version)
+
+    def reset(self) -> None:
+        collector = self._collector()
+        if collector is not None:
+            collector.reset()
+
+
+@contextmanager
+def _busy(receiver_ref: weakref.ReferenceType[EnvStateReceiver]) -> Iterator[None]:
+    receiver = receiver_ref()
+    if receiver is None:
+        yield
+        return
+    with receiver.busy():
+        yield
+
+
+def _guard(collector: Any, name: str, receiver_ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
+    collector_ref = weakref.ref(collector)
+    method = getattr(type(collector), name)
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        with _busy(receiver_ref):
+            return method(collector_ref(), *args, **kwargs)
+
+    setattr(collector, name, guarded)
+
+
+def _wrap_rollout(collector: Any, hooks: EnvHooks, receiver_ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
+    collector_ref = weakref.ref(collector)
+    rollout = type(collector).rollout
+
+    def wrapped() -> Any:
+        receiver = receiver_ref()
+        if receiver is None:
+            return rollout(collector_ref())
+        with receiver.busy():
+            hooks.begin()
+            batch = rollout(collector_ref())
+            if batch is not None:
+                hooks.tag(batch)
+                if receiver.truncate_now():
+                    hooks.truncate_last(batch)
+        receiver.apply_if_idle()
+        return batch
+
+    collector.rollout = wrapped
+
+
+def bind(collector: Any, handle: LinkHandle, worker: int, env_index: int) -> EnvStateReceiver:
+    """Bind a receiver to ``collector``'s env as ``worker`` of ``handle``, and catch up.
+
+    Raises:
+        ValidationError: the collector's env was not built by an envsync factory.
+    """
+    env, hooks = find_hooks(collector.env)
+    receiver = EnvStateReceiver(
+        link=handle.open(worker),
+        spec=hooks.spec,
+        adapter=CollectorAdapter(collector, env, hooks.spec),
+        initial_config=hooks.initial_config,
+    )
+    hooks.bind(receiver, env_index)
+    receiver_ref = weakref.ref(receiver)
+    _wrap_rollout(collector, hooks, receiver_ref)
+    for name in _GUARDED:
+        if hasattr(type(collector), name):
+            _guard(collector, name, receiver_ref)
+    receiver.start()
+    return receiver
+
+

@@ -1,0 +1,221 @@
+"""The weight-sync schemes that attach a sender to a torchrl collector.
+
+:class:`EnvSyncScheme` goes under the key ``"env"`` of ``weight_sync_schemes``: torchrl
+calls ``init_on_sender`` in the main process (we attach the collector to the sender, which
+builds a shared-memory link), pickles the scheme into each worker, and calls
+``init_on_receiver`` there (we bind a receiver to the worker's inner collector). A
+single-process ``Collector`` gets an in-process link and its receiver at once.
+``collector.update_policy_weights_(weights=..., model_id="env")`` reaches
+:meth:`EnvSyncScheme.send`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from tensordict import TensorDictBase
+from torch import nn
+from torchrl.collectors import Collector
+from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
+
+from envsync.errors import ValidationError
+from envsync.integrations.torchrl.adapter import bind
+from envsync.links.base import Flat, LinkHandle
+from envsync.links.local import LocalLink
+from envsync.links.shared_memory import SharedMemoryLink
+from envsync.receiver import EnvStateReceiver
+
+if TYPE_CHECKING:
+    from envsync.sender import Sender
+
+
+def _detached(collector_ref: weakref.ReferenceType[Any]) -> bool:
+    collector = collector_ref()
+    return collector is None or bool(getattr(collector, "closed", False))
+
+
+def _worker_alive(collector_ref: weakref.ReferenceType[Any], worker: int) -> bool:
+    collector = collector_ref()
+    procs = getattr(collector, "procs", None) or []
+    return worker >= len(procs) or procs[worker].is_alive()
+
+
+class EnvSyncScheme(WeightSyncScheme):
+    """The ``"env"`` weight-sync scheme: attaches a sender to a collector and binds a
+    receiver in each worker.
+
+    Args:
+        sender: the sender to attach (kept in the main process only).
+    """
+
+    def __init__(self, sender: Sender) -> None:
+        super().__init__()
+        self._sender: Sender | None = sender
+        self._handle: LinkHandle | None = None
+        self._offset = 0
+        self._owner_pid = os.getpid()
+        self._receiver: EnvStateReceiver | None = None
+
+    @property
+    def initialized_on_sender(self) -> bool:
+        # Under fork the worker inherits the main process's copy: it is no sender there.
+        return bool(getattr(self, "_initialized_on_sender", False)) and os.getpid() == self._owner_pid
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_sender"] = None
+        state["_receiver"] = None
+        return state
+
+    def _init_on_sender_impl(self, *, model_id: str, context: Any = None, ctx: Any = None, **kwargs: Any) -> None:
+        if self._sender is None:
+            raise ValidationError("this envsync scheme was not made by sender.schemes()")
+        self.model_id = model_id
+        self.context = context
+        collector_ref = weakref.ref(context)
+        if isinstance(context, Collector):
+            self._attach_in_process(self._sender, context)
+            return
+        num_workers = context.num_workers
+        context_ = ctx if ctx is not None else mp.get_context("spawn")
+
+        def make(leaves: Flat) -> SharedMemoryLink:
+            link = SharedMemoryLink(
+                leaves, num_workers, ctx=context_, alive=lambda worker: _worker_alive(collector_ref, worker)
+            )
+            self._handle = link.handle()
+            return link
+
+        scheme_ref = weakref.ref(self)
+
+        def forget() -> None:  # the collector may outlive the sender: let go of the semaphores
+            scheme = scheme_ref()
+            if scheme is not None:
+                scheme._handle = None
+
+        attachment = self._sender.attach(
+            num_workers, make, detached=lambda: _detached(collector_ref), on_close=forget
+        )
+        self._offset = attachment.offset
+
+    def _attach_in_process(self, sender: Sender, collector: Collector) -> None:
+        collector_ref = weakref.ref(collector)
+        attachment = sender.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: _detached(collector_ref))
+        try:
+            self._receiver = receiver = bind(collector, attachment.link.handle(), 0, attachment.offset)
+        except BaseException:
+            sender.detach(attachment)
+            raise
+        attachment.on_close = receiver.close
+
+    def _init_on_receiver_impl(
+        self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
+    ) -> None:
+        if self._handle is None or worker_idx is None:
+            raise ValidationError("envsync scheme reached a worker without a link or worker index")
+        self.model_id = model_id
+        self.context = context
+        self._receiver = bind(context, self._handle, worker_idx, self._offset + worker_idx)
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        raise ValidationError("envsync moves env state through its own link, not torchrl's transports")
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
+        if self.initialized_on_sender:
+            self.synchronized_on_sender = True
+        else:
+            self.synchronized_on_receiver = True
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Route ``update_policy_weights_(weights=..., model_id="env")`` to a push."""
+        if self._sender is None:
+            raise ValidationError("this envsync scheme has no sender in this process")
+        if weights is None:
+            raise ValidationError("update_policy_weights_(model_id='env') needs weights=TensorDict(config=...)")
+        if not isinstance(weights, TensorDictBase | dict):
+            raise ValidationError(f"env weights must be a TensorDict or dict, got {type(weights).__name__}")
+        unknown = set(weights.keys()) - {"config", "env_state"}
+        if unknown:
+            raise ValidationError(f"env weights take the keys 'config' and 'env_state', got {sorted(unknown)}")
+        workers = [worker_ids] if isinstance(worker_ids, int) else worker_ids
+        if workers is not None:
+            workers = [self._offset + w for w in workers]
+        self._sender.push(
+            config=weights.get("config", None),
+            env_state=weights.get("env_state", None),
+            workers=workers,
+            wait="received",
+        )
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+
+
+class PolicySyncScheme(SharedMemWeightSyncScheme):
+    """torchrl's shared-memory policy sync, inert when there is no ``nn.Module`` policy.
+
+    A multi-process collector with an ``nn.Module`` policy needs a ``"policy"`` scheme once
+    any scheme is given (its workers receive the policy on the meta device). With
+    ``policy=None`` or a plain callable, or on a single-process ``Collector``, the stock scheme
+    fails; this one then does nothing, or falls back to the collector's local update.
+    """
+
+    _active = True
+
+    def _init_on_sender_impl(self, *, model_id: str, context: Any = None, **kwargs: Any) -> None:
+        policy = getattr(context, "policy", None)
+        self._active = not isinstance(context, Collector) and isinstance(policy, nn.Module)
+        if self._active:
+            super()._init_on_sender_impl(model_id=model_id, context=context, **kwargs)
+            return
+        self.model_id = model_id
+        self.context = context
+
+    def _init_on_receiver_impl(self, *, model_id: str, context: Any = None, **kwargs: Any) -> None:
+        if self._active:
+            super()._init_on_receiver_impl(model_id=model_id, context=context, **kwargs)
+            return
+        self.model_id = model_id
+        self.context = context
+        model = kwargs.get("model")
+        if model is not None:
+            self.model = model
+
+    @property
+    def model(self) -> Any | None:
+        if self._active:
+            return WeightSyncScheme.model.fget(self)
+        return self._model_ref() if self._model_ref is not None else None
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model_ref = weakref.ref(model) if model is not None else None
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
+        if self._active:
+            super().connect(worker_idx=worker_idx, weights=weights)
+        elif self.initialized_on_sender:
+            self.synchronized_on_sender = True
+        else:
+            self.synchronized_on_receiver = True
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        if self._active:
+            super().send(weights=weights, worker_ids=worker_ids)
+            return
+        context = self.context
+        if isinstance(context, Collector):
+            context._maybe_fallback_update(weights, model_id="policy")
+
+    def shutdown(self) -> None:
+        if self._active:
+            super().shutdown()
+
+
+def make_schemes(sender: Sender, policy_scheme: WeightSyncScheme | None = None) -> dict[str, WeightSyncScheme]:
+    """Implementation of :meth:`envsync.EnvStateSender.schemes`."""
+    return {"env": EnvSyncScheme(sender), "policy": policy_scheme or PolicySyncScheme()}

@@ -1,0 +1,123 @@
+"""The link interface: what the sender and a receiver need from the bytes underneath.
+
+A link carries, per worker, the worker's whole desired state as flat leaves (see
+:data:`Key`), a target version, the acknowledgements (received, applied, failed), a failure
+text and an *undo* mark. It carries tensors and integers only: nothing read from the data
+plane is ever unpickled.
+
+Call order, sender side: ``write`` (leaves and target together, under the worker's slot
+lock) -> ``notify`` -> ``wait_acks`` until :func:`~envsync.protocol.is_done` holds.
+Receiver side: ``target`` (one integer read, on every safe point) -> ``ack_received`` ->
+``read_header`` -> apply config -> ``load_entries`` (straight from the slot into the env) ->
+``ack_applied`` or ``report_failure``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from envsync.protocol import WorkerStatus
+
+Key = tuple[str, str]
+"""A leaf of a worker's desired state: ``(section, dotted name)``. Sections: ``"config"``
+(config names, e.g. ``"task.id"``), ``"env_state"`` (state_dict keys, e.g.
+``"transforms.0.loc"``) and ``"stamp"`` (per env-state key, the version that last pushed it;
+0 means never pushed)."""
+
+Flat = dict[Key, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a receiver reads first: the version, the config leaves (copies), the stamps of
+    the env-state entries and the undo mark.
+
+    Args:
+        version: the target version.
+        config: the config leaves, copied out of the slot.
+        stamps: per env-state key, the version that last pushed it.
+        undo: a version whose env-state changes this worker must undo (0: none).
+    """
+
+    version: int
+    config: dict[str, torch.Tensor]
+    stamps: dict[str, int]
+    undo: int
+
+
+class SenderLink(Protocol):
+    """The main process's side of a link."""
+
+    num_workers: int
+
+    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+        """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically."""
+
+    def notify(self, worker: int) -> None:
+        """Wake the worker's idle listener (a busy worker needs no wake-up)."""
+
+    def status(self, worker: int) -> WorkerStatus:
+        """Read the worker's acknowledgements."""
+
+    def error_text(self, worker: int) -> str:
+        """The traceback text of the worker's latest failure."""
+
+    def alive(self, worker: int) -> bool:
+        """Whether the worker can still answer."""
+
+    def wait_acks(self, timeout: float) -> None:
+        """Block until some worker acknowledges something, or ``timeout`` passes."""
+
+    def handle(self) -> LinkHandle:
+        """What a worker needs to open its end (picklable for the shared-memory link)."""
+
+    def close(self) -> None:
+        """Release every resource; idempotent."""
+
+
+class LinkHandle(Protocol):
+    """Opens one worker's end of a link."""
+
+    def open(self, worker: int) -> ReceiverLink:
+        """Return ``worker``'s end."""
+
+
+class ReceiverLink(Protocol):
+    """One worker's side of a link."""
+
+    worker: int
+
+    def target(self) -> int:
+        """The latest version published to this worker (one integer read)."""
+
+    def read_header(self) -> Header:
+        """A consistent copy of the version, the config, the stamps and the undo mark."""
+
+    def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
+        """Call ``load(name, slot_view)`` for each env-state name, under the slot lock, if the
+        target is still ``version``; return whether it was (else read the header again)."""
+
+    def ack_received(self, version: int) -> None:
+        """Tell the sender this version is seen and armed."""
+
+    def ack_applied(self, version: int) -> None:
+        """Tell the sender the env runs this version."""
+
+    def report_failure(self, version: int, text: str) -> None:
+        """Tell the sender this version failed, with the traceback text."""
+
+    def set_busy(self, busy: bool) -> None:
+        """Tell the sender whether the collector drives the env (then it needs no wake-up)."""
+
+    def wait_notice(self, timeout: float) -> bool:
+        """Block until the sender notifies this worker or ``timeout`` passes."""
+
+    def owner_alive(self) -> bool:
+        """Whether the sender's process still runs (a worker whose sender died exits)."""
+
+    def close(self) -> None:
+        """Drop the mapping."""

@@ -1,0 +1,68 @@
+"""The in-process link: the same slot table in ordinary memory, with thread locks. Used by
+the single-process ``Collector`` (its env lives in the main process) and by unit tests of
+the sender and receiver logic, which then run in milliseconds."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from envsync.links.base import Key
+from envsync.links.slots import SlotReader, SlotWriter, Table, plan
+
+
+class LocalLink(SlotWriter):
+    """The sender end over memory in this process.
+
+    Args:
+        leaves: one worker's starting leaves (they fix the layout).
+        num_workers: how many receivers read this link.
+        alive: tells whether a worker can still answer.
+
+    Examples:
+        >>> link = LocalLink({("config", "x"): torch.zeros(2)}, 2)
+        >>> link.write(1, 3, {("config", "x"): torch.ones(2)})
+        >>> link.handle().open(1).read_header().config["x"].tolist()
+        [1.0, 1.0]
+        >>> link.handle().open(0).read_header().version
+        0
+    """
+
+    def __init__(
+        self, leaves: Mapping[Key, torch.Tensor], num_workers: int, *, alive: Callable[[int], bool] = lambda w: True
+    ) -> None:
+        fields, size = plan(leaves, num_workers)
+        table = Table(torch.zeros(size, dtype=torch.uint8), fields, num_workers)
+        locks = [threading.Lock() for _ in range(num_workers)]
+        wakes = [threading.Semaphore(0) for _ in range(num_workers)]
+        super().__init__(table, locks, wakes, threading.Semaphore(0))
+        self.initialise(leaves)
+        self._alive = alive
+        self._ends = LocalHandle(table, locks, wakes, self._acks)
+
+    def alive(self, worker: int) -> bool:
+        return self._alive(worker)
+
+    def handle(self) -> LocalHandle:
+        return self._ends
+
+    def close(self) -> None:
+        return None
+
+
+class LocalHandle:
+    """Opens receiver ends on the same table (not picklable: in-process only)."""
+
+    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
+        self._table = table
+        self._locks = locks
+        self._wakes = wakes
+        self._acks = acks
+
+    def open(self, worker: int) -> SlotReader:
+        if not 0 <= worker < self._table.num_workers:
+            raise IndexError(f"worker {worker} out of range for {self._table.num_workers} workers")
+        return SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks)

@@ -1,0 +1,185 @@
+"""The shared-memory link: one file ``/dev/shm/envsync-<owner pid>-<token>`` (mode 0600)
+per attachment, holding the slot table (:mod:`envsync.links.slots`); locks and semaphores
+come from the workers' multiprocessing context.
+
+The owner holds a shared ``flock`` on the file for as long as the link is open, so a file
+whose owner is gone is recognised by its lock, not by a pid (pids are reused, and other
+PID namespaces may share /dev/shm): the next link created removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from envsync.links.base import Key
+from envsync.links.slots import Field, SlotReader, SlotWriter, Table, plan
+
+SHM_DIR = "/dev/shm"
+PREFIX = "envsync-"
+
+
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove envsync files that no live link holds; return the paths removed.
+
+    Examples:
+        >>> isinstance(sweep_stale(), list)
+        True
+    """
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith(PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live owner holds it
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
+
+
+def _release(path: str, fd: int, owner: int) -> None:
+    if os.getpid() == owner:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class SharedMemoryLink:
+    """The sender end over a /dev/shm file.
+
+    Args:
+        leaves: one worker's starting leaves (they fix the layout).
+        num_workers: how many workers read this link.
+        ctx: the workers' multiprocessing context (locks and semaphores are made from it).
+        alive: tells whether a worker's process still runs.
+
+    Examples:
+        >>> import multiprocessing as mp
+        >>> link = SharedMemoryLink({("config", "x"): torch.zeros(2)}, 1, ctx=mp.get_context("spawn"))
+        >>> link.write(0, 1, {("config", "x"): torch.ones(2)})
+        >>> end = link.handle().open(0)
+        >>> header = end.read_header()
+        >>> header.version, header.config["x"].tolist()
+        (1, [1.0, 1.0])
+        >>> link.close()
+    """
+
+    def __init__(
+        self,
+        leaves: Mapping[Key, torch.Tensor],
+        num_workers: int,
+        *,
+        ctx: Any,
+        alive: Callable[[int], bool] = lambda worker: True,
+    ) -> None:
+        sweep_stale()
+        self.num_workers = num_workers
+        fields, size = plan(leaves, num_workers)
+        token = f"{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join(SHM_DIR, f"{PREFIX}{token}")
+        # locked under a name no sweep looks at, then renamed: a sweep never sees it unlocked
+        hidden = os.path.join(SHM_DIR, f".{PREFIX}{token}")
+        fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, size)
+        os.rename(hidden, self.path)
+        self._finalizer = weakref.finalize(self, _release, self.path, fd, os.getpid())
+        self._handle: SharedMemoryHandle | None = SharedMemoryHandle(
+            path=self.path,
+            fields=fields,
+            size=size,
+            num_workers=num_workers,
+            locks=[ctx.Lock() for _ in range(num_workers)],
+            wakes=[ctx.Semaphore(0) for _ in range(num_workers)],
+            acks=ctx.Semaphore(0),
+            owner=os.getpid(),
+        )
+        handle = self._handle
+        self._writer: SlotWriter | None = SlotWriter(handle.table(), handle.locks, handle.wakes, handle.acks)
+        self._writer.initialise(leaves)
+        self._alive = alive
+
+    def _live(self) -> SlotWriter:
+        if self._writer is None:
+            raise RuntimeError("link is closed")
+        return self._writer
+
+    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+        self._live().write(worker, version, entries, undo=undo)
+
+    def notify(self, worker: int) -> None:
+        self._live().notify(worker)
+
+    def status(self, worker: int) -> Any:
+        return self._live().status(worker)
+
+    def error_text(self, worker: int) -> str:
+        return self._live().error_text(worker)
+
+    def alive(self, worker: int) -> bool:
+        return self._alive(worker)
+
+    def wait_acks(self, timeout: float) -> None:
+        self._live().wait_acks(timeout)
+
+    def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
+        """A copy of every leaf currently published to ``worker``."""
+        return self._live().read_back(worker)
+
+    def worker_pid(self, worker: int) -> int:
+        """The pid a receiver wrote when it opened its end (0 before)."""
+        return int(self._live().table.counters["pid"][worker])
+
+    def handle(self) -> SharedMemoryHandle:
+        if self._handle is None:
+            raise RuntimeError("link is closed")
+        return self._handle
+
+    def close(self) -> None:
+        # drop every reference to the locks and semaphores: they are freed with the last one
+        self._writer = None
+        self._handle = None
+        self._finalizer()
+
+
+@dataclass
+class SharedMemoryHandle:
+    """What a worker needs to open its end: the path, the layout, the locks and semaphores."""
+
+    path: str
+    fields: list[Field]
+    size: int
+    num_workers: int
+    locks: list[Any]
+    wakes: list[Any]
+    acks: Any
+    owner: int
+
+    def table(self) -> Table:
+        raw = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
+        return Table(raw, self.fields, self.num_workers)
+
+    def open(self, worker: int) -> SlotReader:
+        """Map the file and return ``worker``'s end."""
+        if not 0 <= worker < self.num_workers:
+            raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
+        return SlotReader(self.table(), worker, self.locks[worker], self.wakes[worker], self.acks, owner=self.owner)

@@ -1,0 +1,245 @@
+"""The slot table both links lay out in one block of bytes: per worker, eight int64
+counters, an error-text buffer and one view per leaf of the desired state.
+
+A slot is written by the sender and read by its worker under the worker's *slot lock* (a
+process-shared lock for the shared-memory link), so a reader never sees a half-written
+slot on any CPU (a lock is a full memory barrier), and a write that fails half-way is
+undone before the lock is released. Acknowledgements have one writer each (the worker) and
+are single aligned integers: they need no lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from envsync.errors import EnvSyncError
+from envsync.links.base import Header, Key
+from envsync.protocol import NO_FAILURE, WorkerStatus
+
+ERROR_BYTES = 16384
+COUNTERS = ("target", "received", "applied", "failed", "error_len", "pid", "busy", "undo")
+_ALIGN = 64
+_LOCK_TIMEOUT = 10.0
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class Field:
+    """One array of the table: a counter, the error buffer, or a leaf (with a worker dim)."""
+
+    key: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan(leaves: Mapping[Key, torch.Tensor], num_workers: int) -> tuple[list[Field], int]:
+    """Lay out counters, error buffer and leaves, each 64-byte aligned; return fields and size.
+
+    Examples:
+        >>> fields, size = plan({("config", "x"): torch.zeros(2)}, 3)
+        >>> [f.key for f in fields][-1], size % 64
+        (('leaf', 'config', 'x'), 0)
+    """
+    fields = []
+    offset = 0
+    for name in COUNTERS:
+        fields.append(Field((name,), torch.int64, (num_workers,), offset))
+        offset = _align(offset + 8 * num_workers)
+    fields.append(Field(("error",), torch.uint8, (num_workers, ERROR_BYTES), offset))
+    offset = _align(offset + num_workers * ERROR_BYTES)
+    for key, value in leaves.items():
+        field = Field(("leaf", *key), value.dtype, (num_workers, *value.shape), offset)
+        fields.append(field)
+        offset = _align(offset + field.nbytes)
+    return fields, max(offset, _ALIGN)
+
+
+class Table:
+    """Typed views of the block: numpy counters, the error buffer, and per worker a dict of
+    leaf views made once (indexing per push would cost more than the copy)."""
+
+    def __init__(self, raw: torch.Tensor, fields: list[Field], num_workers: int) -> None:
+        self.raw = raw
+        self.num_workers = num_workers
+        arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
+        self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
+        self.error = arrays[("error",)].numpy()
+        leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
+        self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
+
+    def status(self, worker: int) -> WorkerStatus:
+        c = self.counters
+        return WorkerStatus(
+            worker=worker,
+            target=int(c["target"][worker]),
+            received=int(c["received"][worker]),
+            applied=int(c["applied"][worker]),
+            failed=int(c["failed"][worker]),
+        )
+
+    def error_text(self, worker: int) -> str:
+        length = int(self.counters["error_len"][worker])
+        return bytes(self.error[worker, :length]).decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def locked(lock: Any, what: str) -> Iterator[None]:
+    """Hold a slot lock; a lock held longer than any write takes means a dead holder."""
+    if not lock.acquire(timeout=_LOCK_TIMEOUT):
+        raise EnvSyncError(f"{what}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class SlotWriter:
+    """The sender's operations on a table (both links use it).
+
+    Args:
+        table: the views.
+        locks: one slot lock per worker.
+        wakes: one wake-up semaphore per worker.
+        acks: the semaphore every worker releases after an acknowledgement.
+    """
+
+    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
+        self.table = table
+        self.num_workers = table.num_workers
+        self._locks = locks
+        self._wakes = wakes
+        self._acks = acks
+
+    def initialise(self, leaves: Mapping[Key, torch.Tensor]) -> None:
+        """Give every worker the same starting leaves at version 0 (before any worker reads)."""
+        self.table.counters["failed"][:] = NO_FAILURE
+        for slot in self.table.slots:
+            for key, value in leaves.items():
+                slot[key].copy_(value)
+
+    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+        slot = self.table.slots[worker]
+        with locked(self._locks[worker], f"writing worker {worker}"):
+            kept = {key: slot[key].clone() for key in entries} if len(entries) > 1 else {}
+            try:
+                for key, value in entries.items():
+                    slot[key].copy_(value)
+            except BaseException:
+                for key, value in kept.items():
+                    slot[key].copy_(value)
+                raise
+            self.table.counters["undo"][worker] = undo
+            self.table.counters["target"][worker] = version
+
+    def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
+        """A copy of every leaf currently published to ``worker``."""
+        with locked(self._locks[worker], f"reading back worker {worker}"):
+            return {key: view.clone() for key, view in self.table.slots[worker].items()}
+
+    def notify(self, worker: int) -> None:
+        if not self.table.counters["busy"][worker]:
+            self._wakes[worker].release()
+
+    def status(self, worker: int) -> WorkerStatus:
+        return self.table.status(worker)
+
+    def error_text(self, worker: int) -> str:
+        return self.table.error_text(worker)
+
+    def wait_acks(self, timeout: float) -> None:
+        self._acks.acquire(timeout=max(timeout, 0.0))
+
+
+class SlotReader:
+    """One worker's operations on a table (both links use it)."""
+
+    def __init__(self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, *, owner: int = 0) -> None:
+        self.worker = worker
+        self._owner = owner
+        self.table = table
+        self.targets = table.counters["target"]
+        self._c = table.counters
+        self._slot = table.slots[worker]
+        self._lock = lock
+        self._wake = wake
+        self._acks = acks
+        self._c["pid"][worker] = os.getpid()
+
+    def target(self) -> int:
+        return int(self.targets[self.worker])
+
+    def read_header(self) -> Header:
+        with locked(self._lock, f"worker {self.worker} reading"):
+            return Header(
+                version=int(self.targets[self.worker]),
+                config={k[1]: v.clone() for k, v in self._slot.items() if k[0] == "config"},
+                stamps={k[1]: int(v) for k, v in self._slot.items() if k[0] == "stamp"},
+                undo=int(self._c["undo"][self.worker]),
+            )
+
+    def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
+        with locked(self._lock, f"worker {self.worker} loading"):
+            if int(self.targets[self.worker]) != version:
+                return False
+            for name in names:
+                load(name, self._slot[("env_state", name)])
+            return True
+
+    def _signal(self) -> None:
+        self._acks.release()
+
+    def ack_received(self, version: int) -> None:
+        received = self._c["received"]
+        if version > received[self.worker]:
+            received[self.worker] = version
+            self._signal()
+
+    def ack_applied(self, version: int) -> None:
+        self._c["applied"][self.worker] = version
+        received = self._c["received"]
+        if version > received[self.worker]:
+            received[self.worker] = version
+        self._signal()
+
+    def report_failure(self, version: int, text: str) -> None:
+        data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
+        self.table.error[self.worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._c["error_len"][self.worker] = len(data)
+        self._c["failed"][self.worker] = version
+        self._signal()
+
+    def set_busy(self, busy: bool) -> None:
+        self._c["busy"][self.worker] = int(busy)
+
+    def wait_notice(self, timeout: float) -> bool:
+        return bool(self._wake.acquire(timeout=timeout))
+
+    def owner_alive(self) -> bool:
+        """Whether the process that owns the link (the sender's) still runs."""
+        if not self._owner or self._owner == os.getpid():
+            return True
+        try:
+            os.kill(self._owner, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        return None

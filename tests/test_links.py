@@ -1,0 +1,162 @@
+"""envsync.links: slot layout, the slot lock, acks, errors, clean-up; both links alike."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from envsync.links.local import LocalLink
+from envsync.links.shared_memory import PREFIX, SHM_DIR, SharedMemoryLink, sweep_stale
+from envsync.protocol import NO_FAILURE
+
+LEAVES = {
+    ("config", "difficulty"): torch.tensor(0.0),
+    ("config", "level"): torch.tensor(1),
+    ("env_state", "loc"): torch.zeros(3),
+    ("stamp", "loc"): torch.tensor(0),
+}
+
+
+def make(kind: str, workers: int = 2) -> Any:
+    if kind == "shm":
+        return SharedMemoryLink(LEAVES, workers, ctx=mp.get_context("spawn"))
+    return LocalLink(LEAVES, workers)
+
+
+KINDS = ["shm", "local"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_writes_reach_only_the_targeted_worker(kind: str) -> None:
+    link = make(kind)
+    try:
+        ends = [link.handle().open(w) for w in range(2)]
+        link.write(1, 5, {("config", "difficulty"): torch.tensor(0.5)})
+        first = ends[0].read_header()
+        assert first.version == 0 and first.config["difficulty"] == 0.0
+        header = ends[1].read_header()
+        assert header.version == 5 and header.config["difficulty"] == 0.5 and header.config["level"] == 1
+        assert link.status(1).target == 5 and link.status(0).target == 0
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_env_state_loads_straight_from_the_slot_while_the_version_holds(kind: str) -> None:
+    link = make(kind, 1)
+    try:
+        end = link.handle().open(0)
+        link.write(0, 1, {("env_state", "loc"): torch.ones(3), ("stamp", "loc"): torch.tensor(1)})
+        header = end.read_header()
+        assert header.stamps == {"loc": 1}
+        into = torch.zeros(3)
+        assert end.load_entries(header.version, ["loc"], lambda name, view: into.copy_(view))
+        assert into.tolist() == [1.0, 1.0, 1.0]
+        link.write(0, 2, {("config", "level"): torch.tensor(7)})
+        assert not end.load_entries(header.version, ["loc"], lambda name, view: into.zero_())
+        assert into.tolist() == [1.0, 1.0, 1.0]
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_acks_and_failure_text_travel_back(kind: str) -> None:
+    link = make(kind, 1)
+    try:
+        end = link.handle().open(0)
+        assert link.status(0).failed == NO_FAILURE
+        end.ack_received(3)
+        end.ack_applied(2)
+        assert (link.status(0).received, link.status(0).applied) == (3, 2)
+        end.report_failure(4, "Traceback: boom é")
+        assert link.status(0).failed == 4 and link.error_text(0) == "Traceback: boom é"
+        link.notify(0)
+        assert end.wait_notice(1.0) and not end.wait_notice(0.01)
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_ack_wakes_a_blocked_sender(kind: str) -> None:
+    link = make(kind, 1)
+    end = link.handle().open(0)
+    try:
+        timer = threading.Timer(0.05, end.ack_applied, args=(1,))
+        start = time.monotonic()
+        timer.start()
+        link.wait_acks(5.0)
+        assert link.status(0).applied == 1 and time.monotonic() - start < 2.0
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reader_never_sees_a_torn_payload(kind: str) -> None:
+    """A slot of many leaves, rewritten as fast as possible while read: every read sees one
+    version's values throughout (leaves and target from the same write)."""
+    leaves = {("config", f"x{i}"): torch.zeros(64) for i in range(16)}
+    link = SharedMemoryLink(leaves, 1, ctx=mp.get_context("spawn")) if kind == "shm" else LocalLink(leaves, 1)
+    stop = threading.Event()
+    torn = []
+
+    def writer() -> None:
+        v = 0
+        while not stop.is_set():
+            v += 1
+            link.write(0, v, {key: torch.full((64,), float(v)) for key in leaves})
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        end = link.handle().open(0)
+        for _ in range(300):
+            header = end.read_header()
+            values = {float(v) for t in header.config.values() for v in t.unique()}
+            if values != {float(header.version)} and header.version:
+                torn.append((header.version, sorted(values)))
+    finally:
+        stop.set()
+        thread.join()
+        link.close()
+    assert torn == []
+
+
+def test_a_failed_write_is_undone_before_anyone_reads() -> None:
+    link = LocalLink(LEAVES, 1)
+    entries = {("config", "difficulty"): torch.tensor(0.5), ("env_state", "loc"): torch.ones(4)}  # bad shape
+    with pytest.raises(RuntimeError):
+        link.write(0, 1, entries)
+    header = link.handle().open(0).read_header()
+    assert header.version == 0 and header.config["difficulty"] == 0.0
+
+
+def test_file_is_private_and_removed_on_close() -> None:
+    link = make("shm")
+    assert os.stat(link.path).st_mode & 0o777 == 0o600
+    link.close()
+    assert not os.path.exists(link.path)
+
+
+def test_files_no_live_link_holds_are_swept_and_live_ones_kept() -> None:
+    code = (
+        "import multiprocessing as mp, torch, os;"
+        "from envsync.links.shared_memory import SharedMemoryLink;"
+        "link = SharedMemoryLink({('config', 'x'): torch.zeros(1)}, 1, ctx=mp.get_context('spawn'));"
+        "print(link.path, flush=True); os._exit(0)"
+    )
+    path = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.basename(path).startswith(PREFIX) and os.path.exists(path)
+    live = make("shm")  # creating a link sweeps too
+    try:
+        assert not os.path.exists(path)
+        assert live.path not in sweep_stale(SHM_DIR) and os.path.exists(live.path)
+    finally:
+        live.close()
