@@ -204,3 +204,51 @@ def make_noisy_env(norm: str = "observation_norm", label: int = 0) -> Any:
     env = NoisyEnv()
     env.generator.manual_seed(label)
     return TransformedEnv(env, Compose(first, StepCounter()))
+
+
+class NoTruncationEnv(CounterEnv):
+    """A CounterEnv whose done spec has no ``"truncated"`` key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done_spec = Composite(
+            done=Categorical(2, (1,), dtype=torch.bool), terminated=Categorical(2, (1,), dtype=torch.bool)
+        )
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
+        return super()._reset(tensordict).exclude("truncated")
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        return super()._step(tensordict).exclude("truncated")
+
+
+def built_in_main_refused(label: int = 0, main_pid: int = 0) -> CounterEnv:
+    """A factory that refuses to build an env in the process ``main_pid`` (a simulator that
+    must not be initialised before workers fork)."""
+    import os
+
+    if os.getpid() == main_pid:
+        raise RuntimeError("this env must not be built in the main process")
+    return make_normed_counter_env(label)
+
+
+def apply_breaking_reset(env: Any, config: TensorDictBase) -> None:
+    """Sets the difficulty; a difficulty above 100 makes the next reset raise."""
+    base = env.base_env if hasattr(env, "base_env") else env
+    base.set_difficulty(float(config["difficulty"]))
+    base.break_reset = float(config["difficulty"]) > 100
+
+
+class FragileResetEnv(CounterEnv):
+    """A CounterEnv whose reset raises once ``break_reset`` is set."""
+
+    break_reset = False
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
+        if self.break_reset:
+            raise RuntimeError("reset refused under this config")
+        return super()._reset(tensordict, **kwargs)
+
+
+def make_fragile_env(label: int = 0) -> FragileResetEnv:
+    return FragileResetEnv(label=label)

@@ -62,14 +62,17 @@ def test_env_state_is_validated_against_a_probe_env() -> None:
 
 
 def test_truncate_needs_a_truncated_key() -> None:
-    from torchrl.envs import GymEnv
+    from helpers import NoTruncationEnv
 
     sender = EnvStateSender(config={"difficulty": 0.0}, apply_at="truncate")
     sender.env_fn(make_drift_env)
     assert sender.env_state_template().keys == []
+    sender.close()
     sender = EnvStateSender(config={}, apply_at="truncate")
-    sender.env_fn(lambda: GymEnv("CartPole-v1"))
-    sender.env_state_template()
+    sender.env_fn(NoTruncationEnv)
+    with pytest.raises(ValidationError, match="needs a 'truncated' done key"):
+        sender.env_state_template()
+    sender.close()
 
 
 def test_checkpoint_round_trips_before_attach() -> None:
