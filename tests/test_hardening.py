@@ -124,7 +124,7 @@ def test_5_a_reset_that_fails_after_an_idle_truncate_apply_is_a_failure_not_a_su
 
 def test_6_a_write_that_fails_half_way_is_never_seen_and_reads_never_spin() -> None:
     link = LocalLink({("config", "a"): torch.zeros(2), ("config", "b"): torch.zeros(2)}, 1)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="does not fit"):
         link.write(0, 1, {("config", "a"): torch.ones(2), ("config", "b"): torch.ones(5)})
     header = link.handle().open(0).read_header()
     assert header.version == 0 and header.config["a"].tolist() == [0.0, 0.0]

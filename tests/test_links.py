@@ -132,7 +132,7 @@ def test_reader_never_sees_a_torn_payload(kind: str) -> None:
 def test_a_failed_write_is_undone_before_anyone_reads() -> None:
     link = LocalLink(LEAVES, 1)
     entries = {("config", "difficulty"): torch.tensor(0.5), ("env_state", "loc"): torch.ones(4)}  # bad shape
-    with pytest.raises(RuntimeError):
+    with pytest.raises(ValueError, match="does not fit"):
         link.write(0, 1, entries)
     header = link.handle().open(0).read_header()
     assert header.version == 0 and header.config["difficulty"] == 0.0

@@ -134,15 +134,14 @@ class SlotWriter:
 
     def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
         slot = self.table.slots[worker]
+        for key, value in entries.items():  # checked before any byte moves: no half-written slot
+            view = slot.get(key)
+            if view is None or view.shape != value.shape:
+                held = None if view is None else tuple(view.shape)
+                raise ValueError(f"leaf {key} of shape {tuple(value.shape)} does not fit the slot's {held}")
         with locked(self._locks[worker], f"writing worker {worker}"):
-            kept = {key: slot[key].clone() for key in entries} if len(entries) > 1 else {}
-            try:
-                for key, value in entries.items():
-                    slot[key].copy_(value)
-            except BaseException:
-                for key, value in kept.items():
-                    slot[key].copy_(value)
-                raise
+            for key, value in entries.items():
+                slot[key].copy_(value)
             self.table.counters["undo"][worker] = undo
             self.table.counters["target"][worker] = version
 
