@@ -316,13 +316,17 @@ class Sender:
         if default is not None:
             undo.default = {k: self._default.get(k) for k in default}  # type: ignore[misc]
             self._set_default(default)
+        links = {}
         for index, update in updates.items():
             attachment, worker = self._fleet.locate(index)
             mirror = attachment.mirrors[worker]
             attachment.link.write(worker, version, update, undo=undo_mark)
             attachment.link.notify(worker)
+            links[id(attachment)] = attachment.link
             undo.workers[index] = desired.replaced(mirror, update)
             mirror.update(update)
+        for link in links.values():
+            link.flush(version)
         self._version = version
         self._undo = undo
         return version

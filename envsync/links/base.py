@@ -5,8 +5,9 @@ A link carries, per worker, the worker's whole desired state as flat leaves (see
 text and an *undo* mark. It carries tensors and integers only: nothing read from the data
 plane is ever unpickled.
 
-Call order, sender side: ``write`` (leaves and target together, under the worker's slot
-lock) -> ``notify`` -> ``wait_acks`` until :func:`~envsync.protocol.is_done` holds.
+Call order, sender side, per push: for each targeted worker ``write`` (leaves and target
+together, under the worker's slot lock) -> ``notify``; then ``flush`` once per link; then
+``wait_acks`` until :func:`~envsync.protocol.is_done` holds.
 Receiver side: ``target`` (one integer read, on every safe point) -> ``ack_received`` ->
 ``read_header`` -> apply config -> ``load_entries`` (straight from the slot into the env) ->
 ``ack_applied`` or ``report_failure``.
@@ -59,6 +60,10 @@ class SenderLink(Protocol):
 
     def notify(self, worker: int) -> None:
         """Wake the worker's idle listener (a busy worker needs no wake-up)."""
+
+    def flush(self, version: int) -> None:
+        """Every write of ``version`` to this link is done (a link that batches, e.g. one
+        object-store put per push, sends now; the shared-memory and local links do nothing)."""
 
     def status(self, worker: int) -> WorkerStatus:
         """Read the worker's acknowledgements."""

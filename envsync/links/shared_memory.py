@@ -129,6 +129,9 @@ class SharedMemoryLink:
     def notify(self, worker: int) -> None:
         self._live().notify(worker)
 
+    def flush(self, version: int) -> None:
+        return None
+
     def status(self, worker: int) -> Any:
         return self._live().status(worker)
 

@@ -150,6 +150,9 @@ class SlotWriter:
         with locked(self._locks[worker], f"reading back worker {worker}"):
             return {key: view.clone() for key, view in self.table.slots[worker].items()}
 
+    def flush(self, version: int) -> None:
+        return None
+
     def notify(self, worker: int) -> None:
         if not self.table.counters["busy"][worker]:
             self._wakes[worker].release()
