@@ -27,7 +27,7 @@ def leaves(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Ten
         [('config', 'x'), ('env_state', 't.0.loc'), ('stamp', 't.0.loc')]
     """
     out: Flat = {("config", k): v for k, v in config.items()}
-    stamp = torch.tensor(version, dtype=torch.int64)
+    stamp = torch.tensor(version, dtype=torch.int64) if env_state else NEVER
     for key, value in env_state.items():
         out[("env_state", key)] = value
         out[("stamp", key)] = stamp

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import ReinitSpec
+from envsync.state import FlatConfig
 
 _LISTEN_PERIOD = 0.5
 _MAX_RETRIES = 8
@@ -59,8 +60,8 @@ class ApplySpec:
 class EnvAdapter(Protocol):
     """What a receiver needs from the env it serves (see ``envsync.integrations``)."""
 
-    def apply_config(self, config: TensorDictBase) -> None:
-        """Give the env a whole config through the user's config method."""
+    def apply_config(self, config: FlatConfig) -> None:
+        """Give the env a whole config (by dotted name) through the user's config method."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The env's live ``state_dict()`` tensors by key (written in place)."""
@@ -98,7 +99,9 @@ class EnvStateReceiver:
         self.version = 0
         self.seen = 0
         self._failed = NO_FAILURE
-        self._config = None if initial_config is None else initial_config.clone()
+        self._config: FlatConfig | None = None
+        if initial_config is not None:
+            self._config = {".".join(k): v.clone() for k, v in initial_config.items(True, True)}
         self._snapshot: dict[str, torch.Tensor] = {}
         self._snapshot_version = 0
         self._closed = False
@@ -196,7 +199,7 @@ class EnvStateReceiver:
                 header = self.link.read_header()
                 version = header.version
                 self._notice(version)
-                config = _nest(header.config)
+                config = header.config
                 self.adapter.apply_config(config)
                 self._undo(header.undo)
                 names = [name for name, stamp in header.stamps.items() if stamp > self.version]
@@ -260,10 +263,6 @@ class EnvStateReceiver:
         except Exception:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""
-
-
-def _nest(flat: dict[str, torch.Tensor]) -> TensorDict:
-    return TensorDict({tuple(k.split(".")): v for k, v in flat.items()}, batch_size=[])
 
 
 def _listen(ref: weakref.ReferenceType[EnvStateReceiver]) -> None:

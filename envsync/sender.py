@@ -387,31 +387,34 @@ class Sender:
             self._prune()
             pending = self._fleet.targets(workers)
         deadline = time.monotonic() + timeout
+        check_liveness = False
         try:
             while True:
-                link = self._progress(pending, version, mode)
+                link = self._progress(pending, version, mode, check_liveness)
                 if link is None:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise AckTimeout(version, pending, dead=[], until=mode.value)
-                link.wait_acks(min(_ACK_SLICE, remaining))
+                # liveness (a syscall per worker) only when no acknowledgement came in a slice
+                check_liveness = not link.wait_acks(min(_ACK_SLICE, remaining), applied=mode is Until.APPLIED)
         except RuntimeError as err:  # a link closed under us
             if self._closed:
                 raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err
             raise
 
-    def _progress(self, pending: list[int], version: int, mode: Until) -> SenderLink | None:
-        """Drop the workers that are done from ``pending``; raise failures and deaths; return
-        a link to block on (``None`` when nothing is pending)."""
+    def _progress(self, pending: list[int], version: int, mode: Until, check_liveness: bool) -> SenderLink | None:
+        """Drop the workers that are done from ``pending``; raise failures and (when asked to
+        check) deaths; return a link to block on (``None`` when nothing is pending)."""
         try:
             with self._lock:
-                self._prune()
+                if check_liveness:
+                    self._prune()
                 self._raise_failures(pending, version)
                 live = set(self._fleet.indices())
                 gone = [w for w in pending if w not in live]
                 pending[:] = [w for w in pending if w in live and not self._done(w, version, mode)]
-                dead = gone + [w for w in pending if not self._alive(w)]
+                dead = gone + [w for w in pending if check_liveness and not self._alive(w)]
                 if dead:
                     raise AckTimeout(version, sorted(set(pending) | set(gone)), dead=dead, until=mode.value)
                 return self._fleet.locate(pending[0])[0].link if pending else None

@@ -223,21 +223,24 @@ class EnvStateTemplate:
         return self._flat
 
 
-def config_kwargs(config: TensorDictBase) -> dict[str, Any]:
-    """Turn a config into keyword arguments: 0-d tensors become Python numbers.
+def config_kwargs(config: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Turn a config (nested, or flat by dotted name) into keyword arguments: 0-d tensors
+    become Python numbers, dotted names nested mappings.
 
     Examples:
         >>> config_kwargs(TensorDict({"a": torch.tensor(2.5), "b": {"c": torch.ones(2)}}))
         {'a': 2.5, 'b': {'c': tensor([1., 1.])}}
+        >>> config_kwargs({"a": torch.tensor(1), "b.c": torch.tensor(True)})
+        {'a': 1, 'b': {'c': True}}
     """
+    flat = _flatten(config, what="config", expected="a mapping") if isinstance(config, TensorDictBase) else config
     out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, TensorDictBase):
-            out[key] = config_kwargs(value)
-        elif value.ndim == 0:
-            out[key] = value.item()
-        else:
-            out[key] = value.clone()
+    for name, value in flat.items():
+        *path, leaf = name.split(".")
+        into = out
+        for part in path:
+            into = into.setdefault(part, {})
+        into[leaf] = value.item() if value.ndim == 0 else value.clone()
     return out
 
 
@@ -266,20 +269,25 @@ def find_config_method(env: Any, name: str) -> Callable[..., Any]:
     raise ValidationError(f"apply={name!r}: no such method on the env or its base envs {chain}")
 
 
-def config_applier(env: Any, apply: str | ApplyFn | None) -> Callable[[TensorDictBase], None]:
-    """Resolve, once, how ``env`` takes a whole config: its config method, or the user's
-    callable. (Looking a method up through torchrl's env wrappers costs ~0.2 ms.)"""
+FlatConfig = Mapping[str, torch.Tensor]
+"""A whole config by dotted name, as a link carries it."""
+
+
+def config_applier(env: Any, apply: str | ApplyFn | None) -> Callable[[FlatConfig], None]:
+    """Resolve, once, how ``env`` takes a whole (flat) config: its config method, called with
+    keyword arguments, or the user's callable, called with a nested ``TensorDict``.
+    (Looking a method up through torchrl's env wrappers costs ~0.2 ms.)"""
     if apply is None:
         return lambda config: None
     if isinstance(apply, str):
         method = find_config_method(env, apply)
         return lambda config: method(**config_kwargs(config))
-    return lambda config: apply(env, config)
+    return lambda config: apply(env, _nest(dict(config)))
 
 
 def apply_config(env: Any, apply: str | ApplyFn | None, config: TensorDictBase) -> None:
     """Apply a whole config to an env once (see :func:`config_applier` to apply repeatedly)."""
-    config_applier(env, apply)(config)
+    config_applier(env, apply)(_flatten(config, what="config", expected="a mapping"))
 
 
 def _dotted(key: str | tuple[str, ...]) -> str:

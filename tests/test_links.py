@@ -92,7 +92,7 @@ def test_an_ack_wakes_a_blocked_sender(kind: str) -> None:
         timer = threading.Timer(0.05, end.ack_applied, args=(1,))
         start = time.monotonic()
         timer.start()
-        link.wait_acks(5.0)
+        assert link.wait_acks(5.0, applied=True)
         assert link.status(0).applied == 1 and time.monotonic() - start < 2.0
     finally:
         link.close()

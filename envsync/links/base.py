@@ -74,8 +74,9 @@ class SenderLink(Protocol):
     def alive(self, worker: int) -> bool:
         """Whether the worker can still answer."""
 
-    def wait_acks(self, timeout: float) -> None:
-        """Block until some worker acknowledges something, or ``timeout`` passes."""
+    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
+        """Block until some worker acknowledges (``applied``: an apply or a failure; else
+        anything), or ``timeout`` passes; return whether an acknowledgement came."""
 
     def handle(self) -> LinkHandle:
         """What a worker needs to open its end (picklable for the shared-memory link)."""

@@ -38,7 +38,7 @@ class LocalLink(SlotWriter):
         table = Table(torch.zeros(size, dtype=torch.uint8), fields, num_workers)
         locks = [threading.Lock() for _ in range(num_workers)]
         wakes = [threading.Semaphore(0) for _ in range(num_workers)]
-        super().__init__(table, locks, wakes, threading.Semaphore(0))
+        super().__init__(table, locks, wakes, (threading.Semaphore(0), threading.Semaphore(0)))
         self.initialise(leaves)
         self._alive = alive
         self._ends = LocalHandle(table, locks, wakes, self._acks)

@@ -110,7 +110,7 @@ class SharedMemoryLink:
             num_workers=num_workers,
             locks=[ctx.Lock() for _ in range(num_workers)],
             wakes=[ctx.Semaphore(0) for _ in range(num_workers)],
-            acks=ctx.Semaphore(0),
+            acks=(ctx.Semaphore(0), ctx.Semaphore(0)),
             owner=os.getpid(),
         )
         handle = self._handle
@@ -141,8 +141,8 @@ class SharedMemoryLink:
     def alive(self, worker: int) -> bool:
         return self._alive(worker)
 
-    def wait_acks(self, timeout: float) -> None:
-        self._live().wait_acks(timeout)
+    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
+        return self._live().wait_acks(timeout, applied=applied)
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
@@ -174,7 +174,7 @@ class SharedMemoryHandle:
     num_workers: int
     locks: list[Any]
     wakes: list[Any]
-    acks: Any
+    acks: tuple[Any, Any]
     owner: int
 
     def table(self) -> Table:

@@ -115,7 +115,9 @@ class SlotWriter:
         table: the views.
         locks: one slot lock per worker.
         wakes: one wake-up semaphore per worker.
-        acks: the semaphore every worker releases after an acknowledgement.
+        acks: the semaphores workers release after acknowledging: ``(received, applied)``;
+            "applied" (and failures) release the second, so a sender waiting for "applied"
+            is not woken by "received" acknowledgements.
     """
 
     def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
@@ -163,8 +165,8 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
-    def wait_acks(self, timeout: float) -> None:
-        self._acks.acquire(timeout=max(timeout, 0.0))
+    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
+        return bool(self._acks[1 if applied else 0].acquire(timeout=max(timeout, 0.0)))
 
 
 class SlotReader:
@@ -202,28 +204,24 @@ class SlotReader:
                 load(name, self._slot[("env_state", name)])
             return True
 
-    def _signal(self) -> None:
-        self._acks.release()
-
     def ack_received(self, version: int) -> None:
         received = self._c["received"]
         if version > received[self.worker]:
             received[self.worker] = version
-            self._signal()
+            self._acks[0].release()
 
     def ack_applied(self, version: int) -> None:
         self._c["applied"][self.worker] = version
-        received = self._c["received"]
-        if version > received[self.worker]:
-            received[self.worker] = version
-        self._signal()
+        self._acks[1].release()
+        self.ack_received(version)
 
     def report_failure(self, version: int, text: str) -> None:
         data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
         self.table.error[self.worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
         self._c["error_len"][self.worker] = len(data)
         self._c["failed"][self.worker] = version
-        self._signal()
+        self._acks[0].release()
+        self._acks[1].release()
 
     def set_busy(self, busy: bool) -> None:
         self._c["busy"][self.worker] = int(busy)

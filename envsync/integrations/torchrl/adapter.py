@@ -28,7 +28,7 @@ from envsync import reinit
 from envsync.errors import ValidationError
 from envsync.links.base import LinkHandle
 from envsync.receiver import ApplySpec, EnvStateReceiver
-from envsync.state import config_applier, env_state_dict
+from envsync.state import FlatConfig, config_applier, env_state_dict
 
 VERSION_KEY = "env_version"
 INDEX_KEY = "env_index"
@@ -226,7 +226,7 @@ class CollectorAdapter:
             raise RuntimeError("the env of this receiver is gone")
         return env
 
-    def apply_config(self, config: TensorDictBase) -> None:
+    def apply_config(self, config: FlatConfig) -> None:
         self._apply(config)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
