@@ -66,6 +66,10 @@ class EnvAdapter(Protocol):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The env's live ``state_dict()`` tensors by key (written in place)."""
 
+    @property
+    def has_reinit(self) -> bool:
+        """Whether any re-initialisation policy runs after an apply (and so may fail)."""
+
     def reinit(self, version: int) -> None:
         """Run the re-initialisation policies after a version is in place."""
 
@@ -103,7 +107,9 @@ class EnvStateReceiver:
         if initial_config is not None:
             self._config = {".".join(k): v.clone() for k, v in initial_config.items(True, True)}
         self._snapshot: dict[str, torch.Tensor] = {}
+        self._kept: set[str] = set()
         self._snapshot_version = 0
+        self._stamps: dict[str, int] = {}
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
@@ -204,7 +210,8 @@ class EnvStateReceiver:
                 self._undo(header.undo)
                 names = [name for name, stamp in header.stamps.items() if stamp > self.version]
                 loaded = []
-                if self._load(version, names, loaded):
+                keep_all = reset_after or self.adapter.has_reinit
+                if self._load(version, names, loaded, keep_all=keep_all):
                     break
             self.adapter.reinit(version)
             if reset_after:
@@ -220,36 +227,45 @@ class EnvStateReceiver:
         finally:
             self.applying = False
         self._config = config
+        self._stamps.update({name: header.stamps[name] for name in loaded})
         self.version = version
         self.link.ack_applied(version)
         return True
 
-    def _load(self, version: int, names: list[str], loaded: list[str]) -> bool:
-        """Copy the given env-state entries from the link into the env, keeping what they
-        replace (a later step of this apply, or another worker, may still fail)."""
+    def _load(self, version: int, names: list[str], loaded: list[str], *, keep_all: bool) -> bool:
+        """Copy the given env-state entries from the link straight into the env. What they
+        replace is kept (one reused buffer per entry) where it cannot be had otherwise: for
+        every entry when a later step of this apply may still fail (``keep_all``), else for
+        the entries pushed here for the first time, whose live values only this worker knows
+        (a fleet rollback puts them back; the sender republishes the others)."""
         if not names:
             return True
         live = self.adapter.state_tensors()
+        keep = set(names) if keep_all else {name for name in names if not self._stamps.get(name)}
 
         def load(name: str, view: torch.Tensor) -> None:
             target = live[name]
-            kept = self._snapshot.get(name)
-            if kept is None or kept.shape != target.shape or kept.dtype != target.dtype:
-                self._snapshot[name] = target.detach().clone()
-            else:
-                kept.copy_(target)
+            if name in keep:
+                kept = self._snapshot.get(name)
+                if kept is None or kept.shape != target.shape or kept.dtype != target.dtype:
+                    self._snapshot[name] = target.detach().clone()
+                else:
+                    kept.copy_(target)
             loaded.append(name)
             target.data.copy_(view)
 
-        self._snapshot_version = version
+        if keep:
+            self._kept = keep
+            self._snapshot_version = version
         return self.link.load_entries(version, names, load)
 
     def _undo(self, undo: int) -> None:
-        """A rollback of ``undo``: put back the env state this worker had before it."""
+        """A rollback of ``undo``: put back the first-time entries this worker loaded for it."""
         if undo and undo == self._snapshot_version:
             live = self.adapter.state_tensors()
-            for name, value in self._snapshot.items():
-                live[name].data.copy_(value)
+            for name in self._kept:
+                live[name].data.copy_(self._snapshot[name])
+                self._stamps[name] = 0
             self._snapshot_version = 0
 
     def _restore(self, loaded: list[str]) -> str:
@@ -259,7 +275,8 @@ class EnvStateReceiver:
                 self.adapter.apply_config(self._config)
             live = self.adapter.state_tensors() if loaded else {}
             for name in loaded:
-                live[name].data.copy_(self._snapshot[name])
+                if name in self._kept:
+                    live[name].data.copy_(self._snapshot[name])
         except Exception:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""

@@ -345,9 +345,9 @@ class Sender:
         if undo is None or undo.version != failed or failed != self._version:
             return None
         live = set(self._fleet.indices())
-        version = self._publish(
-            {w: u for w, u in undo.workers.items() if w in live}, default=undo.default, undo_mark=failed
-        )
+        reload = torch.tensor(self._version + 1, dtype=torch.int64)
+        updates = {w: _restamped(u, reload) for w, u in undo.workers.items() if w in live}
+        version = self._publish(updates, default=undo.default, undo_mark=failed)
         self._undo = None  # a rollback is not rolled back in turn
         return version
 
@@ -556,6 +556,13 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _restamped(entries: Flat, stamp: torch.Tensor) -> Flat:
+    """Previous values to publish again: entries pushed before get the new ``stamp``, so
+    every worker loads them again; never-pushed ones keep stamp 0 (the workers that loaded
+    the failed version put their own live values back, see the undo mark)."""
+    return {k: (stamp if k[0] == "stamp" and int(v) > 0 else v) for k, v in entries.items()}
 
 
 def _release(attachment: Attachment) -> None:

@@ -218,7 +218,9 @@ class CollectorAdapter:
         self._collector = weakref.ref(collector)
         self._env = weakref.ref(env)
         self._apply = config_applier(env, spec.apply)
-        self._reinit = reinit.runner(reinit.plan(env, spec.reinit))
+        steps = reinit.plan(env, spec.reinit)
+        self.has_reinit = bool(steps)
+        self._reinit = reinit.runner(steps)
 
     def _live_env(self) -> EnvBase:
         env = self._env()
