@@ -1,0 +1,130 @@
+"""The sender and receiver logic over the in-process link, on a real torchrl env but without
+a collector: each test runs in milliseconds. (End-to-end tests with real collectors and
+worker processes are in the test_e2e_* and test_guarantees modules.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_normed_counter_env
+
+from envsync import EnvStateSender, WorkerApplyError
+from envsync.links.local import LocalLink
+from envsync.protocol import ApplyAt
+from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.state import FlatConfig, config_applier, env_state_dict
+
+
+class EnvAdapter:
+    """The receiver's view of a bare env (no collector): what an integration provides."""
+
+    has_reinit = False
+
+    def __init__(self, env: Any, apply: Any) -> None:
+        self.env = env
+        self._apply = config_applier(env, apply)
+        self.resets = 0
+
+    def apply_config(self, config: FlatConfig) -> None:
+        self._apply(config)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return env_state_dict(self.env, keep_vars=True)
+
+    def reinit(self, version: int) -> None:
+        return None
+
+    def reset(self) -> None:
+        self.resets += 1
+        self.env.reset()
+
+
+def refuse_label_one_negative(env: Any, config: Any) -> None:
+    env.base_env.set_difficulty(float(config["difficulty"]))
+    if env.base_env.label == 1 and float(config["difficulty"]) < 0:
+        raise ValueError("label one refuses")
+
+
+def fleet(sender: EnvStateSender, workers: int = 2, apply_at: str = "step") -> list[EnvStateReceiver]:
+    """Attach ``workers`` receivers, each beside its own env, through a local link."""
+    envs = [make_normed_counter_env(label=i) for i in range(workers)]
+    sender.env_fn(make_normed_counter_env)  # the probe: env-state keys
+    attachment = sender.attach(workers, lambda leaves: LocalLink(leaves, workers), detached=lambda: False)
+    spec = ApplySpec(sender.spec.apply, ApplyAt(apply_at), sender.spec.reinit)
+    receivers = [
+        EnvStateReceiver(
+            link=attachment.link.handle().open(w),
+            spec=spec,
+            adapter=EnvAdapter(env, sender.spec.apply),
+            initial_config=None,
+        )
+        for w, env in enumerate(envs)
+    ]
+    for receiver in receivers:
+        receiver.start()
+    return receivers
+
+
+def test_step_mode_applies_while_idle_and_acks() -> None:
+    with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") as sender:
+        receivers = fleet(sender)
+        version = sender.push(config={"difficulty": 2.0}, wait="applied", timeout=5)
+        assert sender.versions() == [version, version]
+        assert [r.adapter.env.base_env.difficulty for r in receivers] == [2.0, 2.0]  # type: ignore[attr-defined]
+
+
+def test_reset_mode_arms_at_a_step_and_applies_at_the_reset() -> None:
+    with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty") as sender:
+        receivers = fleet(sender, apply_at="reset")
+        version = sender.push(config={"difficulty": 3.0}, wait=None)
+        for receiver in receivers:
+            with receiver.busy():
+                receiver.before_step()
+        sender.wait(version, until="received", timeout=5)
+        assert sender.versions() == [0, 0]
+        for receiver in receivers:
+            with receiver.busy():
+                receiver.before_reset()
+        assert sender.versions() == [version, version]
+
+
+def test_a_failure_restores_config_and_env_state_and_rolls_the_fleet_back() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=refuse_label_one_negative, apply_at="step")
+    receivers = fleet(sender)
+    live = [torch.full((3,), float(i + 1)) for i in range(2)]
+    for receiver, values in zip(receivers, live, strict=True):
+        receiver.adapter.env.transform.loc.copy_(values)  # type: ignore[attr-defined]
+    with pytest.raises(WorkerApplyError, match="label one refuses") as info:
+        sender.push(config={"difficulty": -1.0}, env_state={"transforms.0.loc": torch.full((3,), 9.0)}, wait="applied")
+    assert info.value.worker == 1 and info.value.rollback == 2
+    sender.wait(2, until="applied", timeout=5)
+    for receiver, values in zip(receivers, live, strict=True):
+        env = receiver.adapter.env  # type: ignore[attr-defined]
+        assert env.transform.loc.tolist() == values.tolist() and env.base_env.difficulty == 0.0
+    again = sender.push(env_state={"transforms.0.loc": torch.full((3,), 4.0)}, wait="applied", timeout=5)
+    with pytest.raises(WorkerApplyError):
+        sender.push(config={"difficulty": -2.0}, env_state={"transforms.0.loc": torch.full((3,), 5.0)}, wait="applied")
+    sender.wait(again + 2, until="applied", timeout=5)
+    assert [r.adapter.env.transform.loc.tolist() for r in receivers] == [[4.0] * 3] * 2  # type: ignore[attr-defined]
+    sender.close()
+
+
+def test_a_receiver_that_starts_late_catches_up_and_resets() -> None:
+    with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") as sender:
+        sender.push(config={"difficulty": 1.5})
+        receivers = fleet(sender, workers=1)
+        assert sender.versions() == [1]
+        assert receivers[0].adapter.resets == 1  # type: ignore[attr-defined]
+        assert receivers[0].adapter.env.base_env.difficulty == 1.5  # type: ignore[attr-defined]
+
+
+def test_only_what_nothing_else_can_restore_is_kept() -> None:
+    with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") as sender:
+        (receiver,) = fleet(sender, workers=1)
+        sender.push(env_state={"transforms.0.loc": torch.ones(3)}, wait="applied", timeout=5)
+        assert receiver._kept == {"transforms.0.loc"}  # first push: only this worker knows the old values
+        first = receiver._snapshot_version
+        sender.push(env_state={"transforms.0.loc": torch.full((3,), 2.0)}, wait="applied", timeout=5)
+        assert receiver._snapshot_version == first  # no copy kept: the sender can republish
