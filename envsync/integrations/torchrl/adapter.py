@@ -272,14 +272,19 @@ def _wrap_rollout(collector: Any, hooks: EnvHooks, receiver_ref: weakref.Referen
         receiver = receiver_ref()
         if receiver is None:
             return rollout(collector_ref())
+        truncated = False
         with receiver.busy():
             hooks.begin()
             batch = rollout(collector_ref())
             if batch is not None:
                 hooks.tag(batch)
-                if receiver.truncate_now():
+                truncated = receiver.truncate_now()
+                if truncated:
                     hooks.truncate_last(batch)
-        receiver.apply_if_idle()
+        # a truncating version is applied here only if this batch's last frame says so;
+        # one that arrives later is the idle listener's (a fresh episode, see the docs)
+        if truncated or not receiver.spec.truncates:
+            receiver.apply_if_idle()
         return batch
 
     collector.rollout = wrapped
