@@ -9,6 +9,7 @@ import threading
 import time
 import weakref
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
@@ -273,6 +274,42 @@ def test_single_collector_uses_an_in_process_link() -> None:
         version = sender.push(config={"difficulty": 2.0}, wait="applied")
         assert set(next(iter(collector))["next", "observation"][:, 0].tolist()) == {2.0}
         assert sender.versions() == [version]
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+class PushAfterRollout(Collector):
+    """A torchrl Collector that runs a callback after each rollout, before returning it: a
+    version that arrives after the last step of a rollout, deterministically."""
+
+    after_rollout: Any = None
+
+    def rollout(self) -> Any:
+        batch = super().rollout()
+        if self.after_rollout is not None:
+            self.after_rollout()
+            self.after_rollout = None
+        return batch
+
+
+@pytest.mark.timeout(60)
+def test_8_a_truncate_that_arrives_after_the_last_step_flags_that_step() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="truncate")
+    collector = PushAfterRollout(
+        sender.env_fn(make_counter_env), None, frames_per_batch=8, total_frames=-1, weight_sync_schemes=sender.schemes()
+    )
+    try:
+        batches = iter(collector)
+        next(batches)
+        pushed: list[int] = []
+        collector.after_rollout = lambda: pushed.append(sender.push(config={"difficulty": 3.0}, wait=None))
+        batch = next(batches)
+        assert bool(batch["next", "truncated"][-1].all()) and bool(batch["next", "done"][-1].all())
+        assert not bool(batch["next", "terminated"][-1].any())
+        after = next(batches)
+        assert after["observation"][0, 2] == 0  # a fresh episode
+        assert set(after["env_version"].tolist()) == set(pushed) and set(after["observation"][:, 0].tolist()) == {3.0}
     finally:
         collector.shutdown()
         sender.close()
