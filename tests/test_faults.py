@@ -194,6 +194,10 @@ def test_a_stopped_worker_times_out_then_catches_up_without_losing_frames() -> N
         frozen = collector.procs[1]
         os.kill(frozen.pid, signal.SIGSTOP)
         try:
+            stopped = time.monotonic() + 5  # the stop takes effect asynchronously
+            while psutil.Process(frozen.pid).status() != psutil.STATUS_STOPPED:
+                assert time.monotonic() < stopped, psutil.Process(frozen.pid).status()
+                time.sleep(0.005)
             start = time.monotonic()
             with pytest.raises(AckTimeout) as info:
                 sender.push(config={"difficulty": 1.0}, wait="applied", timeout=1.0)
@@ -332,9 +336,10 @@ def test_pushes_from_four_threads_all_succeed_with_unique_versions() -> None:
         except BaseException as err:  # reported below
             errors.append(err)
 
+    checker = StepChecker()
     try:
         batches = iter(collector)
-        next(batches)  # the collector is idle from here on
+        checker.check(next(batches))  # the collector is idle from here on
         workers = [threading.Thread(target=pusher, args=(t,)) for t in range(threads)]
         for w in workers:
             w.start()
@@ -348,6 +353,7 @@ def test_pushes_from_four_threads_all_succeed_with_unique_versions() -> None:
         assert sender.versions() == [sender.version] * WORKERS
         difficulty = {0: 0.0, **dict(pushed)}
         batch = next(batches)
+        checker.check(batch)  # step mode: the episodes run on, nothing lost
         check_truthful(batch, difficulty, index=0)
         assert bool((batch["next", "env_version"] == sender.version).all())
     finally:
@@ -388,9 +394,10 @@ def test_an_apply_longer_than_the_push_timeout() -> None:
     sender = sleepy_sender()
     with start_method("fork"):
         collector = build("sync", sender, endless(), frames_per_batch=FRAMES)
+    checker = StepChecker()
     try:
         batches = iter(collector)
-        next(batches)
+        checker.check(next(batches))
         start = time.monotonic()
         with pytest.raises(AckTimeout) as info:
             sender.push(config={"difficulty": 1.0, "sleep": 3.0, "sleeper": 1.0}, wait="applied", timeout=1)
@@ -402,6 +409,7 @@ def test_an_apply_longer_than_the_push_timeout() -> None:
         sender.wait(version, until="applied", timeout=10)
         assert sender.versions() == [version, version]
         batch = next(batches)
+        checker.check(batch)
         assert bool((batch["next", "observation"][..., 0] == 1.0).all())
         last = sender.push(config={"sleep": 0.0}, wait="applied", timeout=10)
         assert sender.versions() == [last, last]
