@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,32 +57,6 @@ class BufferTransform(Transform):
 def make_buffer_env(numel: int) -> Any:
     """The demo env with a :class:`BufferTransform` of ``numel`` elements as ``transforms.0``."""
     return TransformedEnv(make_drift_env(), Compose(BufferTransform(numel)))
-
-
-class TagTransform(Transform):
-    """A do-nothing transform that adds an int64 ``"tag"`` to every frame: what any appended
-    transform costs in torchrl, as a reference for envsync's own transform."""
-
-    def __init__(self) -> None:
-        super().__init__(in_keys=[], out_keys=["tag"])
-
-    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
-        observation_spec["tag"] = Unbounded(shape=observation_spec.shape, dtype=torch.int64)
-        return observation_spec
-
-    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        return tensordict_reset.set("tag", torch.zeros(tensordict_reset.batch_size, dtype=torch.int64))
-
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        return next_tensordict.set("tag", torch.zeros(next_tensordict.batch_size, dtype=torch.int64))
-
-    def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
-        return next_tensordict
-
-
-def with_tag(make_env: Callable[[], EnvBase]) -> EnvBase:
-    """``make_env()`` with a :class:`TagTransform` appended."""
-    return TransformedEnv(make_env(), TagTransform())
 
 
 class TickEnv(EnvBase):

@@ -135,7 +135,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     big = max(rows, key=lambda r: (r["bytes"], r["workers"]))
     where = f"{big['size']} to {big['workers']} workers"
     return [
-        target(f"{where}: envsync / memcpy floor", big["envsync_over_memcpy"], 3, higher_is_better=False),
+        target(f"{where}: envsync / memcpy floor", big["envsync_over_memcpy"], 2, higher_is_better=False),
         target(f"{where}: map_fn / envsync", big["map_fn_over_envsync"], 5, higher_is_better=True),
     ]
 

@@ -214,7 +214,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         target(
             f"small-config push to {four['workers']} idle workers / gymnasium AsyncVectorEnv.call",
             four["idle_over_gym"],
-            2,
+            1.5,
             higher_is_better=False,
         ),
         target(

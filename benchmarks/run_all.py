@@ -6,6 +6,7 @@ python benchmarks/run_all.py [--quick] [--out DIR]     # or: envsync bench [--qu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from collections.abc import Sequence
@@ -18,7 +19,11 @@ import bench_switch_latency
 import bench_throughput_switch
 from bench_common import RESULTS, targets_table
 
-BENCHMARKS = [bench_switch_latency, bench_payload, bench_hot_path, bench_throughput_switch]
+BENCHMARKS: list[Any] = [bench_switch_latency, bench_payload, bench_hot_path, bench_throughput_switch]
+if importlib.util.find_spec("ray") is not None:  # the ray extra: a local two-node cluster, ~30 s quick
+    import bench_ray
+
+    BENCHMARKS.append(bench_ray)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
