@@ -84,3 +84,14 @@ def test_a_failed_check_exits_non_zero(monkeypatch: pytest.MonkeyPatch, tmp_path
     with pytest.raises(SystemExit) as exit_info:
         bandit.main(["--smoke", "--out", str(tmp_path)])
     assert exit_info.value.code != 0
+
+
+@pytest.mark.timeout(150)
+def test_ray_curriculum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("ray")
+    run_smoke("ray_curriculum", tmp_path)
+    result = json.loads((tmp_path / "ray_curriculum.json").read_text())
+    assert result["stages_reached"] > 1 and result["pushes"] == len(result["push_received_ms"])
+    assert result["tags_truthful"] and result["failures"] == []
+    assert result["remote_workers"] == 4
+    assert "push->received ms" in capsys.readouterr().out

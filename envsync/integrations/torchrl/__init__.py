@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchrl.envs import EnvBase
@@ -58,6 +58,33 @@ class EnvStateSender(Sender):
             ``{"env": <envsync scheme>, "policy": <policy scheme>}``.
         """
         return make_schemes(self, policy_scheme)
+
+    def ray_kwargs(
+        self,
+        collector_kwargs: Mapping[str, Any] | None = None,
+        policy_scheme: WeightSyncScheme | None = None,
+        *,
+        start_method: str | None = None,
+    ) -> dict[str, Any]:
+        """The keyword arguments that attach this sender to a torchrl ``RayCollector``.
+
+        Call it right before building the ``RayCollector``, after wrapping its env factories
+        with :meth:`env_fn`. Needs the ``ray`` extra (``pip install "envsync[ray]"``).
+
+        Args:
+            collector_kwargs: the ``collector_kwargs`` you would pass (merged: envsync adds
+                its node scheme, and a ``"policy"`` scheme unless you gave one).
+            policy_scheme: replaces the default driver-level ``"policy"`` scheme (torchrl's
+                Ray scheme, inert without an ``nn.Module`` policy).
+            start_method: the multiprocessing start method of the collectors inside the
+                actors (``None``: torchrl's default, spawn). ``"fork"`` starts workers fast.
+
+        Returns:
+            ``{"weight_sync_schemes": ..., "collector_kwargs": ...}``.
+        """
+        from envsync.integrations.torchrl.ray import make_ray_kwargs
+
+        return make_ray_kwargs(self, collector_kwargs, policy_scheme, start_method)
 
 
 __all__ = ["EnvStateSender"]

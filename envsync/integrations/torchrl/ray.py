@@ -1,0 +1,329 @@
+"""Attaching a sender to a torchrl ``RayCollector`` (imported only by ``sender.ray_kwargs``).
+
+Two schemes, one per level of the hierarchy:
+
+* :class:`RayEnvScheme` is the driver's ``"env"`` scheme. ``RayCollector`` calls its
+  ``init_on_sender`` after the remote collectors exist: it starts the mailbox actor and
+  attaches one :class:`~envsync.links.ray.RayLink` over every remote worker to the sender
+  (fleet: collector by collector, then worker). ``RayCollector`` then pickles it into each
+  actor, whose ``init_on_receiver`` starts that node's :class:`~envsync.links.ray.Relay`.
+* :class:`NodeScheme` goes into ``collector_kwargs["weight_sync_schemes"]["env"]``: the
+  collector inside each actor calls its ``init_on_sender`` and builds the node's own link
+  (shared memory to its worker processes, or in process for a ``Collector``); its workers
+  bind receivers through it, as on one machine.
+
+:class:`RayPolicyScheme` keeps torchrl's Ray policy sync and does nothing without an
+``nn.Module`` policy (torchrl's default scheme crashes on ``policy=None``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import ray
+from tensordict import TensorDictBase
+from torch import nn
+from torchrl.collectors import Collector
+from torchrl.weight_update import RayWeightSyncScheme, WeightSyncScheme
+
+from envsync import desired
+from envsync.errors import ValidationError
+from envsync.fleet import Attachment
+from envsync.integrations.torchrl.adapter import bind
+from envsync.integrations.torchrl.scheme import PolicySyncScheme, _worker_alive
+from envsync.links.base import Flat, LinkHandle, SenderLink
+from envsync.links.local import LocalLink
+from envsync.links.ray import RayLink, Relay, RelayHandle, start_mailbox
+from envsync.links.shared_memory import SharedMemoryLink, sweep_stale
+
+if TYPE_CHECKING:
+    from envsync.sender import Sender
+
+
+class _Flags(WeightSyncScheme):
+    """What envsync's schemes share: flags keyed on the process (a forked child inherits the
+    parent's copy: it is no sender there), no torchrl transport, nothing to receive."""
+
+    _owner_pid = 0
+
+    @property
+    def initialized_on_sender(self) -> bool:
+        return bool(getattr(self, "_initialized_on_sender", False)) and os.getpid() == self._owner_pid
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        raise ValidationError("envsync moves env state through its own link, not torchrl's transports")
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
+        if self.initialized_on_sender:
+            self.synchronized_on_sender = True
+        else:
+            self.synchronized_on_receiver = True
+
+    def receive(self, *args: Any, **kwargs: Any) -> None:
+        """A policy push reaches every receiver scheme: env state does not come this way."""
+        return None
+
+
+class NodeScheme(_Flags):
+    """The ``"env"`` scheme of the collector inside each Ray actor: builds the node's link.
+
+    Args:
+        leaves: the starting leaves (the sender's desired state when ``ray_kwargs`` ran).
+        version: the sender's version then.
+        offset: the fleet index of the first remote worker.
+        start_method: if given, the actor's multiprocessing start method (set when the
+            scheme is unpickled in the actor, before its collector starts workers).
+    """
+
+    def __init__(self, leaves: Flat, version: int, offset: int, start_method: str | None = None) -> None:
+        super().__init__()
+        self._leaves = leaves
+        self._version = version
+        self._offset = offset
+        self._start_method = start_method
+        self._handle: LinkHandle | None = None
+        self._first = offset
+        self.link: SenderLink | None = None
+        self._receiver: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["link"] = None
+        state["_receiver"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        method = self._start_method
+        if method is not None and self._handle is None and mp.get_start_method(allow_none=True) != method:
+            mp.set_start_method(method, force=True)
+
+    def _init_on_sender_impl(self, *, model_id: str, context: Any = None, ctx: Any = None, **kwargs: Any) -> None:
+        self.model_id = model_id
+        self.context = context
+        self._owner_pid = os.getpid()
+        first = self._offset + int(context.worker_idx or 0) * _count_workers(context)
+        if isinstance(context, Collector):
+            link: Any = LocalLink(self._leaves, 1)
+            self._write_version(link)
+            self._receiver = bind(context, link.handle(), 0, first)
+        else:
+            ref = weakref.ref(context)
+            link = SharedMemoryLink(
+                self._leaves,
+                context.num_workers,
+                ctx=ctx if ctx is not None else mp.get_context("spawn"),
+                alive=lambda worker: _worker_alive(ref, worker),
+            )
+            self._write_version(link)
+            self._handle = link.handle()
+        self.link = link
+        self._first = first
+
+    def _write_version(self, link: SenderLink) -> None:
+        for worker in range(link.num_workers):
+            link.write(worker, self._version, {})
+
+    def _init_on_receiver_impl(
+        self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
+    ) -> None:
+        if self._handle is None or worker_idx is None:
+            raise ValidationError("envsync node scheme reached a worker without a link or worker index")
+        self.model_id = model_id
+        self.context = context
+        self._receiver = bind(context, self._handle, worker_idx, self._first + worker_idx)
+
+    def shutdown(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+
+
+class RayEnvScheme(_Flags):
+    """The driver's ``"env"`` scheme for a ``RayCollector`` (see the module docstring).
+
+    Args:
+        sender: the sender to attach (kept in the main process only).
+        offset: the fleet index the remote workers were numbered from by ``ray_kwargs``.
+    """
+
+    def __init__(self, sender: Sender, offset: int) -> None:
+        super().__init__()
+        self._sender: Sender | None = sender
+        self._offset = offset
+        self._handle: RelayHandle | None = None
+        self._attachment: Attachment | None = None
+        self._relay: Relay | None = None
+        self._counts: list[int] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_sender"] = None
+        state["_attachment"] = None
+        state["_relay"] = None
+        return state
+
+    @property
+    def link(self) -> RayLink | None:
+        """The driver's link (``None`` outside the main process or before attaching)."""
+        return self._attachment.link if self._attachment is not None else None  # type: ignore[return-value]
+
+    def _init_on_sender_impl(
+        self, *, model_id: str, context: Any = None, remote_collectors: Any = None, **kwargs: Any
+    ) -> None:
+        sender = self._sender
+        if sender is None:
+            raise ValidationError("this envsync scheme was not made by sender.ray_kwargs()")
+        self.model_id = model_id
+        self.context = context
+        self._owner_pid = os.getpid()
+        actors = list(remote_collectors if remote_collectors is not None else context.remote_collectors)
+        self._counts = counts = ray.get([actor.__ray_call__.remote(_count_workers) for actor in actors])
+        collector_ref = weakref.ref(context)
+        mailbox = start_mailbox(len(actors))
+
+        def make(leaves: Flat) -> SenderLink:
+            return RayLink(leaves, counts, mailbox)
+
+        try:
+            attachment = sender.attach(sum(counts), make, detached=lambda: _ray_detached(collector_ref))
+            if attachment.offset != self._offset:
+                sender.detach(attachment)
+                raise ValidationError(
+                    f"the sender's fleet changed between ray_kwargs() (first index {self._offset}) and the "
+                    f"RayCollector's start (first index {attachment.offset}): call ray_kwargs() right before"
+                )
+        except BaseException:
+            ray.kill(mailbox)
+            for actor in actors:
+                ray.kill(actor)
+            raise
+        link: Any = attachment.link
+        link.flush(sender.version)  # every worker's starting state, in one put
+        link.settle()
+        self._attachment = attachment
+        self._handle = attachment.link.handle()  # type: ignore[assignment]
+
+    def _init_on_receiver_impl(
+        self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
+    ) -> None:
+        node = getattr(context, "_weight_sync_schemes", None) or {}
+        inner = node.get("env")
+        if self._handle is None or worker_idx is None or not isinstance(inner, NodeScheme) or inner.link is None:
+            raise ValidationError(
+                "the remote collector has no envsync node scheme: pass **sender.ray_kwargs() to RayCollector"
+            )
+        self.model_id = model_id
+        self.context = context
+        self._relay = self._handle.relay(worker_idx, inner.link)
+        self._relay.start()
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Route ``update_policy_weights_(weights=..., model_id="env")`` to a push;
+        ``worker_ids`` are remote collector indices."""
+        sender = self._sender
+        if sender is None:
+            raise ValidationError("this envsync scheme has no sender in this process")
+        if not isinstance(weights, TensorDictBase | dict):
+            raise ValidationError("update_policy_weights_(model_id='env') needs weights=TensorDict(config=...)")
+        unknown = set(weights.keys()) - {"config", "env_state"}
+        if unknown:
+            raise ValidationError(f"env weights take the keys 'config' and 'env_state', got {sorted(unknown)}")
+        workers = None
+        if worker_ids is not None:
+            chosen = [worker_ids] if isinstance(worker_ids, int) else worker_ids
+            starts = [self._offset + sum(self._counts[:c]) for c in range(len(self._counts))]
+            workers = [starts[c] + w for c in chosen for w in range(self._counts[c])]
+        sender.push(
+            config=weights.get("config", None), env_state=weights.get("env_state", None), workers=workers
+        )
+
+    def shutdown(self) -> None:
+        if self._relay is not None:
+            self._relay.stop()
+        if self._attachment is not None and self._sender is not None:
+            self._sender.detach(self._attachment)
+            self._attachment = None
+            sweep_stale()  # the actors on this node were killed before they could clean up
+
+
+class RayPolicyScheme(RayWeightSyncScheme):
+    """torchrl's Ray policy sync, inert when the ``RayCollector`` has no ``nn.Module`` policy."""
+
+    _active = True
+
+    def _init_on_sender_impl(self, *, model_id: str, context: Any = None, **kwargs: Any) -> None:
+        self._active = isinstance(kwargs.get("model"), nn.Module)
+        if self._active:
+            super()._init_on_sender_impl(model_id=model_id, context=context, **kwargs)
+            return
+        self.model_id = model_id
+        self.context = context
+
+    def _init_on_receiver_impl(self, *, model_id: str, context: Any = None, **kwargs: Any) -> None:
+        if self._active:
+            super()._init_on_receiver_impl(model_id=model_id, context=context, **kwargs)
+            return
+        self.model_id = model_id
+        self.context = context
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
+        if self._active:
+            super().connect(worker_idx=worker_idx, weights=weights)
+        elif self.initialized_on_sender:
+            self.synchronized_on_sender = True
+        else:
+            self.synchronized_on_receiver = True
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        if self._active:
+            super().send(weights=weights, worker_ids=worker_ids)
+
+    def receive(self, *args: Any, **kwargs: Any) -> Any:
+        if self._active:
+            return super().receive(*args, **kwargs)
+        return None
+
+
+def _count_workers(collector: Any) -> int:
+    """How many envsync workers a collector has (run inside each actor by ``__ray_call__``)."""
+    return 1 if isinstance(collector, Collector) else int(collector.num_workers)
+
+
+def _ray_detached(collector_ref: weakref.ReferenceType[Any]) -> bool:
+    collector = collector_ref()
+    return collector is None or not getattr(collector, "_remote_collectors", None)
+
+
+def _start_leaves(sender: Sender) -> Flat:
+    """What a worker joining now starts from (the desired state, from public accessors)."""
+    leaves = desired.start(sender.template.flat, sender.env_state_template().flat)
+    config = sender.template.fit(sender.desired_config())
+    leaves.update(desired.leaves(config, sender.state_dict()["env_state"], sender.version))
+    return leaves
+
+
+def make_ray_kwargs(
+    sender: Sender,
+    collector_kwargs: Mapping[str, Any] | None = None,
+    policy_scheme: WeightSyncScheme | None = None,
+    start_method: str | None = None,
+) -> dict[str, Any]:
+    """Implementation of :meth:`envsync.EnvStateSender.ray_kwargs`."""
+    kwargs = dict(collector_kwargs or {})
+    inner = dict(kwargs.get("weight_sync_schemes") or {})
+    if "env" in inner:
+        raise ValidationError("collector_kwargs['weight_sync_schemes'] already has an 'env' scheme")
+    members = sender.fleet()
+    offset = max(m.index for m in members) + 1 if members else 0
+    inner["env"] = NodeScheme(_start_leaves(sender), sender.version, offset, start_method)
+    inner.setdefault("policy", PolicySyncScheme())
+    kwargs["weight_sync_schemes"] = inner
+    schemes: dict[str, WeightSyncScheme] = {
+        "env": RayEnvScheme(sender, offset),
+        "policy": policy_scheme or RayPolicyScheme(),
+    }
+    return {"weight_sync_schemes": schemes, "collector_kwargs": kwargs}

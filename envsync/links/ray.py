@@ -1,0 +1,348 @@
+"""The Ray link: one object-store put per push, one relay per node, shared memory below.
+
+The main process holds a :class:`RayLink` to every worker of every remote collector (the
+fleet is numbered collector by collector, then by worker). Per push it buffers each
+worker's leaves (``write``), puts ``{worker: (version, undo, leaves)}`` into Ray's object
+store *once* (``flush``) and posts the reference to a small :class:`Mailbox` actor that
+lives on the main process's node.
+
+In each remote collector's actor a :class:`Relay` runs two daemon threads (not actor
+methods: a non-async actor runs one task at a time, and the collector keeps a ``next()``
+pending):
+
+* *down*: long-polls the mailbox, fetches each posted payload (one transfer per node) and
+  writes its collector's workers into the node's own link (shared memory or in process),
+  exactly as a local sender would;
+* *up*: waits on that link's acknowledgements and reports them, failures with their
+  traceback, and a heartbeat, to the mailbox.
+
+The main process reads acknowledgements through one polling thread into a local table, so
+``status``, ``alive`` and ``wait_acks`` cost what they cost on one machine. A collector
+whose relay has not reported for :data:`STALE_AFTER` seconds (its actor was killed, or its
+node lost) counts as dead.
+
+Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
+``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from envsync.links.base import Key, SenderLink
+from envsync.protocol import NO_FAILURE, WorkerStatus
+
+HEARTBEAT = 0.5
+"""Seconds between a relay's reports when nothing changes."""
+STALE_AFTER = 3.0
+"""Seconds without a report after which a remote collector counts as dead."""
+_POLL = 0.5
+
+Payload = dict[int, tuple[int, int, dict[Key, torch.Tensor]]]
+"""What one push puts into the object store: link worker -> (version, undo mark, leaves)."""
+Acks = tuple[int, int, int, bool]
+"""One worker's report: ``(received, applied, failed, alive)``."""
+
+
+class Mailbox:
+    """The rendezvous actor: posts go down to relays, reports come up to the main process.
+
+    It holds object references (never payloads) and a few integers per worker. Run it as an
+    async Ray actor with no CPU (see :func:`start_mailbox`).
+    """
+
+    def __init__(self, num_collectors: int) -> None:
+        self._posts: list[tuple[int, list[Any]]] = []
+        self._consumed = [0] * num_collectors
+        self._posted = asyncio.Event()
+        self._reports: dict[int, tuple[float, list[Acks]]] = {}
+        self._errors: dict[tuple[int, int], str] = {}
+        self._report_seq = 0
+        self._reported = asyncio.Event()
+
+    def post(self, seq: int, ref: list[Any]) -> None:
+        """Add a push (the reference is wrapped in a list so Ray does not resolve it)."""
+        self._posts.append((seq, ref))
+        self._posted.set()
+        self._posted = asyncio.Event()
+
+    async def fetch(self, collector: int, after: int, timeout: float) -> list[tuple[int, list[Any]]]:
+        """The posts after ``after`` (waiting up to ``timeout`` for one); older ones are dropped
+        once every collector has asked past them."""
+        self._consumed[collector] = after
+        floor = min(self._consumed)
+        self._posts = [p for p in self._posts if p[0] > floor]
+        if not any(seq > after for seq, _ in self._posts) and timeout > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._posted.wait(), timeout)
+        return [p for p in self._posts if p[0] > after]
+
+    def report(
+        self, collector: int, statuses: list[Acks], errors: dict[int, str]
+    ) -> None:
+        """A relay's acknowledgements per worker: ``(received, applied, failed, alive)``."""
+        self._reports[collector] = (time.monotonic(), statuses)
+        for worker, text in errors.items():
+            self._errors[(collector, worker)] = text
+        self._report_seq += 1
+        self._reported.set()
+        self._reported = asyncio.Event()
+
+    def forget(self, collector: int) -> None:
+        """A relay stops (its collector is shutting down): stop waiting on its fetches."""
+        self._consumed[collector] = 1 << 62
+
+    async def acks(
+        self, after: int, timeout: float
+    ) -> tuple[int, dict[int, tuple[float, list[Acks]]], dict[tuple[int, int], str]]:
+        """The reports, once there is one after ``after`` (or ``timeout`` passed); each
+        collector's entry carries the seconds since its last report."""
+        if self._report_seq <= after:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._reported.wait(), timeout)
+        now = time.monotonic()
+        table = {c: (now - at, statuses) for c, (at, statuses) in self._reports.items()}
+        return self._report_seq, table, dict(self._errors)
+
+
+def start_mailbox(num_collectors: int) -> Any:
+    """Start a :class:`Mailbox` actor on this process's node (no CPU, little memory)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    actor_class = ray.remote(num_cpus=0, memory=32 * 2**20, max_restarts=0)(Mailbox)
+    return actor_class.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+        num_collectors
+    )
+
+
+class RayLink:
+    """The main process's end of the Ray link, over every remote collector's workers.
+
+    Args:
+        leaves: one worker's starting leaves; every worker gets them with the first flush.
+        workers: how many workers each remote collector has (in collector order).
+        mailbox: the :class:`Mailbox` actor handle.
+
+    Examples:
+        >>> RayLink.__name__
+        'RayLink'
+    """
+
+    def __init__(self, leaves: Mapping[Key, torch.Tensor], workers: Sequence[int], mailbox: Any) -> None:
+        self.num_workers = sum(workers)
+        self.workers = list(workers)
+        self.mailbox = mailbox
+        self.puts = 0
+        self._seq = 0
+        self._posted: Any = None
+        self._pending: Payload = {w: (0, 0, dict(leaves)) for w in range(self.num_workers)}
+        self._target = [0] * self.num_workers
+        self._acks: list[Acks] = [(0, 0, NO_FAILURE, True)] * self.num_workers
+        self._errors: dict[int, str] = {}
+        self._seen = [time.monotonic()] * len(self.workers)
+        self._report_seq = 0
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._poll, name="envsync-ray-acks", daemon=True)
+        self._thread.start()
+
+    def _collector_of(self, worker: int) -> tuple[int, int]:
+        for collector, count in enumerate(self.workers):
+            if worker < count:
+                return collector, worker
+            worker -= count
+        raise IndexError(worker)
+
+    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+        if self._closed:
+            raise RuntimeError("link is closed")
+        _, _, held = self._pending.get(worker, (0, 0, {}))
+        held.update(entries)
+        self._pending[worker] = (version, undo, held)
+        self._target[worker] = version
+
+    def notify(self, worker: int) -> None:
+        return None  # the relay notifies the node's workers when it writes them
+
+    def flush(self, version: int) -> None:
+        """Put every buffered write into the object store at once and tell the relays."""
+        if not self._pending or self._closed:
+            return
+        payload, self._pending = self._pending, {}
+        ref = ray.put(payload)
+        self.puts += 1
+        self._seq += 1
+        self._posted = self.mailbox.post.remote(self._seq, [ref])
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Block until the mailbox holds the latest flush (before relays first fetch)."""
+        if self._posted is not None:
+            ray.get(self._posted, timeout=timeout)
+
+    def status(self, worker: int) -> WorkerStatus:
+        received, applied, failed, _ = self._acks[worker]
+        target = self._target[worker]
+        return WorkerStatus(worker=worker, target=target, received=received, applied=applied, failed=failed)
+
+    def error_text(self, worker: int) -> str:
+        return self._errors.get(worker, "")
+
+    def alive(self, worker: int) -> bool:
+        collector, _ = self._collector_of(worker)
+        return time.monotonic() - self._seen[collector] < STALE_AFTER and self._acks[worker][3]
+
+    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
+        if self._closed:
+            raise RuntimeError("link is closed")
+        with self._changed:
+            seq = self._report_seq
+            return self._changed.wait_for(lambda: self._report_seq != seq or self._closed, timeout=max(timeout, 0.0))
+
+    def handle(self) -> RelayHandle:
+        return RelayHandle(mailbox=self.mailbox, workers=self.workers)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._changed:
+            self._changed.notify_all()
+        with contextlib.suppress(Exception):
+            ray.kill(self.mailbox)
+
+    def _poll(self) -> None:
+        """Keep the local table of acknowledgements up to date (one long poll at a time)."""
+        seq = 0
+        while not self._closed:
+            try:
+                seq, table, errors = ray.get(self.mailbox.acks.remote(seq, _POLL), timeout=_POLL + 5.0)
+            except Exception:
+                if self._closed:
+                    return
+                time.sleep(_POLL)  # the mailbox is slow or gone: reports age until workers count as dead
+                continue
+            self._take(table, errors)
+
+    def _take(self, table: Mapping[int, tuple[float, list[Acks]]], errors: Mapping[tuple[int, int], str]) -> None:
+        now = time.monotonic()
+        offsets = [sum(self.workers[:c]) for c in range(len(self.workers))]
+        with self._changed:
+            for collector, (age, statuses) in table.items():
+                self._seen[collector] = max(self._seen[collector], now - age)
+                for local, status in enumerate(statuses):
+                    self._acks[offsets[collector] + local] = status
+            for (collector, local), text in errors.items():
+                self._errors[offsets[collector] + local] = text
+            self._report_seq += 1
+            self._changed.notify_all()
+
+
+@dataclass
+class RelayHandle:
+    """What a remote collector's actor needs to relay pushes: the mailbox and the layout."""
+
+    mailbox: Any
+    workers: list[int]
+
+    def open(self, worker: int) -> Any:
+        raise RuntimeError("a Ray link is read by relays (RelayHandle.relay), not opened by workers")
+
+    def relay(self, collector: int, node_link: SenderLink) -> Relay:
+        """The relay of remote collector ``collector``, writing into ``node_link``."""
+        return Relay(self, collector, node_link)
+
+
+class Relay:
+    """Copies pushes from the object store into one node's link and reports back.
+
+    Args:
+        handle: the mailbox and layout.
+        collector: this remote collector's index.
+        node_link: the link to this collector's own workers.
+    """
+
+    def __init__(self, handle: RelayHandle, collector: int, node_link: SenderLink) -> None:
+        self.mailbox = handle.mailbox
+        self.collector = collector
+        self.first = sum(handle.workers[:collector])
+        self.count = handle.workers[collector]
+        self.link = node_link
+        self._after = 0
+        self._reported: list[Acks] | None = None
+        self._sent_failures = [NO_FAILURE] * self.count
+        self._stopped = False
+
+    def start(self) -> None:
+        """Deliver what is posted already (before the collector's first batch), then relay
+        from two daemon threads."""
+        self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self._after, 0.0)))
+        self._report()
+        threading.Thread(target=self._down, name=f"envsync-relay-down-{self.collector}", daemon=True).start()
+        threading.Thread(target=self._up, name=f"envsync-relay-up-{self.collector}", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            self.mailbox.forget.remote(self.collector)
+
+    def _deliver(self, posts: list[tuple[int, list[Any]]]) -> None:
+        for seq, (ref,) in posts:
+            payload: Payload = ray.get(ref)
+            version = 0
+            for worker in range(self.first, self.first + self.count):
+                if worker in payload:
+                    version, undo, entries = payload[worker]
+                    self.link.write(worker - self.first, version, entries, undo=undo)
+                    self.link.notify(worker - self.first)
+            self.link.flush(version)
+            self._after = seq
+
+    def _down(self) -> None:
+        while not self._stopped:
+            try:
+                self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self._after, _POLL)))
+            except Exception:
+                if self._stopped:
+                    return
+                time.sleep(_POLL)
+
+    def _up(self) -> None:
+        last = 0.0
+        while not self._stopped:
+            self.link.wait_acks(0.02, applied=False)
+            self.link.wait_acks(0.0, applied=True)  # drained: statuses are compared below
+            now = time.monotonic()
+            if self._changed() or now - last >= HEARTBEAT:
+                with contextlib.suppress(Exception):
+                    self._report()
+                last = now
+
+    def _statuses(self) -> list[Acks]:
+        out = []
+        for w in range(self.count):
+            s = self.link.status(w)
+            out.append((s.received, s.applied, s.failed, self.link.alive(w)))
+        return out
+
+    def _changed(self) -> bool:
+        return self._statuses() != self._reported
+
+    def _report(self) -> None:
+        statuses = self._statuses()
+        errors = {}
+        for w, (_, _, failed, _) in enumerate(statuses):
+            if failed != self._sent_failures[w]:
+                errors[w] = self.link.error_text(w)
+                self._sent_failures[w] = failed
+        self.mailbox.report.remote(self.collector, statuses, errors)
+        self._reported = statuses

@@ -1,0 +1,248 @@
+"""End to end over Ray: a two-node local cluster, real actors, one RayCollector per test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_counter_env
+from tensordict import TensorDictBase
+
+from envsync import AckTimeout, EnvStateSender, WorkerApplyError
+from envsync.links.shared_memory import PREFIX, SHM_DIR
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
+from torchrl.collectors.distributed import RayCollector  # noqa: E402
+
+TESTS = str(Path(__file__).resolve().parent)
+STORE = 80 * 2**20
+
+
+def apply_checked(env: Any, config: TensorDictBase) -> None:
+    """A config method that rejects negative difficulties (importable by Ray workers)."""
+    difficulty = float(config["difficulty"])
+    if difficulty < 0:
+        raise ValueError(f"difficulty {difficulty} is negative")
+    env.set_difficulty(difficulty)
+
+
+def short_episodes() -> Any:
+    return make_counter_env(max_steps=5)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    # the raylets' workers inherit the environment: they import this directory's modules
+    path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, path) if p)
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": STORE, "resources": {"n0": 1}},
+    )
+    nodes.add_node(num_cpus=1, object_store_memory=STORE, resources={"n1": 1})
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        os.environ["PYTHONPATH"] = path
+
+
+def build(sender: EnvStateSender, kind: type, *, nodes: tuple[str, ...] = ("n0", "n1"), **kwargs: Any) -> Any:
+    workers = 1 if kind is Collector else 2
+    return RayCollector(
+        [sender.env_fn(short_episodes)] * len(nodes),
+        kwargs.pop("policy", None),
+        collector_class=kind,
+        num_workers_per_collector=workers,
+        frames_per_batch=kwargs.pop("frames_per_batch", 20 * len(nodes)),
+        total_frames=10**9,
+        remote_configs=[{"num_cpus": 0.25, "memory": 150 * 2**20, "resources": {n: 0.01}} for n in nodes],
+        **sender.ray_kwargs(start_method="fork"),
+        **kwargs,
+    )
+
+
+def counting_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    put = ray.put
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", counted)
+    return calls
+
+
+def alive_actors() -> list[Any]:
+    return [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+
+
+def orphaned_files() -> list[str]:
+    """envsync files in /dev/shm whose owner process is gone (other tests' live files pass)."""
+    out = []
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(PREFIX):
+            try:
+                os.kill(int(name[len(PREFIX) :].split("-")[0]), 0)
+            except ProcessLookupError:
+                out.append(name)
+    return out
+
+
+def observed(batch: TensorDictBase) -> dict[int, set[float]]:
+    """Per fleet env index, the difficulties seen in the batch's next observations."""
+    flat = batch.reshape(-1)
+    out: dict[int, set[float]] = {}
+    for index, obs in zip(flat["env_index"].tolist(), flat["next", "observation"][:, 0].tolist(), strict=True):
+        out.setdefault(index, set()).add(round(obs, 3))
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_import_envsync_never_imports_ray() -> None:
+    # torchrl 0.14.1 itself imports ray whenever it is installed (torchrl.data's ray replay
+    # buffer), so "ray not in sys.modules" cannot hold here: check instead that envsync
+    # works with ray unimportable and loads none of its Ray modules on import
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "import envsync\n"
+        "sender = envsync.EnvStateSender(config={'x': 0.0}); sender.push(config={'x': 1.0}); sender.close()\n"
+        "assert not [m for m in sys.modules if m.startswith('envsync') and m.endswith('.ray')]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", [MultiSyncCollector, MultiAsyncCollector, Collector], ids=["sync", "async", "single"])
+def test_push_reaches_every_env_on_every_node(cluster: Any, kind: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build(sender, kind)
+    try:
+        size = 2 if kind is Collector else 4
+        assert sender.num_workers == size
+        assert [m.index for m in sender.fleet()] == list(range(size))
+        puts = counting_puts(monkeypatch)
+        version = sender.push(config={"difficulty": 0.5}, wait="applied", timeout=30)
+        assert sender.versions() == [version] * size
+        assert len(puts) == 1
+        last = size - 1
+        each = sender.push_each({0: {"difficulty": 0.1}, last: {"difficulty": 0.9}}, wait="applied", timeout=30)
+        assert len(puts) == 2
+        assert sender.versions() == [each] + [version] * (size - 2) + [each]
+        seen: dict[int, set[float]] = {}
+        for i, batch in enumerate(collector):
+            for index, values in observed(batch).items():
+                seen.setdefault(index, set()).update(values)
+            if i >= 3 and len(seen) == size:
+                break
+        assert seen[0] == {0.1} and seen[last] == {0.9}
+        assert all(seen[w] == {0.5} for w in range(1, last))
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_push_while_iterating_keeps_every_batch_and_policy_sync(cluster: Any) -> None:
+    from tensordict.nn import TensorDictModule
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    policy = TensorDictModule(torch.nn.Linear(3, 1), ["observation"], ["action"])
+    collector = build(sender, MultiAsyncCollector, policy=policy, sync=True)
+    try:
+        collector.update_policy_weights_()
+        version, acked_at, steps = 0, None, {}
+        for i, batch in enumerate(collector):
+            assert batch.numel() == 40
+            flat = batch.reshape(-1)
+            for index in flat["env_index"].unique().tolist():
+                stream = flat[flat["env_index"] == index]
+                count = stream["next", "observation"][:, 2]
+                # episodes of 5 steps: the counter goes 1..5 and restarts, never skips
+                assert ((count[1:] - count[:-1] == 1) | (count[1:] == 1)).all()
+                steps[index] = steps.get(index, 0) + len(stream)
+            if i == 1:
+                version = sender.push(config={"difficulty": 0.25}, wait=None)
+            if i == 2 and acked_at is None:
+                sender.wait(version, until="received", timeout=10)
+                acked_at = i
+                collector.update_policy_weights_()  # policy sync keeps working beside envsync
+            if i >= 4:
+                assert (batch["next", "env_version"] == version).any()
+                break
+        assert acked_at == 2 and sorted(steps) == [0, 1, 2, 3]
+        sender.wait(version, until="applied", timeout=30)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(90)
+def test_remote_apply_error_raises_and_rolls_back(cluster: Any) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=apply_checked, apply_at="step")
+    collector = build(sender, MultiSyncCollector)
+    try:
+        good = sender.push(config={"difficulty": 0.3}, wait="applied", timeout=30)
+        with pytest.raises(WorkerApplyError) as info:
+            sender.push(config={"difficulty": -1.0}, workers=[3], wait="applied", timeout=30)
+        assert info.value.worker == 3 and "difficulty -1.0 is negative" in info.value.remote_traceback
+        assert info.value.rollback is not None
+        sender.wait(info.value.rollback, until="applied", timeout=30)
+        assert sender.versions()[:3] == [good] * 3
+        assert float(sender.desired_config(3)["difficulty"]) == pytest.approx(0.3)
+        batch = next(iter(collector))
+        assert observed(batch).get(3, {0.3}) == {0.3}
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(90)
+def test_killed_actor_is_reported_dead_promptly(cluster: Any) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build(sender, MultiSyncCollector)
+    try:
+        sender.push(config={"difficulty": 0.2}, wait="applied", timeout=30)
+        ray.kill(collector.remote_collectors[1])
+        start = time.monotonic()
+        with pytest.raises(AckTimeout) as info:
+            sender.push(config={"difficulty": 0.4}, wait="applied", timeout=30)
+        assert time.monotonic() - start < 5.0
+        assert info.value.dead == [2, 3]
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_lost_node_is_reported_dead_and_shutdown_leaves_nothing(cluster: Any) -> None:
+    node = cluster.add_node(num_cpus=1, object_store_memory=STORE, resources={"n2": 1})
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build(sender, MultiSyncCollector, nodes=("n0", "n2"))
+    try:
+        sender.push(config={"difficulty": 0.2}, wait="applied", timeout=30)
+        cluster.remove_node(node)
+        start = time.monotonic()
+        with pytest.raises(AckTimeout) as info:
+            sender.push(config={"difficulty": 0.4}, wait="applied", timeout=30)
+        assert time.monotonic() - start < 5.0
+        assert info.value.dead == [2, 3]
+    finally:
+        collector.shutdown()
+        sender.close()
+    deadline = time.monotonic() + 10
+    while (alive_actors() or orphaned_files()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive_actors() == [] and orphaned_files() == []
