@@ -22,12 +22,16 @@ class Attachment:
         detached: tells whether the collector has been shut down.
         on_close: run when the attachment ends (e.g. stop an in-process receiver).
         envs_per_worker: how many envs each worker drives.
+        collectors: how many workers each collector behind the link has, in order (a
+            ``RayCollector`` is one attachment over several remote collectors); ``None``:
+            one collector with every worker of the link.
     """
 
     link: SenderLink
     detached: Callable[[], bool]
     on_close: Callable[[], None] = lambda: None
     envs_per_worker: int = 1
+    collectors: Sequence[int] | None = None
     offset: int = 0
     index: int = 0
     mirrors: list[Flat] = field(default_factory=list)
@@ -67,7 +71,7 @@ class Fleet:
         attachment.index = self._next_collector
         attachment.mirrors = [dict(start) for _ in range(attachment.link.num_workers)]
         self._next_offset += attachment.link.num_workers
-        self._next_collector += 1
+        self._next_collector += len(attachment.collectors or [attachment.link.num_workers])
         self.attachments.append(attachment)
 
     def prune(self) -> list[Attachment]:
@@ -89,11 +93,15 @@ class Fleet:
         raise KeyError(index)
 
     def members(self) -> list[Member]:
-        return [
-            Member(index=a.offset + w, collector=a.index, worker=w, envs=a.envs_per_worker)
-            for a in self.attachments
-            for w in range(a.link.num_workers)
-        ]
+        out = []
+        for a in self.attachments:
+            index = a.offset
+            for collector, count in enumerate(a.collectors or [a.link.num_workers]):
+                for worker in range(count):
+                    member = Member(index=index, collector=a.index + collector, worker=worker, envs=a.envs_per_worker)
+                    out.append(member)
+                    index += 1
+        return out
 
     def targets(self, workers: Sequence[int] | None) -> list[int]:
         """Validate ``workers`` against the live fleet (default: every live worker)."""

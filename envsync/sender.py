@@ -135,11 +135,14 @@ class Sender:
         detached: Callable[[], bool],
         on_close: Callable[[], None] = lambda: None,
         envs_per_worker: int = 1,
+        collectors: Sequence[int] | None = None,
     ) -> Attachment:
         """Attach a collector's ``num_workers`` workers after the fleet's others.
 
         ``make_link`` builds the link from the leaves every worker starts from; then each
         worker is given the latest version (and its own checkpointed row, if any).
+        ``collectors`` splits the workers among several collectors behind one link (their
+        worker counts, in order), as :meth:`fleet` describes them.
 
         Raises:
             ValidationError: a loaded per-worker checkpoint has another number of workers.
@@ -153,7 +156,7 @@ class Sender:
                     f"the checkpoint has {len(rows)} worker configs; the collector has {num_workers} workers"
                 )
             start = self._start_leaves()
-            attachment = Attachment(make_link(start), detached, on_close, envs_per_worker)
+            attachment = Attachment(make_link(start), detached, on_close, envs_per_worker, collectors)
             self._fleet.add(attachment, start)
             for worker in range(num_workers):
                 entries = rows[worker] if rows is not None else {}

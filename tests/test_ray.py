@@ -133,6 +133,9 @@ def test_push_reaches_every_env_on_every_node(cluster: Any, kind: type, monkeypa
         size = 2 if kind is Collector else 4
         assert sender.num_workers == size
         assert [m.index for m in sender.fleet()] == list(range(size))
+        per_collector = size // 2  # two remote collectors
+        expected = [(i // per_collector, i % per_collector) for i in range(size)]
+        assert [(m.collector, m.worker) for m in sender.fleet()] == expected
         puts = counting_puts(monkeypatch)
         version = sender.push(config={"difficulty": 0.5}, wait="applied", timeout=30)
         assert sender.versions() == [version] * size

@@ -189,7 +189,9 @@ class RayEnvScheme(_Flags):
             return RayLink(leaves, counts, mailbox)
 
         try:
-            attachment = sender.attach(sum(counts), make, detached=lambda: _ray_detached(collector_ref))
+            attachment = sender.attach(
+                sum(counts), make, detached=lambda: _ray_detached(collector_ref), collectors=counts
+            )
             if attachment.offset != self._offset:
                 sender.detach(attachment)
                 raise ValidationError(
