@@ -162,6 +162,7 @@ class Sender:
                 entries = rows[worker] if rows is not None else {}
                 attachment.link.write(worker, self._version, entries)
                 attachment.mirrors[worker].update(entries)
+            attachment.link.flush(self._version)
             self._rows = None
             return attachment
 
