@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
-from envsync.reinit import compute_in_main, plan
+from envsync.reinit import compute_in_main, plan, stats_entries, stats_indices
 from envsync.state import EnvStateTemplate, apply_config, env_state_dict
 
 if TYPE_CHECKING:
@@ -57,7 +57,12 @@ class Probe:
                 "add a StepCounter or use GymEnv"
             )
         plan(env, spec.reinit)
-        return EnvStateTemplate(env_state_dict(env), allow_nonfinite=allow_nonfinite)
+        entries = {**env_state_dict(env), **stats_entries(env, spec.reinit)}
+        return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
+
+    def stats_indices(self, spec: ApplySpec, selector: Any) -> list[int]:
+        """The chain indices of the transforms ``selector`` picks that keep mergeable statistics."""
+        return stats_indices(self.get(), spec.reinit, selector)
 
     def main_stats(self, spec: ApplySpec, config: TensorDictBase) -> dict[str, torch.Tensor]:
         """Run the ``recompute(where="main")`` policies under ``config``; return the state.

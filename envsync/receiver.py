@@ -64,7 +64,11 @@ class EnvAdapter(Protocol):
         """Give the env a whole config (by dotted name) through the user's config method."""
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The env's live ``state_dict()`` tensors by key (written in place)."""
+        """The env's live ``state_dict()`` tensors by key (written in place), and its running
+        statistics (``stats.*``: fresh exports, loaded back by :meth:`commit`)."""
+
+    def commit(self, written: dict[str, torch.Tensor]) -> None:
+        """Load entries written into :meth:`state_tensors` that are not live (``stats.*``)."""
 
     @property
     def has_reinit(self) -> bool:
@@ -110,6 +114,7 @@ class EnvStateReceiver:
         self._kept: set[str] = set()
         self._snapshot_version = 0
         self._stamps: dict[str, int] = {}
+        self._answered = 0
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
@@ -185,6 +190,20 @@ class EnvStateReceiver:
             self._notice(self.link.target())
             if not self._busy:
                 self.apply_if_idle()
+                self.serve()
+
+    def serve(self) -> None:
+        """Answer a pending ``gather`` with the env's current entries (at a safe point)."""
+        request = self.link.request()
+        if request == self._answered:
+            return
+        with self._lock:
+            self.link.reply(request, self._read)
+            self._answered = request
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        live = self.adapter.state_tensors() if names else {}
+        return {name: live[name] for name in names}
 
     def apply_if_idle(self) -> None:
         """With the collector idle: ``"step"`` and ``"truncate"`` apply at once."""
@@ -257,7 +276,9 @@ class EnvStateReceiver:
         if keep:
             self._kept = keep
             self._snapshot_version = version
-        return self.link.load_entries(version, names, load)
+        done = self.link.load_entries(version, names, load)
+        self.adapter.commit({name: live[name] for name in loaded})
+        return done
 
     def _undo(self, undo: int) -> None:
         """A rollback of ``undo``: put back the first-time entries this worker loaded for it."""
@@ -266,6 +287,7 @@ class EnvStateReceiver:
             for name in self._kept:
                 live[name].data.copy_(self._snapshot[name])
                 self._stamps[name] = 0
+            self.adapter.commit({name: live[name] for name in self._kept})
             self._snapshot_version = 0
 
     def _restore(self, loaded: list[str]) -> str:
@@ -274,9 +296,10 @@ class EnvStateReceiver:
             if self._config is not None:
                 self.adapter.apply_config(self._config)
             live = self.adapter.state_tensors() if loaded else {}
-            for name in loaded:
-                if name in self._kept:
-                    live[name].data.copy_(self._snapshot[name])
+            restored = [name for name in loaded if name in self._kept]
+            for name in restored:
+                live[name].data.copy_(self._snapshot[name])
+            self.adapter.commit({name: live[name] for name in restored})
         except Exception:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""

@@ -278,6 +278,53 @@ def compute_in_main(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items() if any(k.startswith(prefixes[i]) for i in keys)}
 
 
+STATS = "stats"
+"""The env-state namespace of running statistics: ``stats.<transform index>.<name>``, the
+moments a handler's ``export`` gives (not ``state_dict`` entries: ``sync_stats`` moves them)."""
+
+
+def _stats_handlers(env: Any, spec: ReinitSpec) -> list[tuple[int, Transform, Any]]:
+    found = []
+    for index, transform in enumerate(chain(env)):
+        handler = _handler(spec, transform)
+        if callable(getattr(handler, "export", None)) and callable(getattr(handler, "load", None)):
+            found.append((index, transform, handler))
+    return found
+
+
+def stats_indices(env: Any, spec: ReinitSpec, selector: Selector) -> list[int]:
+    """The chain indices of the transforms ``selector`` matches whose handler can export and
+    load statistics."""
+    chosen = [(i, t) for i, t, _ in _stats_handlers(env, spec) if _matches(selector, i, t)]
+    for index, transform in chosen:
+        decay = float(getattr(transform, "decay", 1.0))
+        if decay != 1.0:
+            raise ValidationError(
+                f"sync_stats: transform {index} ({type(transform).__name__}) has decay={decay}; an exact merge "
+                "needs decay=1.0 (with forgetting, each worker's statistics age at its own pace and no pooled "
+                "statistic is exact: see docs/statistics.md)"
+            )
+    return [index for index, _ in chosen]
+
+
+def stats_entries(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
+    """The running statistics of every transform whose handler exports them, by name
+    (``stats.<index>.<name>``); fresh tensors."""
+    out = {}
+    for index, transform, handler in _stats_handlers(env, spec):
+        out.update({f"{STATS}.{index}.{name}": value for name, value in handler.export(transform).items()})
+    return out
+
+
+def load_stats(env: Any, spec: ReinitSpec, values: dict[str, torch.Tensor]) -> None:
+    """Load ``stats.*`` entries into their transforms (every entry of a transform at once)."""
+    for index, transform, handler in _stats_handlers(env, spec):
+        prefix = f"{STATS}.{index}."
+        mine = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+        if mine:
+            handler.load(transform, {**handler.export(transform), **mine})
+
+
 def _state_prefixes(env: Any) -> list[str]:
     """The state_dict key prefix of each transform of :func:`chain`, in the same order."""
     if not isinstance(env.transform, Compose):

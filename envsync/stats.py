@@ -418,3 +418,42 @@ def load_vecnorm_(transform: VecNormLike, moments: Mapping[NestedKey, Moments]) 
         transform._td.get(_suffixed(key, "_count")).fill_(weight)
     stored = vecnorm_moments(transform)
     return {key: stored[key] for key in moments}
+
+
+FIELDS = ("count", "mean", "m2")
+
+
+def _groups(flat: Mapping[str, torch.Tensor]) -> dict[str, Moments]:
+    """``{"<prefix>.count", "<prefix>.mean", "<prefix>.m2"}`` leaves -> ``{prefix: Moments}``."""
+    prefixes = {name.rsplit(".", 1)[0] for name in flat}
+    return {p: Moments(flat[f"{p}.count"], flat[f"{p}.mean"], flat[f"{p}.m2"]) for p in sorted(prefixes)}
+
+
+def _flat(groups: Mapping[str, Moments]) -> dict[str, torch.Tensor]:
+    return {f"{p}.{field}": getattr(m, field) for p, m in groups.items() for field in FIELDS}
+
+
+Leaves = Mapping[str, torch.Tensor]
+
+
+def sync_round(base: Leaves, given: Mapping[int, Leaves], current: Mapping[int, Leaves]) -> dict[str, torch.Tensor]:
+    """One ``sync_stats`` round over flat moment leaves (``<prefix>.count/.mean/.m2``):
+    ``base ⊕ Σ_w delta(current[w], given[w])``, where ``given[w]`` is what worker ``w`` was last
+    loaded with (``base`` if absent), so each worker contributes only what it saw since.
+
+    Examples:
+        >>> empty = {"x.count": torch.tensor(0.0), "x.mean": torch.zeros(1), "x.m2": torch.zeros(1)}
+        >>> seen = {w: _flat({"x": Moments.from_samples(torch.tensor([[float(w)], [w + 2.0]]))}) for w in (0, 1)}
+        >>> merged = sync_round(empty, {}, seen)
+        >>> merged["x.count"].item(), merged["x.mean"].tolist()
+        (4.0, [1.5])
+    """
+    start = _groups(base)
+    out = {}
+    for prefix, total in start.items():
+        deltas = []
+        for worker, values in current.items():
+            before = _groups(given.get(worker, base))[prefix]
+            deltas.append(delta(_groups(values)[prefix], before))
+        out[prefix] = merge_rounds(total, deltas)
+    return _flat(out)

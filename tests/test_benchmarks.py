@@ -33,6 +33,18 @@ ROW_KEYS = {
     "bench_payload": {"size", "workers", "envsync_ms", "map_fn_ms", "memcpy_ms", "envsync_over_memcpy"},
     "bench_hot_path": {"env", "collector", "fps_without", "fps_with", "overhead_pct", "overhead_cpu_pct"},
     "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
+    "bench_workload": {
+        "workers",
+        "restart_ms",
+        "push_received_us",
+        "push_applied_us",
+        "restart_over_received",
+        "restart_over_applied",
+        "fps_before",
+        "fps_after",
+        "after_over_before",
+        "all_applied",
+    },
 }
 
 

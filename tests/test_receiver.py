@@ -33,6 +33,9 @@ class EnvAdapter:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return env_state_dict(self.env, keep_vars=True)
 
+    def commit(self, written: dict[str, torch.Tensor]) -> None:
+        return None
+
     def reinit(self, version: int) -> None:
         return None
 

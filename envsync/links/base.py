@@ -68,6 +68,15 @@ class SenderLink(Protocol):
     def status(self, worker: int) -> WorkerStatus:
         """Read the worker's acknowledgements."""
 
+    def ask(self, worker: int, request: int, names: list[str]) -> None:
+        """Ask the worker for the current values of these env-state entries."""
+
+    def answered(self, worker: int) -> int:
+        """The latest request the worker has answered."""
+
+    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of the worker's answer (valid once ``answered`` reached the request)."""
+
     def error_text(self, worker: int) -> str:
         """The traceback text of the worker's latest failure."""
 
@@ -106,6 +115,12 @@ class ReceiverLink(Protocol):
     def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
         """Call ``load(name, slot_view)`` for each env-state name, under the slot lock, if the
         target is still ``version``; return whether it was (else read the header again)."""
+
+    def request(self) -> int:
+        """The latest gather request (one integer read; answered at rollout ends and idle)."""
+
+    def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+        """Answer ``request`` with ``read(asked names)`` and wake the sender."""
 
     def ack_received(self, version: int) -> None:
         """Tell the sender this version is seen and armed."""

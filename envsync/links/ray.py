@@ -38,6 +38,7 @@ from typing import Any
 import ray
 import torch
 
+from envsync.errors import ValidationError
 from envsync.links.base import Key, SenderLink
 from envsync.protocol import NO_FAILURE, WorkerStatus
 
@@ -183,6 +184,15 @@ class RayLink:
         self.puts += 1
         self._seq += 1
         self._posted = self.mailbox.post.remote(self._seq, [ref])
+
+    def ask(self, worker: int, request: int, names: list[str]) -> None:
+        raise ValidationError("gather and sync_stats do not reach workers over Ray yet (see docs/ray.md)")
+
+    def answered(self, worker: int) -> int:
+        return 0
+
+    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
+        raise ValidationError("gather and sync_stats do not reach workers over Ray yet (see docs/ray.md)")
 
     def settle(self, timeout: float = 30.0) -> None:
         """Block until the mailbox holds the latest flush (before relays first fetch)."""

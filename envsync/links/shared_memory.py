@@ -132,6 +132,15 @@ class SharedMemoryLink:
     def flush(self, version: int) -> None:
         return None
 
+    def ask(self, worker: int, request: int, names: list[str]) -> None:
+        self._live().ask(worker, request, names)
+
+    def answered(self, worker: int) -> int:
+        return self._live().answered(worker)
+
+    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
+        return self._live().read_reply(worker, names)
+
     def status(self, worker: int) -> Any:
         return self._live().status(worker)
 

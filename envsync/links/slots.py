@@ -1,5 +1,6 @@
-"""The slot table both links lay out in one block of bytes: per worker, eight int64
-counters, an error-text buffer and one view per leaf of the desired state.
+"""The slot table both links lay out in one block of bytes: per worker, ten int64
+counters, an error-text buffer, one view per leaf of the desired state, and for every
+env-state entry a reply leaf and an "asked" mark (the worker -> main path of ``gather``).
 
 A slot is written by the sender and read by its worker under the worker's *slot lock* (a
 process-shared lock for the shared-memory link), so a reader never sees a half-written
@@ -24,7 +25,7 @@ from envsync.links.base import Header, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus
 
 ERROR_BYTES = 16384
-COUNTERS = ("target", "received", "applied", "failed", "error_len", "pid", "busy", "undo")
+COUNTERS = ("target", "received", "applied", "failed", "error_len", "pid", "busy", "undo", "ask", "answered")
 _ALIGN = 64
 _LOCK_TIMEOUT = 10.0
 
@@ -62,7 +63,9 @@ def plan(leaves: Mapping[Key, torch.Tensor], num_workers: int) -> tuple[list[Fie
         offset = _align(offset + 8 * num_workers)
     fields.append(Field(("error",), torch.uint8, (num_workers, ERROR_BYTES), offset))
     offset = _align(offset + num_workers * ERROR_BYTES)
-    for key, value in leaves.items():
+    gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
+    asked = {("asked", k[1]): torch.zeros((), dtype=torch.int64) for k in gathered}
+    for key, value in {**leaves, **gathered, **asked}.items():
         field = Field(("leaf", *key), value.dtype, (num_workers, *value.shape), offset)
         fields.append(field)
         offset = _align(offset + field.nbytes)
@@ -155,6 +158,22 @@ class SlotWriter:
     def flush(self, version: int) -> None:
         return None
 
+    def ask(self, worker: int, request: int, names: list[str]) -> None:
+        """Ask ``worker`` for the current values of ``names`` (answered at a safe point)."""
+        slot = self.table.slots[worker]
+        with locked(self._locks[worker], f"asking worker {worker}"):
+            for name in names:
+                slot[("asked", name)].fill_(request)
+            self.table.counters["ask"][worker] = request
+
+    def answered(self, worker: int) -> int:
+        return int(self.table.counters["answered"][worker])
+
+    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
+        slot = self.table.slots[worker]
+        with locked(self._locks[worker], f"reading worker {worker}'s reply"):
+            return {name: slot[("reply", name)].clone() for name in names}
+
     def notify(self, worker: int) -> None:
         if not self.table.counters["busy"][worker]:
             self._wakes[worker].release()
@@ -203,6 +222,17 @@ class SlotReader:
             for name in names:
                 load(name, self._slot[("env_state", name)])
             return True
+
+    def request(self) -> int:
+        return int(self._c["ask"][self.worker])
+
+    def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+        with locked(self._lock, f"worker {self.worker} replying"):
+            names = [k[1] for k, v in self._slot.items() if k[0] == "asked" and int(v) == request]
+            for name, value in read(names).items():
+                self._slot[("reply", name)].copy_(value)
+            self._c["answered"][self.worker] = request
+        self._acks[1].release()
 
     def ack_received(self, version: int) -> None:
         received = self._c["received"]

@@ -217,6 +217,7 @@ class CollectorAdapter:
     def __init__(self, collector: Any, env: EnvBase, spec: ApplySpec) -> None:
         self._collector = weakref.ref(collector)
         self._env = weakref.ref(env)
+        self._spec = spec
         self._apply = config_applier(env, spec.apply)
         steps = reinit.plan(env, spec.reinit)
         self.has_reinit = bool(steps)
@@ -232,7 +233,13 @@ class CollectorAdapter:
         self._apply(config)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return env_state_dict(self._live_env(), keep_vars=True)
+        env = self._live_env()
+        return {**env_state_dict(env, keep_vars=True), **reinit.stats_entries(env, self._spec.reinit)}
+
+    def commit(self, written: dict[str, torch.Tensor]) -> None:
+        stats = {k: v for k, v in written.items() if k.startswith(f"{reinit.STATS}.")}
+        if stats:
+            reinit.load_stats(self._live_env(), self._spec.reinit, stats)
 
     def reinit(self, version: int) -> None:
         self._reinit(self._live_env(), version)
@@ -285,6 +292,7 @@ def _wrap_rollout(collector: Any, hooks: EnvHooks, receiver_ref: weakref.Referen
         # one that arrives later is the idle listener's (a fresh episode, see the docs)
         if truncated or not receiver.spec.truncates:
             receiver.apply_if_idle()
+        receiver.serve()
         return batch
 
     collector.rollout = wrapped

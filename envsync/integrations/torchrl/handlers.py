@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torchrl.envs.transforms import CatFrames, ObservationNorm, RewardSum, VecNorm, VecNormV2
 
+from envsync import stats
 from envsync.reinit import register
 
 _CONSTANT = 1e-6
@@ -82,6 +83,38 @@ class ZeroStatsHandler:
                     buffer.zero_()
 
 
+def _flat_moments(moments: dict[Any, stats.Moments]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, m in moments.items():
+        name = "-".join(key) if isinstance(key, tuple) else key
+        out.update({f"{name}.count": m.count, f"{name}.mean": m.mean, f"{name}.m2": m.m2})
+    return out
+
+
+def _moments(values: dict[str, torch.Tensor], keys: list[Any]) -> dict[Any, stats.Moments]:
+    out = {}
+    for key in keys:
+        name = "-".join(key) if isinstance(key, tuple) else key
+        out[key] = stats.Moments(values[f"{name}.count"], values[f"{name}.mean"], values[f"{name}.m2"])
+    return out
+
+
+class NormStatsHandler(ZeroStatsHandler):
+    """``reset`` (zeros) plus ``export``/``load`` of running statistics as moments (count,
+    mean, m2 per normalised key, float64), for ``sync_stats`` (see ``envsync.stats``)."""
+
+    def export(self, transform: Any) -> dict[str, torch.Tensor]:
+        if isinstance(transform, VecNormV2):
+            return _flat_moments(stats.vecnorm_v2_moments(transform))
+        return _flat_moments(stats.vecnorm_moments(transform))
+
+    def load(self, transform: Any, values: dict[str, torch.Tensor]) -> None:
+        if isinstance(transform, VecNormV2):
+            stats.load_vecnorm_v2_(transform, _moments(values, list(stats.vecnorm_v2_moments(transform))))
+        else:
+            stats.load_vecnorm_(transform, _moments(values, list(stats.vecnorm_moments(transform))))
+
+
 class EpisodicHandler:
     """``reset`` for transforms whose state restarts with every episode (RewardSum)."""
 
@@ -91,7 +124,7 @@ class EpisodicHandler:
 
 
 register(ObservationNorm, ObservationNormHandler())
-register(VecNorm, ZeroStatsHandler())
-register(VecNormV2, ZeroStatsHandler())
+register(VecNorm, NormStatsHandler())
+register(VecNormV2, NormStatsHandler())
 register(CatFrames, ZeroStatsHandler())
 register(RewardSum, EpisodicHandler())

@@ -1,0 +1,160 @@
+"""Reading state back from workers: gather, exact normaliser sync, checkpoints that resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from functools import partial
+
+import pytest
+import torch
+from conftest import build
+from helpers import make_counter_env, make_vecnorm_env, rows, start_method
+
+from envsync import EnvStateSender, ValidationError
+
+WORKERS = 3
+
+
+def reference(observations: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """float64 mean, population variance and count of every observation, computed directly."""
+    x = torch.cat([o.reshape(-1, 3) for o in observations]).double()
+    return x.mean(0), x.var(0, unbiased=False), x.shape[0]
+
+
+def seen_by_vecnorm(batch: torch.Tensor, first: bool) -> list[torch.Tensor]:
+    """What each worker's VecNormV2 saw in this batch: every step's observation, and in the
+    first batch also the reset observation (the root of the first frame)."""
+    out = []
+    for row in rows(batch):
+        if first:
+            out.append(row["observation"][:1])
+        out.append(row["next", "observation"])
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_sync_stats_is_exact_over_rounds_and_counts_nothing_twice() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, [partial(make_vecnorm_env, i) for i in range(WORKERS)], frames_per_batch=30)
+    observations: list[torch.Tensor] = []
+    try:
+        batches = iter(collector)
+        for sync in range(5):
+            for b in range(2):
+                observations += seen_by_vecnorm(next(batches), first=sync == 0 and b == 0)
+            sender.sync_stats("VecNormV2")
+            mean, var, count = reference(observations)
+            state = sender.gather(["stats.0"])["stats", "0", "observation"]
+            for worker in range(WORKERS):
+                assert state["count"][worker].item() == count  # every observation once, no more
+                torch.testing.assert_close(state["mean"][worker], mean, rtol=1e-5, atol=1e-5)
+                var_w = state["m2"][worker] / state["count"][worker]
+                torch.testing.assert_close(var_w, var, rtol=1e-5, atol=1e-5)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_gather_while_iterating_drops_no_batch_and_answers_within_a_batch() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("async", sender, [partial(make_vecnorm_env, i) for i in range(2)], frames_per_batch=50)
+    last: dict[int, int] = {}
+    try:
+        started = time.monotonic()
+        batch_times = []
+        for i, batch in enumerate(collector):
+            batch_times.append(time.monotonic() - started)
+            started = time.monotonic()
+            for row in rows(batch):
+                counts = row["count"].reshape(-1)
+                worker = int(row["env_index"][0])
+                if worker in last:  # the root of a batch's first frame is the last frame's next
+                    assert int(counts[0]) == last[worker], "a batch was dropped or duplicated"
+                assert bool((counts.diff() == 1).all())
+                last[worker] = int(row["next", "count"].reshape(-1)[-1])
+            if i in (3, 6):
+                start = time.monotonic()
+                state = sender.gather(["stats.0.observation.count", "transforms.0"])
+                took = time.monotonic() - start
+                assert state.batch_size == torch.Size([2])
+                assert (state["stats", "0", "observation", "count"] > 0).all()
+                assert took < 2 * max(batch_times) + 0.5, (took, batch_times)
+            if i >= 9:
+                break
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_checkpoint_resumes_in_a_new_process(tmp_path: pathlib.Path) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, [partial(make_vecnorm_env, i) for i in range(2)], frames_per_batch=20)
+    try:
+        batches = iter(collector)
+        next(batches)
+        sender.push_each({0: {"difficulty": 0.25}, 1: {"difficulty": 0.75}}, wait="applied")
+        next(batches)
+        sender.sync_stats("VecNormV2")
+        next(batches)  # the workers see more after the sync: their own state differs again
+        state = sender.state_dict(gather=True)
+        expected = state["worker_env_state"]["stats", "0", "observation"]
+    finally:
+        collector.shutdown()
+        sender.close()
+    path = tmp_path / "checkpoint.pt"
+    torch.save(state, path)
+    tests = pathlib.Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, str(tests / "resume_check.py"), str(path)]
+    out = subprocess.run(command, capture_output=True, text=True, env=env, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert resumed["difficulty"] == [0.25, 0.75]  # each worker's first frame, its own config
+    # each worker's statistics are the checkpoint's, plus what it saw since: the reset after it
+    # caught up, and its 2 steps of the first batch (4 frames over 2 workers)
+    assert [c - 3 for c in resumed["count"]] == expected["count"].tolist()
+
+
+def test_bad_gathers_and_syncs_are_refused() -> None:
+    with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty") as sender:
+        sender.env_fn(make_counter_env)
+        with pytest.raises(ValidationError, match="gather needs an attached collector"):
+            sender.gather()
+        with pytest.raises(ValidationError, match="no selected transform keeps statistics"):
+            sender.sync_stats("ObservationNorm")
+    with EnvStateSender(config={}) as sender:
+        sender.env_fn(partial(make_vecnorm_env, 0, 0.99))
+        with pytest.raises(ValidationError, match="decay=0.99; an exact merge needs decay=1.0"):
+            sender.sync_stats("VecNormV2")
+        with pytest.raises(ValidationError, match="'transforms.7' names no entry"):
+            sender.gather(["transforms.7"])
+
+
+@pytest.mark.timeout(60)
+def test_a_late_worker_starts_from_the_merged_statistics() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        first = build("sync", sender, [partial(make_vecnorm_env, i) for i in range(2)], frames_per_batch=20)
+    try:
+        next(iter(first))
+        sender.sync_stats("VecNormV2")
+        merged = sender.gather(["stats.0.observation.count"])["stats", "0", "observation", "count"][0].item()
+        late = build("single", sender, partial(make_vecnorm_env, 2), frames_per_batch=4)
+        try:
+            count = sender.gather(["stats.0.observation.count"], workers=[2])["stats", "0", "observation", "count"]
+            assert count.item() >= merged  # started from the merge (plus its own reset)
+        finally:
+            late.shutdown()
+    finally:
+        first.shutdown()
+        sender.close()
