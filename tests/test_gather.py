@@ -158,3 +158,19 @@ def test_a_late_worker_starts_from_the_merged_statistics() -> None:
     finally:
         first.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_per_worker_checkpoint_needs_as_many_workers() -> None:
+    source = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    state = source.state_dict()
+    state["config"] = torch.stack([state["config"], state["config"]])  # two worker rows
+    source.close()
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    sender.load_state_dict(state)
+    try:
+        with pytest.raises(ValidationError, match="the checkpoint has 2 worker configs; the collector has 3 workers"):
+            with start_method("fork"):
+                build("sync", sender, [partial(make_counter_env, i) for i in range(3)])
+    finally:
+        sender.close()
