@@ -169,8 +169,8 @@ def test_a_per_worker_checkpoint_needs_as_many_workers() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
     sender.load_state_dict(state)
     try:
-        with pytest.raises(ValidationError, match="the checkpoint has 2 worker configs; the collector has 3 workers"):
-            with start_method("fork"):
-                build("sync", sender, [partial(make_counter_env, i) for i in range(3)])
+        message = "the checkpoint has 2 worker configs; the collector has 3 workers"
+        with pytest.raises(ValidationError, match=message), start_method("fork"):
+            build("sync", sender, [partial(make_counter_env, i) for i in range(3)])
     finally:
         sender.close()
