@@ -103,3 +103,36 @@ class TickEnv(EnvBase):
 
 def make_tick_env(label: int = 0) -> TickEnv:
     return TickEnv(label=label)
+
+
+class WideNoiseEnv(EnvBase):
+    """A never-ending env whose observation is ``numel`` float32 standard normals."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__(batch_size=torch.Size([]))
+        self.numel = numel
+        self.observation_spec = Composite(observation=Unbounded((numel,), dtype=torch.float32))
+        self.action_spec = Bounded(-1.0, 1.0, (1,))
+        self.reward_spec = Unbounded((1,))
+
+    def _obs(self) -> TensorDictBase:
+        false = torch.zeros(1, dtype=torch.bool)
+        return TensorDict(observation=torch.randn(self.numel), done=false, terminated=false.clone())
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        return self._obs()
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        out = self._obs()
+        out["reward"] = torch.ones(1)
+        return out
+
+    def _set_seed(self, seed: int | None) -> None:
+        return None
+
+
+def make_vecnorm_env(numel: int) -> Any:
+    """:class:`WideNoiseEnv` normalised by a ``VecNormV2`` (decay 1: statistics never forget)."""
+    from torchrl.envs import VecNormV2
+
+    return TransformedEnv(WideNoiseEnv(numel), Compose(VecNormV2(in_keys=["observation"], decay=1.0)))

@@ -1,16 +1,24 @@
-"""What ``gather`` and ``sync_stats`` decide, apart from moving bytes: which env-state entries
-a request names, and, per worker, the statistics each was last given (so a sync counts each
-observation once)."""
+"""``gather`` and ``sync_stats``: which env-state entries a request names, asking the workers
+through their links and waiting for the answers, and, per worker, the statistics each was
+last given (so a sync counts each observation once). The bytes move through the links."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tensordict import TensorDict
 
 from envsync import stats
-from envsync.errors import ValidationError
+from envsync.errors import AckTimeout, ValidationError
+from envsync.reinit import STATS, Selector
+
+if TYPE_CHECKING:
+    from envsync.sender import Sender
+
+_ACK_SLICE = 0.05
 
 
 def select(known: Sequence[str], requested: Sequence[str] | None) -> list[str]:
@@ -69,3 +77,72 @@ class StatsBook:
         book.merged = dict(state["merged"])
         book._given = {w: dict(given) for w, given in enumerate(state["given"])}
         return book
+
+
+def gather(
+    sender: Sender, env_state: Sequence[str] | None, workers: Sequence[int] | None, timeout: float
+) -> TensorDict:
+    """Implementation of :meth:`Sender.gather`."""
+    names = select(sender.env_state_template().keys, env_state)
+    with sender._lock:
+        sender._check_open()
+        sender._prune()
+        if not sender._fleet.attachments:
+            raise ValidationError("gather needs an attached collector; none is attached")
+        targets = sender._fleet.targets(workers)
+        sender._request += 1
+        request = sender._request
+        for index in targets:
+            attachment, worker = sender._fleet.locate(index)
+            attachment.link.ask(worker, request, names)
+            attachment.link.notify(worker)
+    _await_answers(sender, targets, request, timeout)
+    rows = []
+    for index in targets:
+        attachment, worker = sender._fleet.locate(index)
+        reply = attachment.link.read_reply(worker, names)
+        rows.append(TensorDict({tuple(k.split(".")): v for k, v in reply.items()}))
+    return TensorDict.stack(rows) if rows else TensorDict()
+
+
+def _await_answers(sender: Sender, targets: list[int], request: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(targets)
+    while True:
+        with sender._lock:
+            sender._prune()
+            live = set(sender._fleet.indices())
+            dead = [w for w in pending if w not in live or not sender._alive(w)]
+            if dead:
+                raise AckTimeout(request, pending, dead=dead, until="gathered")
+            pending = [w for w in pending if _answered(sender, w) < request]
+            if not pending:
+                return
+            link = sender._fleet.locate(pending[0])[0].link
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AckTimeout(request, pending, dead=[], until="gathered")
+        link.wait_acks(min(_ACK_SLICE, remaining), applied=True)
+
+
+def _answered(sender: Sender, index: int) -> int:
+    attachment, worker = sender._fleet.locate(index)
+    return attachment.link.answered(worker)
+
+
+def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
+    """Implementation of :meth:`Sender.sync_stats`."""
+    template = sender.env_state_template()
+    indices = {str(i) for i in sender._probe_or_fail().stats_indices(sender.spec, selector)}
+    names = [k for k in template.keys if k.startswith(f"{STATS}.") and k.split(".")[1] in indices]
+    if not names:
+        raise ValidationError(f"sync_stats({selector!r}): no selected transform keeps statistics envsync can merge")
+    gathered = gather(sender, names, None, timeout)
+    targets = sender._fleet.targets(None)
+    current = {w: {k: gathered[i].get(tuple(k.split("."))) for k in names} for i, w in enumerate(targets)}
+    if sender._stats is None:
+        sender._stats = StatsBook({k: template.flat[k] for k in names})
+    merged = sender._stats.round(current)
+    version = sender.push(env_state=merged, wait="applied", timeout=timeout)
+    sender._stats.record(merged, targets)
+    return version

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import desired, gather
+from envsync import checkpoint, desired, gather
 from envsync.desired import Undo
 from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
 from envsync.fleet import Attachment, Fleet, Member
@@ -28,7 +28,7 @@ from envsync.links.base import Flat, Key, SenderLink
 from envsync.probe import Probe
 from envsync.protocol import NO_FAILURE, ApplyAt, Until, is_done
 from envsync.receiver import ApplySpec
-from envsync.reinit import STATS, Policy, ReinitSpec, Selector
+from envsync.reinit import Policy, ReinitSpec, Selector
 from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate
 
 _ACK_SLICE = 0.05
@@ -362,7 +362,7 @@ class Sender:
         self._undo = None  # a rollback is not rolled back in turn
         return version
 
-    # ---- reading back -----------------------------------------------------------------------
+    # ---- reading back (envsync.gather decides what, the links move the bytes) ----------------
 
     def gather(
         self, env_state: Sequence[str] | None = None, *, workers: Sequence[int] | None = None, timeout: float = 30.0
@@ -383,48 +383,7 @@ class Sender:
             ValidationError: an entry the env does not have, or no collector attached.
             AckTimeout: some workers did not answer in time, or died.
         """
-        names = gather.select(self.env_state_template().keys, env_state)
-        with self._lock:
-            self._check_open()
-            self._prune()
-            if not self._fleet.attachments:
-                raise ValidationError("gather needs an attached collector; none is attached")
-            targets = self._fleet.targets(workers)
-            self._request += 1
-            request = self._request
-            for index in targets:
-                attachment, worker = self._fleet.locate(index)
-                attachment.link.ask(worker, request, names)
-                attachment.link.notify(worker)
-        self._await_answers(targets, request, timeout)
-        rows = []
-        for index in targets:
-            attachment, worker = self._fleet.locate(index)
-            rows.append(_nest(attachment.link.read_reply(worker, names)))
-        return TensorDict.stack(rows) if rows else TensorDict()
-
-    def _await_answers(self, targets: list[int], request: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        pending = list(targets)
-        while True:
-            with self._lock:
-                self._prune()
-                live = set(self._fleet.indices())
-                dead = [w for w in pending if w not in live or not self._alive(w)]
-                if dead:
-                    raise AckTimeout(request, pending, dead=dead, until="gathered")
-                pending = [w for w in pending if self._answered(w) < request]
-                if not pending:
-                    return
-                link = self._fleet.locate(pending[0])[0].link
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AckTimeout(request, pending, dead=[], until="gathered")
-            link.wait_acks(min(_ACK_SLICE, remaining), applied=True)
-
-    def _answered(self, index: int) -> int:
-        attachment, worker = self._fleet.locate(index)
-        return attachment.link.answered(worker)
+        return gather.gather(self, env_state, workers, timeout)
 
     def sync_stats(self, selector: Selector, *, timeout: float = 30.0) -> int:
         """Merge the running statistics of the selected normalising transforms across every
@@ -439,21 +398,12 @@ class Sender:
 
         Returns:
             The version that carries the merged statistics.
+
+        Raises:
+            ValidationError: no selected transform keeps mergeable statistics, or one forgets
+                (``decay < 1``).
         """
-        names = [k for k in self.env_state_template().keys if k.startswith(f"{STATS}.")]
-        indices = {str(i) for i in self._probe_or_fail().stats_indices(self.spec, selector)}
-        names = [k for k in names if k.split(".")[1] in indices]
-        if not names:
-            raise ValidationError(f"sync_stats({selector!r}): no selected transform keeps statistics envsync can merge")
-        gathered = self.gather(names, timeout=timeout)
-        targets = self._fleet.targets(None)
-        current = {w: {k: gathered[i].get(tuple(k.split("."))) for k in names} for i, w in enumerate(targets)}
-        if self._stats is None:
-            self._stats = gather.StatsBook({k: self.env_state_template().flat[k] for k in names})
-        merged = self._stats.round(current)
-        version = self.push(env_state=merged, wait="applied", timeout=timeout)
-        self._stats.record(merged, targets)
-        return version
+        return gather.sync_stats(self, selector, timeout)
 
     def _mirror(self, index: int) -> Flat:
         attachment, worker = self._fleet.locate(index)
@@ -588,65 +538,21 @@ class Sender:
         so far. With ``gather=True`` it also holds ``"worker_env_state"``: every worker's
         current entries (running statistics included), read back with :meth:`gather`.
         """
-        with self._lock:
-            self._prune()
-            indices = self._fleet.indices()
-            config = TensorDict.stack([self.desired_config(w) for w in indices]) if indices else self.desired_config()
-            env_state = {k: v.clone() for k, v in desired.pushed_env_state(self._default).items()}
-            out: dict[str, Any] = {"version": self._version, "config": config, "env_state": env_state}
-            if self._stats is not None:
-                out["stats"] = self._stats.state_dict(indices)
-        if gather and indices:
-            out["worker_env_state"] = self.gather(None)
-        return out
+        return checkpoint.state_dict(self, gather=gather)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         """Restore a checkpoint made by :meth:`state_dict`; returns the version now desired.
 
-        With a collector attached, the restored state is pushed as a new version (applied
+        With a collector attached, the restored state is pushed as new versions (applied
         per the apply mode). Without one, it becomes what the next collector starts from:
         one row per worker for a per-worker checkpoint (the collector must then have that
-        many workers).
+        many workers), each worker's own env state included.
 
         Raises:
-            ValidationError: not a checkpoint, a config row that does not fit the template,
-                or (attached) a number of rows that is not the number of workers.
+            ValidationError: not a checkpoint, a row that does not fit the template, or a
+                number of rows that is not the number of workers.
         """
-        if "version" not in state or "config" not in state:
-            raise ValidationError("a sender checkpoint has the keys 'version' and 'config'")
-        config = state["config"]
-        if not isinstance(config, TensorDictBase):
-            config = TensorDict(config)
-        rows = [self.template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
-        env_state = state.get("env_state") or None
-        worker_state = state.get("worker_env_state")
-        own = None if worker_state is None else [_flat_names(r) for r in worker_state.unbind(0)]
-        if own is not None and len(own) != len(rows):
-            raise ValidationError(f"the checkpoint has {len(rows)} worker configs and {len(own)} worker env states")
-        with self._lock:
-            self._check_open()
-            if "stats" in state:
-                self._stats = gather.StatsBook.from_state_dict(state["stats"])
-            if self.num_workers is None:
-                # a restore with workers' own env state is a version of its own (stamps > 0)
-                self._version = max(self._version, int(state["version"])) + (own is not None)
-                self._set_default(desired.leaves(rows[0], {}, self._version))
-                per_worker = len(rows) > 1 or own is not None
-                self._rows = [desired.leaves(r, {}, self._version) for r in rows] if per_worker else None
-                self._unchecked_env_state = env_state
-                self._unchecked_rows = own
-                return self._version
-        if len(rows) == 1:
-            return self.push(config=rows[0], env_state=env_state, wait=None)
-        if len(rows) != self.num_workers:
-            raise ValidationError(
-                f"the checkpoint has {len(rows)} worker configs; the collector has {self.num_workers} workers"
-            )
-        if env_state:
-            self.push(env_state=env_state, wait=None)
-        for index, entries in zip(self._fleet.indices(), own or [], strict=False):
-            self.push(env_state=entries, workers=[index], wait=None)
-        return self.push_each(dict(zip(self._fleet.indices(), rows, strict=True)), wait=None)
+        return checkpoint.load_state_dict(self, state)
 
     # ---- life cycle ------------------------------------------------------------------------
 
@@ -691,10 +597,6 @@ def _restamped(entries: Flat, stamp: torch.Tensor) -> Flat:
 def _release(attachment: Attachment) -> None:
     attachment.on_close()
     attachment.link.close()
-
-
-def _flat_names(row: TensorDictBase) -> dict[str, torch.Tensor]:
-    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in row.items(True, True)}
 
 
 def _nest(flat: Mapping[str, torch.Tensor]) -> TensorDict:

@@ -1,0 +1,88 @@
+"""Checkpoints of a sender: what :meth:`Sender.state_dict` writes and how
+:meth:`Sender.load_state_dict` restores it, before or after a collector is attached.
+
+A checkpoint holds the version, the desired config of every worker (one row per worker when
+attached), the pushed ``env_state`` (which includes statistics computed in main or merged),
+the ``sync_stats`` bookkeeping and, with ``gather=True``, every worker's own entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from envsync import desired, gather
+from envsync.errors import ValidationError
+
+if TYPE_CHECKING:
+    from envsync.sender import Sender
+
+
+def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
+    """Implementation of :meth:`Sender.state_dict`."""
+    with sender._lock:
+        sender._prune()
+        indices = sender._fleet.indices()
+        config = TensorDict.stack([sender.desired_config(w) for w in indices]) if indices else sender.desired_config()
+        env_state = {k: v.clone() for k, v in desired.pushed_env_state(sender._default).items()}
+        out: dict[str, Any] = {"version": sender.version, "config": config, "env_state": env_state}
+        if sender._stats is not None:
+            out["stats"] = sender._stats.state_dict(indices)
+    if gather and indices:
+        out["worker_env_state"] = sender.gather(None)
+    return out
+
+
+def _flat_names(row: TensorDictBase) -> dict[str, torch.Tensor]:
+    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in row.items(True, True)}
+
+
+def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
+    """Implementation of :meth:`Sender.load_state_dict`."""
+    if "version" not in state or "config" not in state:
+        raise ValidationError("a sender checkpoint has the keys 'version' and 'config'")
+    config = state["config"]
+    if not isinstance(config, TensorDictBase):
+        config = TensorDict(config)
+    rows = [sender.template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
+    env_state = state.get("env_state") or None
+    worker_state = state.get("worker_env_state")
+    own = None if worker_state is None else [_flat_names(r) for r in worker_state.unbind(0)]
+    if own is not None and len(own) != len(rows):
+        raise ValidationError(f"the checkpoint has {len(rows)} worker configs and {len(own)} worker env states")
+    with sender._lock:
+        sender._check_open()
+        if "stats" in state:
+            sender._stats = gather.StatsBook.from_state_dict(state["stats"])
+        if sender.num_workers is None:
+            return _keep_for_attach(sender, int(state["version"]), rows, env_state, own)
+    if len(rows) == 1:
+        return sender.push(config=rows[0], env_state=env_state, wait=None)
+    if len(rows) != sender.num_workers:
+        raise ValidationError(
+            f"the checkpoint has {len(rows)} worker configs; the collector has {sender.num_workers} workers"
+        )
+    if env_state:
+        sender.push(env_state=env_state, wait=None)
+    indices = sender._fleet.indices()
+    for index, entries in zip(indices, own or [], strict=False):
+        sender.push(env_state=entries, workers=[index], wait=None)
+    return sender.push_each(dict(zip(indices, rows, strict=True)), wait=None)
+
+
+def _keep_for_attach(
+    sender: Sender, version: int, rows: list[dict[str, torch.Tensor]], env_state: Any, own: Any
+) -> int:
+    """No collector yet: what the next one starts from (env state is checked at attach,
+    when the env's keys are known)."""
+    # a restore with workers' own env state is a version of its own (stamps > 0)
+    sender._version = max(sender.version, version) + (own is not None)
+    sender._set_default(desired.leaves(rows[0], {}, sender.version))
+    per_worker = len(rows) > 1 or own is not None
+    sender._rows = [desired.leaves(r, {}, sender.version) for r in rows] if per_worker else None
+    sender._unchecked_env_state = env_state
+    sender._unchecked_rows = own
+    return sender.version
