@@ -71,8 +71,11 @@ def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
         )
 
 
-def _fit(what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: bool) -> torch.Tensor:
-    """Check one pushed value against its template tensor and return it as a fresh tensor."""
+def _fit(
+    what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: bool, *, copy: bool = True
+) -> torch.Tensor:
+    """Check one pushed value against its template tensor; return it as a fresh tensor (or,
+    with ``copy=False``, the caller's own tensor when it already has the template's dtype)."""
     if isinstance(value, Mapping | TensorDictBase):
         raise ValidationError(f"{what} {path!r} is a value in the template, not a mapping")
     if isinstance(value, bool | int | float):
@@ -96,7 +99,9 @@ def _fit(what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: 
         widens_to_float = like.is_floating_point() and value.dtype not in (torch.bool,) and not value.is_complex()
         if value.dtype != like.dtype and not widens_to_float:
             raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {value.dtype}")
-        tensor = value.detach().to(device="cpu", dtype=like.dtype).clone()
+        tensor = value.detach().to(device="cpu", dtype=like.dtype)
+        if copy and tensor.data_ptr() == value.data_ptr():
+            tensor = tensor.clone()
     else:
         raise ValidationError(f"{what} {path!r} must be a number or a tensor, got {type(value).__name__}")
     if tensor.shape != like.shape:
@@ -214,7 +219,8 @@ class EnvStateTemplate:
         for key, value in flat.items():
             if key not in self._flat:
                 raise ValidationError(f"env_state key {key!r} is not in the env's state_dict; known: {self.keys}")
-            fitted[key] = _fit("env_state", key, value, self._flat[key], self.allow_nonfinite)
+            # no copy: the link copies the caller's tensor straight into the workers' slots
+            fitted[key] = _fit("env_state", key, value, self._flat[key], self.allow_nonfinite, copy=False)
         return fitted
 
     @property
