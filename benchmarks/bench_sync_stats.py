@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_common import RESULTS, Report, median, parse_args, start_method, timed
+from bench_common import RESULTS, Report, median, parse_args, save_plot, start_method, timed
 from bench_envs import make_vecnorm_env
 from tqdm import tqdm
 
@@ -106,6 +106,19 @@ COLUMNS = [
 ]
 
 
+def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    labels = [r["size"] for r in rows]
+    ax.bar([x - 0.2 for x in range(len(rows))], [r["sync_ms"] for r in rows], width=0.4, label="sync_stats")
+    ax.bar([x + 0.2 for x in range(len(rows))], [r["floor_ms"] for r in rows], width=0.4, label="memcpy floor")
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set(ylabel="median time (ms, log)", yscale="log", title=f"sync_stats over {rows[0]['workers']} workers")
+    ax.legend(fontsize=8)
+    return save_plot(fig, out, NAME)
+
+
 def run(args: Args) -> dict[str, Any]:
     with tqdm(total=len(args.sizes) * (args.repeats + 1), desc=NAME, unit="sync") as bar:
         rows = [_measure(nbytes, args, bar) for nbytes in args.sizes]
@@ -114,7 +127,7 @@ def run(args: Args) -> dict[str, Any]:
         args=args,
         rows=rows,
         tables=[("Median time of one sync_stats round", COLUMNS)],
-        summary={},
+        summary={"plots": [_plot(rows, args.out).name]},
         targets=[],
         notes=[
             f"collector: MultiSyncCollector ({args.start_method}), idle between batches; a batch between syncs",

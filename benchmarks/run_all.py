@@ -16,10 +16,19 @@ from typing import Any
 import bench_hot_path
 import bench_payload
 import bench_switch_latency
+import bench_sync_stats
 import bench_throughput_switch
+import bench_workload
 from bench_common import RESULTS, targets_table
 
-BENCHMARKS: list[Any] = [bench_switch_latency, bench_payload, bench_hot_path, bench_throughput_switch]
+BENCHMARKS: list[Any] = [
+    bench_switch_latency,
+    bench_payload,
+    bench_hot_path,
+    bench_throughput_switch,
+    bench_workload,
+    bench_sync_stats,
+]
 if importlib.util.find_spec("ray") is not None:  # the ray extra: a local two-node cluster, ~30 s quick
     import bench_ray
 
