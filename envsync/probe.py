@@ -57,6 +57,8 @@ class Probe:
                 "add a StepCounter or use GymEnv"
             )
         plan(env, spec.reinit)
+        if self.owned:
+            env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
         entries = {**env_state_dict(env), **stats_entries(env, spec.reinit)}
         return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
 

@@ -312,7 +312,11 @@ def stats_entries(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
     (``stats.<index>.<name>``); fresh tensors."""
     out = {}
     for index, transform, handler in _stats_handlers(env, spec):
-        out.update({f"{STATS}.{index}.{name}": value for name, value in handler.export(transform).items()})
+        try:
+            exported = handler.export(transform)
+        except ValidationError:  # no statistics yet (a transform that initialises lazily)
+            continue
+        out.update({f"{STATS}.{index}.{name}": value for name, value in exported.items()})
     return out
 
 

@@ -327,17 +327,16 @@ class Sender:
         if default is not None:
             undo.default = {k: self._default.get(k) for k in default}  # type: ignore[misc]
             self._set_default(default)
-        links = {}
+        groups: dict[int, tuple[Attachment, dict[int, Flat]]] = {}
         for index, update in updates.items():
             attachment, worker = self._fleet.locate(index)
+            groups.setdefault(id(attachment), (attachment, {}))[1][worker] = update
             mirror = attachment.mirrors[worker]
-            attachment.link.write(worker, version, update, undo=undo_mark)
-            attachment.link.notify(worker)
-            links[id(attachment)] = attachment.link
             undo.workers[index] = desired.replaced(mirror, update)
             mirror.update(update)
-        for link in links.values():
-            link.flush(version)
+        for attachment, group in groups.values():
+            _write_group(attachment.link, version, group, undo_mark)
+            attachment.link.flush(version)
         self._version = version
         self._undo = undo
         return version
@@ -585,6 +584,27 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
+    """Write one link's workers, notifying each as soon as it is written; env state that is
+    the same tensor for every worker of the link (a fleet-wide push) is written once for all."""
+    first = next(iter(group.values()))
+    shared = {
+        k[1]: v
+        for k, v in first.items()
+        if k[0] == "env_state" and all(update.get(k) is v for update in group.values())
+    }
+    # only when every worker of the link is written: none may keep reading an older broadcast
+    if shared and len(group) == link.num_workers > 1 and not undo_mark:
+        own = {w: {k: v for k, v in u.items() if k[0] != "env_state" or k[1] not in shared} for w, u in group.items()}
+        link.broadcast(version, shared, own)
+        for worker in group:
+            link.notify(worker)
+        return
+    for worker, update in group.items():
+        link.write(worker, version, update, undo=undo_mark)
+        link.notify(worker)
 
 
 def _restamped(entries: Flat, stamp: torch.Tensor) -> Flat:

@@ -160,3 +160,24 @@ def test_files_no_live_link_holds_are_swept_and_live_ones_kept() -> None:
         assert live.path not in sweep_stale(SHM_DIR) and os.path.exists(live.path)
     finally:
         live.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_broadcast_is_written_once_and_read_by_every_worker_until_overwritten(kind: str) -> None:
+    link = make(kind)
+    try:
+        ends = [link.handle().open(w) for w in range(2)]
+        stamp = {("stamp", "loc"): torch.tensor(1)}
+        link.broadcast(1, {"loc": torch.full((3,), 7.0)}, {0: stamp, 1: stamp})
+        seen = []
+        for end in ends:
+            assert end.load_entries(1, ["loc"], lambda name, view: seen.append(view.clone()))
+        assert [t.tolist() for t in seen] == [[7.0] * 3] * 2
+        link.write(1, 2, {("env_state", "loc"): torch.full((3,), 2.0), ("stamp", "loc"): torch.tensor(2)})
+        own: list[torch.Tensor] = []
+        assert ends[1].load_entries(2, ["loc"], lambda name, view: own.append(view.clone()))
+        assert own[0].tolist() == [2.0] * 3  # its own value again, not the broadcast
+        assert link.read_back(0)[("env_state", "loc")].tolist() == [7.0] * 3
+        assert link.read_back(1)[("env_state", "loc")].tolist() == [2.0] * 3
+    finally:
+        link.close()

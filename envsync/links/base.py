@@ -58,6 +58,12 @@ class SenderLink(Protocol):
     def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
         """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically."""
 
+    def broadcast(
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+    ) -> None:
+        """Like ``write`` to each worker of ``entries``, with the env-state values ``shared``
+        (the same for all of them) written once for all."""
+
     def notify(self, worker: int) -> None:
         """Wake the worker's idle listener (a busy worker needs no wake-up)."""
 

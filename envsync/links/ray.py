@@ -172,6 +172,13 @@ class RayLink:
         self._pending[worker] = (version, undo, held)
         self._target[worker] = version
 
+    def broadcast(
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+    ) -> None:
+        # one object-store put per push carries it all anyway (see flush)
+        for worker, own in entries.items():
+            self.write(worker, version, {**own, **{("env_state", k): v for k, v in shared.items()}})
+
     def notify(self, worker: int) -> None:
         return None  # the relay notifies the node's workers when it writes them
 

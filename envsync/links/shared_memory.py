@@ -126,6 +126,11 @@ class SharedMemoryLink:
     def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
         self._live().write(worker, version, entries, undo=undo)
 
+    def broadcast(
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+    ) -> None:
+        self._live().broadcast(version, shared, entries)
+
     def notify(self, worker: int) -> None:
         self._live().notify(worker)
 

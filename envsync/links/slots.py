@@ -64,11 +64,16 @@ def plan(leaves: Mapping[Key, torch.Tensor], num_workers: int) -> tuple[list[Fie
     fields.append(Field(("error",), torch.uint8, (num_workers, ERROR_BYTES), offset))
     offset = _align(offset + num_workers * ERROR_BYTES)
     gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
-    asked = {("asked", k[1]): torch.zeros((), dtype=torch.int64) for k in gathered}
-    for key, value in {**leaves, **gathered, **asked}.items():
+    marks = {(kind, k[1]): torch.zeros((), dtype=torch.int64) for k in gathered for kind in ("asked", "source")}
+    for key, value in {**leaves, **gathered, **marks}.items():
         field = Field(("leaf", *key), value.dtype, (num_workers, *value.shape), offset)
         fields.append(field)
         offset = _align(offset + field.nbytes)
+    for key, value in leaves.items():  # the broadcast region: one copy for every worker
+        if key[0] == "env_state":
+            field = Field(("broadcast", key[1]), value.dtype, tuple(value.shape), offset)
+            fields.append(field)
+            offset = _align(offset + field.nbytes)
     return fields, max(offset, _ALIGN)
 
 
@@ -84,6 +89,7 @@ class Table:
         self.error = arrays[("error",)].numpy()
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
+        self.broadcast = {k[1]: v for k, v in arrays.items() if k[0] == "broadcast"}
 
     def status(self, worker: int) -> WorkerStatus:
         c = self.counters
@@ -138,22 +144,63 @@ class SlotWriter:
                 slot[key].copy_(value)
 
     def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+        self._check(worker, entries)
+        with locked(self._locks[worker], f"writing worker {worker}"):
+            self._write(worker, version, entries, undo)
+
+    def _check(self, worker: int, entries: Mapping[Key, torch.Tensor]) -> None:
+        """Every leaf is checked before any byte moves: a write never stops half-way."""
         slot = self.table.slots[worker]
-        for key, value in entries.items():  # checked before any byte moves: no half-written slot
+        for key, value in entries.items():
             view = slot.get(key)
             if view is None or view.shape != value.shape:
                 held = None if view is None else tuple(view.shape)
                 raise ValueError(f"leaf {key} of shape {tuple(value.shape)} does not fit the slot's {held}")
-        with locked(self._locks[worker], f"writing worker {worker}"):
-            for key, value in entries.items():
-                slot[key].copy_(value)
-            self.table.counters["undo"][worker] = undo
-            self.table.counters["target"][worker] = version
+
+    def _write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], undo: int) -> None:
+        slot = self.table.slots[worker]
+        for key, value in entries.items():
+            slot[key].copy_(value)
+            if key[0] == "env_state":
+                slot[("source", key[1])].fill_(0)  # this worker's own value, not the broadcast
+        self.table.counters["undo"][worker] = undo
+        self.table.counters["target"][worker] = version
+
+    def broadcast(
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+    ) -> None:
+        """Publish ``version`` to the workers of ``entries`` (their own leaves: config, stamps)
+        with the env-state values ``shared`` written once, to the broadcast region, for all.
+
+        Every targeted worker's slot lock is held meanwhile (in worker order: no deadlock with
+        a worker, which only ever takes its own): no worker reads the region while it changes,
+        and the workers still copy from it in parallel afterwards."""
+        workers = sorted(entries)
+        for worker in workers:
+            self._check(worker, entries[worker])
+        for name, value in shared.items():
+            region = self.table.broadcast.get(name)
+            if region is None or region.shape != value.shape:
+                raise ValueError(f"broadcast entry {name!r} does not fit the region")
+        with contextlib.ExitStack() as stack:
+            for worker in workers:
+                stack.enter_context(locked(self._locks[worker], f"broadcasting to worker {worker}"))
+            for name, value in shared.items():
+                self.table.broadcast[name].copy_(value)
+            for worker in workers:
+                self._write(worker, version, entries[worker], 0)
+                for name in shared:
+                    self.table.slots[worker][("source", name)].fill_(version)
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
+        slot = self.table.slots[worker]
         with locked(self._locks[worker], f"reading back worker {worker}"):
-            return {key: view.clone() for key, view in self.table.slots[worker].items()}
+            out = {key: view.clone() for key, view in slot.items()}
+            for name, region in self.table.broadcast.items():
+                if int(slot[("source", name)]) > 0:
+                    out[("env_state", name)] = region.clone()
+            return out
 
     def flush(self, version: int) -> None:
         return None
@@ -220,7 +267,8 @@ class SlotReader:
             if int(self.targets[self.worker]) != version:
                 return False
             for name in names:
-                load(name, self._slot[("env_state", name)])
+                shared = int(self._slot[("source", name)]) > 0
+                load(name, self.table.broadcast[name] if shared else self._slot[("env_state", name)])
             return True
 
     def request(self) -> int:
