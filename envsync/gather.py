@@ -53,12 +53,15 @@ class StatsBook:
         self.merged = {k: torch.zeros_like(v) for k, v in start.items()}  # nothing seen yet
         self._given: dict[int, dict[str, torch.Tensor]] = {}
 
-    def round(self, current: Mapping[int, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """Merge the workers' ``current`` statistics of the names in ``current``."""
+    def round(
+        self, current: Mapping[int, Mapping[str, torch.Tensor]], decay: Mapping[str, float]
+    ) -> dict[str, torch.Tensor]:
+        """Merge the workers' ``current`` statistics of the names in ``current`` (``decay``
+        per moments prefix)."""
         names = sorted(next(iter(current.values())))
         base = {k: self.merged[k] for k in names}
         given = {w: {k: self._given[w][k] for k in names} for w in current if w in self._given}
-        return stats.sync_round(base, given, current)
+        return stats.sync_round(base, given, current, decay)
 
     def record(self, merged: Mapping[str, torch.Tensor], workers: Sequence[int]) -> None:
         """``workers`` now hold ``merged`` (and so will workers that join later)."""
@@ -133,16 +136,25 @@ def _answered(sender: Sender, index: int) -> int:
 def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
     """Implementation of :meth:`Sender.sync_stats`."""
     template = sender.env_state_template()
-    indices = {str(i) for i in sender._probe_or_fail().stats_indices(sender.spec, selector)}
-    names = [k for k in template.keys if k.startswith(f"{STATS}.") and k.split(".")[1] in indices]
+    decays = sender._probe_or_fail().stats_indices(sender.spec, selector)
+    names = [k for k in template.keys if k.startswith(f"{STATS}.") and int(k.split(".")[1]) in decays]
     if not names:
         raise ValidationError(f"sync_stats({selector!r}): no selected transform keeps statistics envsync can merge")
+    for index, decay in decays.items():
+        counted = any(k.startswith(f"{STATS}.{index}.") and k.endswith(f".{stats.UPDATES}") for k in names)
+        if decay != 1.0 and not counted:
+            raise ValidationError(
+                f"sync_stats: transform {index} has decay={decay} but does not count its updates, so its "
+                "statistics cannot be aged: use decay=1.0 or VecNormV2 (see docs/statistics.md)"
+            )
+    prefixes = {k.rsplit(".", 1)[0] for k in names}
+    by_prefix = {p: decays[int(p.split(".")[1])] for p in prefixes}
     gathered = gather(sender, names, None, timeout)
     targets = sender._fleet.targets(None)
     current = {w: {k: gathered[i].get(tuple(k.split("."))) for k in names} for i, w in enumerate(targets)}
     if sender._stats is None:
         sender._stats = StatsBook({k: template.flat[k] for k in names})
-    merged = sender._stats.round(current)
+    merged = sender._stats.round(current, by_prefix)
     version = sender.push(env_state=merged, wait="applied", timeout=timeout)
     sender._stats.record(merged, targets)
     return version

@@ -62,8 +62,8 @@ class Probe:
         entries = {**env_state_dict(env), **stats_entries(env, spec.reinit)}
         return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
 
-    def stats_indices(self, spec: ApplySpec, selector: Any) -> list[int]:
-        """The chain indices of the transforms ``selector`` picks that keep mergeable statistics."""
+    def stats_indices(self, spec: ApplySpec, selector: Any) -> dict[int, float]:
+        """The transforms ``selector`` picks that keep mergeable statistics: index -> decay."""
         return stats_indices(self.get(), spec.reinit, selector)
 
     def main_stats(self, spec: ApplySpec, config: TensorDictBase) -> dict[str, torch.Tensor]:

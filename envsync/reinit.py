@@ -292,19 +292,14 @@ def _stats_handlers(env: Any, spec: ReinitSpec) -> list[tuple[int, Transform, An
     return found
 
 
-def stats_indices(env: Any, spec: ReinitSpec, selector: Selector) -> list[int]:
+def stats_indices(env: Any, spec: ReinitSpec, selector: Selector) -> dict[int, float]:
     """The chain indices of the transforms ``selector`` matches whose handler can export and
-    load statistics."""
-    chosen = [(i, t) for i, t, _ in _stats_handlers(env, spec) if _matches(selector, i, t)]
-    for index, transform in chosen:
-        decay = float(getattr(transform, "decay", 1.0))
-        if decay != 1.0:
-            raise ValidationError(
-                f"sync_stats: transform {index} ({type(transform).__name__}) has decay={decay}; an exact merge "
-                "needs decay=1.0 (with forgetting, each worker's statistics age at its own pace and no pooled "
-                "statistic is exact: see docs/statistics.md)"
-            )
-    return [index for index, _ in chosen]
+    load statistics, with each one's forgetting factor (``handler.decay``; 1 without one)."""
+    return {
+        index: float(handler.decay(transform)) if callable(getattr(handler, "decay", None)) else 1.0
+        for index, transform, handler in _stats_handlers(env, spec)
+        if _matches(selector, index, transform)
+    }
 
 
 def stats_entries(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:

@@ -421,6 +421,9 @@ def load_vecnorm_(transform: VecNormLike, moments: Mapping[NestedKey, Moments]) 
 
 
 FIELDS = ("count", "mean", "m2")
+UPDATES = "updates"
+"""An optional leaf beside the moments: how many updates the accumulator made (``decay < 1``
+ages a base by ``decay ** updates-since``)."""
 
 
 def _groups(flat: Mapping[str, torch.Tensor]) -> dict[str, Moments]:
@@ -433,13 +436,39 @@ def _flat(groups: Mapping[str, Moments]) -> dict[str, torch.Tensor]:
     return {f"{p}.{field}": getattr(m, field) for p, m in groups.items() for field in FIELDS}
 
 
+def _updates(flat: Mapping[str, torch.Tensor], prefix: str) -> float:
+    value = flat.get(f"{prefix}.{UPDATES}")
+    return 0.0 if value is None else float(value)
+
+
+def stored(merged: Moments, decay: float) -> tuple[Moments, int]:
+    """What an accumulator that counts whole updates (``VecNormV2``) holds after loading
+    ``merged``: the weight rounded to a whole number of updates (capped at ``1 / (1 - decay)``),
+    mean and variance kept; and that number of updates.
+
+    Examples:
+        >>> kept, updates = stored(Moments(torch.tensor(10.4), torch.tensor([1.0]), torch.tensor([20.8])), 1.0)
+        >>> updates, kept.count.item(), kept.var.tolist()
+        (10, 10.0, [2.0])
+    """
+    updates = _v2_updates_for(float(merged.count.reshape(-1)[0]), decay)
+    _, weight = _v2_mass_weight(_f64(updates), decay)
+    return Moments(weight, merged.mean, merged.var * weight), updates
+
+
 Leaves = Mapping[str, torch.Tensor]
 
 
-def sync_round(base: Leaves, given: Mapping[int, Leaves], current: Mapping[int, Leaves]) -> dict[str, torch.Tensor]:
-    """One ``sync_stats`` round over flat moment leaves (``<prefix>.count/.mean/.m2``):
-    ``base ⊕ Σ_w delta(current[w], given[w])``, where ``given[w]`` is what worker ``w`` was last
-    loaded with (``base`` if absent), so each worker contributes only what it saw since.
+def sync_round(
+    base: Leaves, given: Mapping[int, Leaves], current: Mapping[int, Leaves], decay: Mapping[str, float] | None = None
+) -> dict[str, torch.Tensor]:
+    """One ``sync_stats`` round over flat moment leaves (``<prefix>.count/.mean/.m2``, and
+    ``.updates`` where an accumulator counts them).
+
+    Each worker contributes ``delta(current[w], given[w] aged by decay ** n_w)``: what it saw
+    since it was last loaded with ``given[w]`` (``base`` if absent), ``n_w`` its updates since.
+    The result is ``base`` aged by the workers' mean ``n`` ⊕ every delta; for a prefix with an
+    update count it is given as stored by such an accumulator (see :func:`stored`).
 
     Examples:
         >>> empty = {"x.count": torch.tensor(0.0), "x.mean": torch.zeros(1), "x.m2": torch.zeros(1)}
@@ -448,12 +477,21 @@ def sync_round(base: Leaves, given: Mapping[int, Leaves], current: Mapping[int, 
         >>> merged["x.count"].item(), merged["x.mean"].tolist()
         (4.0, [1.5])
     """
-    start = _groups(base)
     out = {}
-    for prefix, total in start.items():
-        deltas = []
+    for prefix, total in _groups({k: v for k, v in base.items() if not k.endswith(f".{UPDATES}")}).items():
+        d = (decay or {}).get(prefix, 1.0)
+        deltas, ages = [], []
         for worker, values in current.items():
-            before = _groups(given.get(worker, base))[prefix]
-            deltas.append(delta(_groups(values)[prefix], before))
-        out[prefix] = merge_rounds(total, deltas)
-    return _flat(out)
+            before = given.get(worker, base)
+            n = _updates(values, prefix) - _updates(before, prefix)
+            ages.append(n)
+            before_m = Moments(before[f"{prefix}.count"], before[f"{prefix}.mean"], before[f"{prefix}.m2"])
+            now = Moments(values[f"{prefix}.count"], values[f"{prefix}.mean"], values[f"{prefix}.m2"])
+            deltas.append(delta(now, before_m.scaled(d**n)))
+        aged = d ** (sum(ages) / len(ages)) if ages else 1.0
+        merged = merge_rounds(total, deltas, base_factor=aged)
+        if f"{prefix}.{UPDATES}" in base:
+            merged, updates = stored(merged, d)
+            out[f"{prefix}.{UPDATES}"] = torch.tensor(float(updates), dtype=torch.float64)
+        out.update({f"{prefix}.{field}": getattr(merged, field) for field in FIELDS})
+    return out

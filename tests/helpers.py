@@ -296,9 +296,14 @@ class OffsetNoiseEnv(EnvBase):
         return None
 
 
-def make_vecnorm_env(label: int = 0, decay: float = 1.0) -> Any:
-    """OffsetNoiseEnv normalised by a VecNormV2 that keeps the raw observation."""
-    from torchrl.envs import Compose, TransformedEnv, VecNormV2
+def make_vecnorm_env(label: int = 0, decay: float = 1.0, v1: bool = False) -> Any:
+    """OffsetNoiseEnv normalised by a VecNormV2 (or, ``v1``, a VecNorm) that keeps the raw
+    observation."""
+    from torchrl.envs import Compose, TransformedEnv, VecNorm, VecNormV2
 
-    norm = VecNormV2(in_keys=["observation"], out_keys=["observation_norm"], decay=decay)
+    norm: Transform
+    if v1:
+        norm = VecNorm(in_keys=["observation"], out_keys=["observation_norm"], decay=decay, new_api=False)
+    else:
+        norm = VecNormV2(in_keys=["observation"], out_keys=["observation_norm"], decay=decay)
     return TransformedEnv(OffsetNoiseEnv(label), Compose(norm))

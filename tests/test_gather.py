@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -59,6 +60,64 @@ def test_sync_stats_is_exact_over_rounds_and_counts_nothing_twice() -> None:
     finally:
         collector.shutdown()
         sender.close()
+
+
+def decayed_reference(
+    previous: tuple[float, torch.Tensor, torch.Tensor], new: list[torch.Tensor], decay: float
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The definition of a sync with forgetting, computed directly from raw observations:
+    the last merge (as stored) aged by ``decay ** n`` plus every worker's ``n`` new observations,
+    the k-th of them weighing ``decay ** (n - k)``; then stored as a whole number of updates
+    (weight capped at 1 / (1 - decay)). Returns (weight, mean, population variance)."""
+    weight, mean, var = previous
+    n = new[0].shape[0]
+    ages = decay ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
+    weights = torch.cat([ages] * len(new))
+    x = torch.cat(new).double()
+    old = weight * decay**n
+    total = old + weights.sum()
+    merged_mean = (old * mean + (weights[:, None] * x).sum(0)) / total
+    m2 = old * (var + (mean - merged_mean) ** 2) + (weights[:, None] * (x - merged_mean) ** 2).sum(0)
+    mass = (1 - decay) * total
+    most = math.ceil(math.log(2.0**-53) / math.log(decay))
+    updates = most if mass >= 1 else min(round(math.log1p(-mass) / math.log(decay)), most)
+    stored = (1 - decay**updates) / (1 - decay)
+    return stored, merged_mean, m2 / total
+
+
+@pytest.mark.timeout(120)
+def test_sync_stats_with_forgetting_follows_its_definition() -> None:
+    decay = 0.98
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        envs = [partial(make_vecnorm_env, i, decay) for i in range(WORKERS)]
+        collector = build("sync", sender, envs, frames_per_batch=10 * WORKERS)
+    reference = (0.0, torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    try:
+        batches = iter(collector)
+        for sync in range(4):
+            batch = next(batches)
+            new = [o.reshape(-1, 3) for o in _per_worker(batch, first=sync == 0)]
+            sender.sync_stats("VecNormV2")
+            reference = decayed_reference(reference, new, decay)
+            state = sender.gather(["stats.0"])["stats", "0", "observation"]
+            for worker in range(WORKERS):
+                torch.testing.assert_close(state["count"][worker].item(), reference[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(state["mean"][worker], reference[1], rtol=1e-4, atol=1e-4)
+                var = state["m2"][worker] / state["count"][worker]
+                torch.testing.assert_close(var, reference[2], rtol=1e-4, atol=1e-4)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def _per_worker(batch: torch.Tensor, first: bool) -> list[torch.Tensor]:
+    """Each worker's observations in the order its normaliser saw them."""
+    out = []
+    for row in rows(batch):
+        seen = [row["observation"][:1]] if first else []
+        out.append(torch.cat([*seen, row["next", "observation"]]))
+    return out
 
 
 @pytest.mark.timeout(120)
@@ -133,9 +192,9 @@ def test_bad_gathers_and_syncs_are_refused() -> None:
         with pytest.raises(ValidationError, match="no selected transform keeps statistics"):
             sender.sync_stats("ObservationNorm")
     with EnvStateSender(config={}) as sender:
-        sender.env_fn(partial(make_vecnorm_env, 0, 0.99))
-        with pytest.raises(ValidationError, match="decay=0.99; an exact merge needs decay=1.0"):
-            sender.sync_stats("VecNormV2")
+        sender.env_fn(partial(make_vecnorm_env, 0, 0.99, True))
+        with pytest.raises(ValidationError, match="decay=0.99 but does not count its updates"):
+            sender.sync_stats("VecNorm")
         with pytest.raises(ValidationError, match="'transforms.7' names no entry"):
             sender.gather(["transforms.7"])
 

@@ -105,8 +105,16 @@ class NormStatsHandler(ZeroStatsHandler):
 
     def export(self, transform: Any) -> dict[str, torch.Tensor]:
         if isinstance(transform, VecNormV2):
-            return _flat_moments(stats.vecnorm_v2_moments(transform))
+            out = _flat_moments(stats.vecnorm_v2_moments(transform))
+            for key, updates in stats.vecnorm_v2_updates(transform).items():  # decay ages by these
+                name = "-".join(key) if isinstance(key, tuple) else key
+                out[f"{name}.updates"] = torch.tensor(float(updates), dtype=torch.float64)
+            return out
         return _flat_moments(stats.vecnorm_moments(transform))
+
+    def decay(self, transform: Any) -> float:
+        """The transform's forgetting factor (1: none); ``sync_stats`` ages by it."""
+        return float(transform.decay)
 
     def load(self, transform: Any, values: dict[str, torch.Tensor]) -> None:
         if isinstance(transform, VecNormV2):
