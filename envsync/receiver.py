@@ -273,10 +273,10 @@ class EnvStateReceiver:
             loaded.append(name)
             target.data.copy_(view)
 
-        if keep:
+        done = self.link.load_entries(version, names, load)  # all or nothing, under the slot lock
+        if done and keep:
             self._kept = keep
             self._snapshot_version = version
-        done = self.link.load_entries(version, names, load)
         self.adapter.commit({name: live[name] for name in loaded})
         return done
 

@@ -439,11 +439,12 @@ class Sender:
         with self._lock:
             self._prune()
             pending = self._fleet.targets(workers)
+            located = {w: self._fleet.locate(w) for w in pending}
         deadline = time.monotonic() + timeout
         check_liveness = False
         try:
             while True:
-                link = self._progress(pending, version, mode, check_liveness)
+                link = self._progress(pending, located, version, mode, check_liveness)
                 if link is None:
                     return
                 remaining = deadline - time.monotonic()
@@ -456,28 +457,41 @@ class Sender:
                 raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err
             raise
 
-    def _progress(self, pending: list[int], version: int, mode: Until, check_liveness: bool) -> SenderLink | None:
+    def _progress(
+        self,
+        pending: list[int],
+        located: Mapping[int, tuple[Attachment, int]],
+        version: int,
+        mode: Until,
+        check_liveness: bool,
+    ) -> SenderLink | None:
         """Drop the workers that are done from ``pending``; raise failures and (when asked to
-        check) deaths; return a link to block on (``None`` when nothing is pending)."""
+        check) deaths; return a link to block on (``None`` when nothing is pending). Each
+        worker's counters are read once: this runs at every acknowledgement."""
         try:
             with self._lock:
                 if check_liveness:
                     self._prune()
-                self._raise_failures(pending, version)
-                live = set(self._fleet.indices())
-                gone = [w for w in pending if w not in live]
-                pending[:] = [w for w in pending if w in live and not self._done(w, version, mode)]
-                dead = gone + [w for w in pending if check_liveness and not self._alive(w)]
+                # a collector that left the fleet (pruned here or by anyone) has no link left
+                gone = [w for w in pending if located[w][0] not in self._fleet.attachments]
+                still = []
+                for index in pending:
+                    if index in gone:
+                        continue
+                    attachment, worker = located[index]
+                    status = attachment.link.status(worker)
+                    if self._unraised(index, status.failed, version):
+                        self._raise_failure(index, attachment, worker, status.failed)
+                    if not is_done(status, version, mode):
+                        still.append(index)
+                pending[:] = still
+                dead = gone + [w for w in still if check_liveness and not located[w][0].link.alive(located[w][1])]
                 if dead:
-                    raise AckTimeout(version, sorted(set(pending) | set(gone)), dead=dead, until=mode.value)
-                return self._fleet.locate(pending[0])[0].link if pending else None
+                    raise AckTimeout(version, sorted(set(still) | set(gone)), dead=dead, until=mode.value)
+                return located[still[0]][0].link if still else None
         except WorkerApplyError as err:
             self._confirm_rollback(err, mode, time.monotonic() + 5.0)
             raise
-
-    def _done(self, index: int, version: int, mode: Until) -> bool:
-        attachment, worker = self._fleet.locate(index)
-        return is_done(attachment.link.status(worker), version, mode)
 
     def _alive(self, index: int) -> bool:
         attachment, worker = self._fleet.locate(index)
@@ -492,20 +506,24 @@ class Sender:
         except EnvSyncError as late:
             err.add_note(f"rollback version {err.rollback} not confirmed: {late}")
 
-    def _raise_failures(self, workers: Sequence[int] | None = None, version: int | None = None) -> None:
-        """Raise the first failure not raised yet (or, for a wait, one of ``version``
-        itself, even if another caller raised it); if it is of the latest push, roll it back."""
-        for index in self._fleet.indices() if workers is None else workers:
-            try:
-                attachment, worker = self._fleet.locate(index)
-            except KeyError:
-                continue
+    def _raise_failures(self) -> None:
+        """Raise the first failure of any worker not raised yet; if it is of the latest push,
+        roll it back."""
+        for index in self._fleet.indices():
+            attachment, worker = self._fleet.locate(index)
             failed = attachment.link.status(worker).failed
-            if failed == NO_FAILURE or not (failed > self._raised.get(index, NO_FAILURE) or failed == version):
-                continue
-            self._raised[index] = max(failed, self._raised.get(index, NO_FAILURE))
-            rollback = self._roll_back(failed)
-            raise WorkerApplyError(index, failed, attachment.link.error_text(worker), rollback=rollback)
+            if self._unraised(index, failed, None):
+                self._raise_failure(index, attachment, worker, failed)
+
+    def _unraised(self, index: int, failed: int, version: int | None) -> bool:
+        """Whether ``failed`` is a failure to raise: not raised yet, or (for a wait) of the
+        very version waited for, even if another caller raised it already."""
+        return failed != NO_FAILURE and (failed > self._raised.get(index, NO_FAILURE) or failed == version)
+
+    def _raise_failure(self, index: int, attachment: Attachment, worker: int, failed: int) -> None:
+        self._raised[index] = max(failed, self._raised.get(index, NO_FAILURE))
+        rollback = self._roll_back(failed)
+        raise WorkerApplyError(index, failed, attachment.link.error_text(worker), rollback=rollback)
 
     def versions(self) -> list[int]:
         """The version each attached worker's env runs now, in fleet order (empty when no
