@@ -254,20 +254,15 @@ def make_fragile_env(label: int = 0) -> FragileResetEnv:
     return FragileResetEnv(label=label)
 
 
-class OffsetNoiseEnv(EnvBase):
+class OffsetNoiseEnv(NoisyEnv):
     """A never-ending env whose observation is ``[difficulty, offset + scale * N(0, 1) x 2]``,
     with a worker-dependent offset and scale (``label``), plus the step count under ``"count"``."""
 
     def __init__(self, label: int = 0) -> None:
-        super().__init__(batch_size=torch.Size([]))
+        super().__init__()
         self.label = label
-        self.count = 0
         self.difficulty = 0.0
-        self.generator = torch.Generator().manual_seed(100 + label)
-        self.observation_spec = Composite(
-            observation=Unbounded((3,), dtype=torch.float32), count=Unbounded((1,), dtype=torch.int64)
-        )
-        set_action_reward_done_specs(self)
+        self.generator.manual_seed(100 + label)
 
     def set_difficulty(self, difficulty: float) -> None:
         self.difficulty = float(difficulty)
@@ -276,21 +271,6 @@ class OffsetNoiseEnv(EnvBase):
         noise = torch.randn(3, generator=self.generator) * (1.0 + self.label) + 3.0 * self.label
         noise[0] = self.difficulty  # the first feature shows the config
         return TensorDict(observation=noise, count=torch.tensor([self.count]))
-
-    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
-        self.count = 0
-        out = self._obs()
-        for key in ("done", "terminated", "truncated"):
-            out[key] = torch.zeros(1, dtype=torch.bool)
-        return out
-
-    def _step(self, tensordict: TensorDictBase) -> TensorDict:
-        self.count += 1
-        out = self._obs()
-        out["reward"] = torch.ones(1)
-        for key in ("done", "terminated", "truncated"):
-            out[key] = torch.zeros(1, dtype=torch.bool)
-        return out
 
     def _set_seed(self, seed: int | None) -> None:
         return None
