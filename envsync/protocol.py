@@ -92,18 +92,23 @@ def is_done(status: WorkerStatus, version: int, until: Until) -> bool:
     return acked >= owed
 
 
-def failure_to_raise(status: WorkerStatus, reported: int) -> int | None:
-    """Return the failed version the main process has not raised yet, if any.
+def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = None) -> int | None:
+    """Return the failed version the main process has to raise, if any: one not raised yet,
+    or, for a caller waiting for version ``waited``, that version's failure even if another
+    caller raised it already (each waiter learns of its own version's failure).
 
     Args:
         status: the worker's acknowledgements.
         reported: the latest failed version already raised for this worker.
+        waited: the version a ``wait`` is waiting for, if any.
 
     Examples:
         >>> s = WorkerStatus(worker=0, target=4, received=4, applied=3, failed=4)
         >>> failure_to_raise(s, reported=NO_FAILURE), failure_to_raise(s, reported=4)
         (4, None)
+        >>> failure_to_raise(s, reported=4, waited=4)
+        4
     """
-    if status.failed != NO_FAILURE and status.failed > reported:
+    if status.failed != NO_FAILURE and (status.failed > reported or status.failed == waited):
         return status.failed
     return None

@@ -26,7 +26,7 @@ from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerAppl
 from envsync.fleet import Attachment, Fleet, Member
 from envsync.links.base import Flat, Key, SenderLink
 from envsync.probe import Probe
-from envsync.protocol import NO_FAILURE, ApplyAt, Until, is_done
+from envsync.protocol import NO_FAILURE, ApplyAt, Until, failure_to_raise, is_done
 from envsync.receiver import ApplySpec
 from envsync.reinit import Policy, ReinitSpec, Selector
 from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate
@@ -480,8 +480,9 @@ class Sender:
                         continue
                     attachment, worker = located[index]
                     status = attachment.link.status(worker)
-                    if self._unraised(index, status.failed, version):
-                        self._raise_failure(index, attachment, worker, status.failed)
+                    failed = failure_to_raise(status, self._raised.get(index, NO_FAILURE), version)
+                    if failed is not None:
+                        self._raise_failure(index, attachment, worker, failed)
                     if not is_done(status, version, mode):
                         still.append(index)
                 pending[:] = still
@@ -511,14 +512,9 @@ class Sender:
         roll it back."""
         for index in self._fleet.indices():
             attachment, worker = self._fleet.locate(index)
-            failed = attachment.link.status(worker).failed
-            if self._unraised(index, failed, None):
+            failed = failure_to_raise(attachment.link.status(worker), self._raised.get(index, NO_FAILURE))
+            if failed is not None:
                 self._raise_failure(index, attachment, worker, failed)
-
-    def _unraised(self, index: int, failed: int, version: int | None) -> bool:
-        """Whether ``failed`` is a failure to raise: not raised yet, or (for a wait) of the
-        very version waited for, even if another caller raised it already."""
-        return failed != NO_FAILURE and (failed > self._raised.get(index, NO_FAILURE) or failed == version)
 
     def _raise_failure(self, index: int, attachment: Attachment, worker: int, failed: int) -> None:
         self._raised[index] = max(failed, self._raised.get(index, NO_FAILURE))
