@@ -34,7 +34,7 @@ from envsync import desired
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment
 from envsync.integrations.torchrl.adapter import bind
-from envsync.integrations.torchrl.scheme import PolicySyncScheme, _worker_alive
+from envsync.integrations.torchrl.scheme import InertWithoutModule, PolicySyncScheme, _worker_alive
 from envsync.links.base import Flat, LinkHandle, SenderLink
 from envsync.links.local import LocalLink
 from envsync.links.ray import RayLink, Relay, RelayHandle, start_mailbox
@@ -252,42 +252,11 @@ class RayEnvScheme(_Flags):
             sweep_stale()  # the actors on this node were killed before they could clean up
 
 
-class RayPolicyScheme(RayWeightSyncScheme):
+class RayPolicyScheme(InertWithoutModule, RayWeightSyncScheme):
     """torchrl's Ray policy sync, inert when the ``RayCollector`` has no ``nn.Module`` policy."""
 
-    _active = True
-
-    def _init_on_sender_impl(self, *, model_id: str, context: Any = None, **kwargs: Any) -> None:
-        self._active = isinstance(kwargs.get("model"), nn.Module)
-        if self._active:
-            super()._init_on_sender_impl(model_id=model_id, context=context, **kwargs)
-            return
-        self.model_id = model_id
-        self.context = context
-
-    def _init_on_receiver_impl(self, *, model_id: str, context: Any = None, **kwargs: Any) -> None:
-        if self._active:
-            super()._init_on_receiver_impl(model_id=model_id, context=context, **kwargs)
-            return
-        self.model_id = model_id
-        self.context = context
-
-    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
-        if self._active:
-            super().connect(worker_idx=worker_idx, weights=weights)
-        elif self.initialized_on_sender:
-            self.synchronized_on_sender = True
-        else:
-            self.synchronized_on_receiver = True
-
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
-        if self._active:
-            super().send(weights=weights, worker_ids=worker_ids)
-
-    def receive(self, *args: Any, **kwargs: Any) -> Any:
-        if self._active:
-            return super().receive(*args, **kwargs)
-        return None
+    def _activate(self, context: Any, kwargs: dict[str, Any]) -> bool:
+        return isinstance(kwargs.get("model"), nn.Module)
 
 
 def _count_workers(collector: Any) -> int:

@@ -155,20 +155,19 @@ class EnvSyncScheme(WeightSyncScheme):
             self._receiver.close()
 
 
-class PolicySyncScheme(SharedMemWeightSyncScheme):
-    """torchrl's shared-memory policy sync, inert when there is no ``nn.Module`` policy.
-
-    A multi-process collector with an ``nn.Module`` policy needs a ``"policy"`` scheme once
-    any scheme is given (its workers receive the policy on the meta device). With
-    ``policy=None`` or a plain callable, or on a single-process ``Collector``, the stock scheme
-    fails; this one then does nothing, or falls back to the collector's local update.
-    """
+class InertWithoutModule(WeightSyncScheme):
+    """Mixed in before a torchrl weight-sync scheme: the scheme works as usual when there is
+    an ``nn.Module`` policy to sync (:meth:`_activate`, decided on the sender side), and does
+    nothing otherwise (torchrl's stock schemes fail without one)."""
 
     _active = True
 
+    def _activate(self, context: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether there is an ``nn.Module`` policy to sync."""
+        return isinstance(kwargs.get("model", getattr(context, "policy", None)), nn.Module)
+
     def _init_on_sender_impl(self, *, model_id: str, context: Any = None, **kwargs: Any) -> None:
-        policy = getattr(context, "policy", None)
-        self._active = not isinstance(context, Collector) and isinstance(policy, nn.Module)
+        self._active = self._activate(context, kwargs)
         if self._active:
             super()._init_on_sender_impl(model_id=model_id, context=context, **kwargs)
             return
@@ -211,9 +210,25 @@ class PolicySyncScheme(SharedMemWeightSyncScheme):
         if isinstance(context, Collector):
             context._maybe_fallback_update(weights, model_id="policy")
 
+    def receive(self, *args: Any, **kwargs: Any) -> Any:
+        return super().receive(*args, **kwargs) if self._active else None
+
     def shutdown(self) -> None:
         if self._active:
             super().shutdown()
+
+
+class PolicySyncScheme(InertWithoutModule, SharedMemWeightSyncScheme):
+    """torchrl's shared-memory policy sync, inert when there is no ``nn.Module`` policy.
+
+    A multi-process collector with an ``nn.Module`` policy needs a ``"policy"`` scheme once
+    any scheme is given (its workers receive the policy on the meta device). With
+    ``policy=None`` or a plain callable, or on a single-process ``Collector``, the stock scheme
+    fails; this one then does nothing, or falls back to the collector's local update.
+    """
+
+    def _activate(self, context: Any, kwargs: dict[str, Any]) -> bool:
+        return not isinstance(context, Collector) and isinstance(getattr(context, "policy", None), nn.Module)
 
 
 def make_schemes(sender: Sender, policy_scheme: WeightSyncScheme | None = None) -> dict[str, WeightSyncScheme]:
