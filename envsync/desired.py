@@ -27,7 +27,7 @@ def leaves(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Ten
         [('config', 'x'), ('env_state', 't.0.loc'), ('stamp', 't.0.loc')]
     """
     out: Flat = {("config", k): v for k, v in config.items()}
-    stamp = torch.tensor(version, dtype=torch.int64) if env_state else NEVER
+    stamp = torch.tensor(version, dtype=torch.int64) if env_state and version else NEVER
     for key, value in env_state.items():
         out[("env_state", key)] = value
         out[("stamp", key)] = stamp
@@ -36,10 +36,7 @@ def leaves(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Ten
 
 def start(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Tensor]) -> Flat:
     """The leaves every worker starts from: the template config, env state never pushed."""
-    out = leaves(config, env_state, 0)
-    for key in env_state:
-        out[("stamp", key)] = NEVER
-    return out
+    return leaves(config, env_state, 0)
 
 
 def section(flat: Mapping[Key, torch.Tensor], name: str) -> dict[str, torch.Tensor]:

@@ -245,6 +245,9 @@ class SlotReader:
         self.targets = table.counters["target"]
         self._c = table.counters
         self._slot = table.slots[worker]
+        self._config = [k for k in self._slot if k[0] == "config"]
+        self._stamps = [k for k in self._slot if k[0] == "stamp"]
+        self._asked = [k for k in self._slot if k[0] == "asked"]
         self._lock = lock
         self._wake = wake
         self._acks = acks
@@ -257,8 +260,8 @@ class SlotReader:
         with locked(self._lock, f"worker {self.worker} reading"):
             return Header(
                 version=int(self.targets[self.worker]),
-                config={k[1]: v.clone() for k, v in self._slot.items() if k[0] == "config"},
-                stamps={k[1]: int(v) for k, v in self._slot.items() if k[0] == "stamp"},
+                config={k[1]: self._slot[k].clone() for k in self._config},
+                stamps={k[1]: int(self._slot[k]) for k in self._stamps},
                 undo=int(self._c["undo"][self.worker]),
             )
 
@@ -276,7 +279,7 @@ class SlotReader:
 
     def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         with locked(self._lock, f"worker {self.worker} replying"):
-            names = [k[1] for k, v in self._slot.items() if k[0] == "asked" and int(v) == request]
+            names = [k[1] for k in self._asked if int(self._slot[k]) == request]
             for name, value in read(names).items():
                 self._slot[("reply", name)].copy_(value)
             self._c["answered"][self.worker] = request

@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ray
-from tensordict import TensorDictBase
 from torch import nn
 from torchrl.collectors import Collector
 from torchrl.weight_update import RayWeightSyncScheme, WeightSyncScheme
@@ -34,41 +33,23 @@ from envsync import desired
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment
 from envsync.integrations.torchrl.adapter import bind
-from envsync.integrations.torchrl.scheme import InertWithoutModule, PolicySyncScheme, _worker_alive
+from envsync.integrations.torchrl.scheme import (
+    EnvSchemeBase,
+    InertWithoutModule,
+    PolicySyncScheme,
+    env_weights,
+    worker_link,
+)
 from envsync.links.base import Flat, LinkHandle, SenderLink
 from envsync.links.local import LocalLink
 from envsync.links.ray import RayLink, Relay, RelayHandle, start_mailbox
-from envsync.links.shared_memory import SharedMemoryLink, sweep_stale
+from envsync.links.shared_memory import sweep_stale
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
 
 
-class _Flags(WeightSyncScheme):
-    """What envsync's schemes share: flags keyed on the process (a forked child inherits the
-    parent's copy: it is no sender there), no torchrl transport, nothing to receive."""
-
-    _owner_pid = 0
-
-    @property
-    def initialized_on_sender(self) -> bool:
-        return bool(getattr(self, "_initialized_on_sender", False)) and os.getpid() == self._owner_pid
-
-    def create_transport(self, **kwargs: Any) -> Any:
-        raise ValidationError("envsync moves env state through its own link, not torchrl's transports")
-
-    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
-        if self.initialized_on_sender:
-            self.synchronized_on_sender = True
-        else:
-            self.synchronized_on_receiver = True
-
-    def receive(self, *args: Any, **kwargs: Any) -> None:
-        """A policy push reaches every receiver scheme: env state does not come this way."""
-        return None
-
-
-class NodeScheme(_Flags):
+class NodeScheme(EnvSchemeBase):
     """The ``"env"`` scheme of the collector inside each Ray actor: builds the node's link.
 
     Args:
@@ -112,13 +93,7 @@ class NodeScheme(_Flags):
             self._write_version(link)
             self._receiver = bind(context, link.handle(), 0, first)
         else:
-            ref = weakref.ref(context)
-            link = SharedMemoryLink(
-                self._leaves,
-                context.num_workers,
-                ctx=ctx if ctx is not None else mp.get_context("spawn"),
-                alive=lambda worker: _worker_alive(ref, worker),
-            )
+            link = worker_link(context, self._leaves, ctx)
             self._write_version(link)
             self._handle = link.handle()
         self.link = link
@@ -142,7 +117,7 @@ class NodeScheme(_Flags):
             self._receiver.close()
 
 
-class RayEnvScheme(_Flags):
+class RayEnvScheme(EnvSchemeBase):
     """The driver's ``"env"`` scheme for a ``RayCollector`` (see the module docstring).
 
     Args:
@@ -229,19 +204,13 @@ class RayEnvScheme(_Flags):
         sender = self._sender
         if sender is None:
             raise ValidationError("this envsync scheme has no sender in this process")
-        if not isinstance(weights, TensorDictBase | dict):
-            raise ValidationError("update_policy_weights_(model_id='env') needs weights=TensorDict(config=...)")
-        unknown = set(weights.keys()) - {"config", "env_state"}
-        if unknown:
-            raise ValidationError(f"env weights take the keys 'config' and 'env_state', got {sorted(unknown)}")
+        config, env_state = env_weights(weights)
         workers = None
         if worker_ids is not None:
             chosen = [worker_ids] if isinstance(worker_ids, int) else worker_ids
             starts = [self._offset + sum(self._counts[:c]) for c in range(len(self._counts))]
             workers = [starts[c] + w for c in chosen for w in range(self._counts[c])]
-        sender.push(
-            config=weights.get("config", None), env_state=weights.get("env_state", None), workers=workers
-        )
+        sender.push(config=config, env_state=env_state, workers=workers)
 
     def shutdown(self) -> None:
         if self._relay is not None:

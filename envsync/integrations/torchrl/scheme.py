@@ -43,7 +43,59 @@ def _worker_alive(collector_ref: weakref.ReferenceType[Any], worker: int) -> boo
     return worker >= len(procs) or procs[worker].is_alive()
 
 
-class EnvSyncScheme(WeightSyncScheme):
+def worker_link(collector: Any, leaves: Flat, ctx: Any) -> SharedMemoryLink:
+    """The shared-memory link to a multi-process collector's workers (semaphores from its
+    multiprocessing context; liveness from its processes, by weakref)."""
+    collector_ref = weakref.ref(collector)
+    return SharedMemoryLink(
+        leaves,
+        collector.num_workers,
+        ctx=ctx if ctx is not None else mp.get_context("spawn"),
+        alive=lambda worker: _worker_alive(collector_ref, worker),
+    )
+
+
+def env_weights(weights: Any) -> tuple[Any, Any]:
+    """``(config, env_state)`` of ``update_policy_weights_(weights=..., model_id="env")``.
+
+    Raises:
+        ValidationError: no weights, not a mapping, or keys other than those two.
+    """
+    if weights is None:
+        raise ValidationError("update_policy_weights_(model_id='env') needs weights=TensorDict(config=...)")
+    if not isinstance(weights, TensorDictBase | dict):
+        raise ValidationError(f"env weights must be a TensorDict or dict, got {type(weights).__name__}")
+    unknown = set(weights.keys()) - {"config", "env_state"}
+    if unknown:
+        raise ValidationError(f"env weights take the keys 'config' and 'env_state', got {sorted(unknown)}")
+    return weights.get("config", None), weights.get("env_state", None)
+
+
+class EnvSchemeBase(WeightSyncScheme):
+    """What envsync's ``"env"`` schemes share: flags keyed on the process (a forked child
+    inherits the parent's copy: it is no sender there), no torchrl transport, and nothing to
+    receive from a policy push (env state comes through envsync's links)."""
+
+    _owner_pid = 0
+
+    @property
+    def initialized_on_sender(self) -> bool:
+        return bool(getattr(self, "_initialized_on_sender", False)) and os.getpid() == self._owner_pid
+
+    def create_transport(self, **kwargs: Any) -> Any:
+        raise ValidationError("envsync moves env state through its own link, not torchrl's transports")
+
+    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
+        if self.initialized_on_sender:
+            self.synchronized_on_sender = True
+        else:
+            self.synchronized_on_receiver = True
+
+    def receive(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class EnvSyncScheme(EnvSchemeBase):
     """The ``"env"`` weight-sync scheme: attaches a sender to a collector and binds a
     receiver in each worker.
 
@@ -58,11 +110,6 @@ class EnvSyncScheme(WeightSyncScheme):
         self._offset = 0
         self._owner_pid = os.getpid()
         self._receiver: EnvStateReceiver | None = None
-
-    @property
-    def initialized_on_sender(self) -> bool:
-        # Under fork the worker inherits the main process's copy: it is no sender there.
-        return bool(getattr(self, "_initialized_on_sender", False)) and os.getpid() == self._owner_pid
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -79,13 +126,9 @@ class EnvSyncScheme(WeightSyncScheme):
         if isinstance(context, Collector):
             self._attach_in_process(self._sender, context)
             return
-        num_workers = context.num_workers
-        context_ = ctx if ctx is not None else mp.get_context("spawn")
 
         def make(leaves: Flat) -> SharedMemoryLink:
-            link = SharedMemoryLink(
-                leaves, num_workers, ctx=context_, alive=lambda worker: _worker_alive(collector_ref, worker)
-            )
+            link = worker_link(context, leaves, ctx)
             self._handle = link.handle()
             return link
 
@@ -97,7 +140,7 @@ class EnvSyncScheme(WeightSyncScheme):
                 scheme._handle = None
 
         attachment = self._sender.attach(
-            num_workers, make, detached=lambda: _detached(collector_ref), on_close=forget
+            context.num_workers, make, detached=lambda: _detached(collector_ref), on_close=forget
         )
         self._offset = attachment.offset
 
@@ -120,35 +163,15 @@ class EnvSyncScheme(WeightSyncScheme):
         self.context = context
         self._receiver = bind(context, self._handle, worker_idx, self._offset + worker_idx)
 
-    def create_transport(self, **kwargs: Any) -> Any:
-        raise ValidationError("envsync moves env state through its own link, not torchrl's transports")
-
-    def connect(self, *, worker_idx: int | None = None, weights: Any | None = None) -> None:
-        if self.initialized_on_sender:
-            self.synchronized_on_sender = True
-        else:
-            self.synchronized_on_receiver = True
-
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
         """Route ``update_policy_weights_(weights=..., model_id="env")`` to a push."""
         if self._sender is None:
             raise ValidationError("this envsync scheme has no sender in this process")
-        if weights is None:
-            raise ValidationError("update_policy_weights_(model_id='env') needs weights=TensorDict(config=...)")
-        if not isinstance(weights, TensorDictBase | dict):
-            raise ValidationError(f"env weights must be a TensorDict or dict, got {type(weights).__name__}")
-        unknown = set(weights.keys()) - {"config", "env_state"}
-        if unknown:
-            raise ValidationError(f"env weights take the keys 'config' and 'env_state', got {sorted(unknown)}")
+        config, env_state = env_weights(weights)
         workers = [worker_ids] if isinstance(worker_ids, int) else worker_ids
         if workers is not None:
             workers = [self._offset + w for w in workers]
-        self._sender.push(
-            config=weights.get("config", None),
-            env_state=weights.get("env_state", None),
-            workers=workers,
-            wait="received",
-        )
+        self._sender.push(config=config, env_state=env_state, workers=workers, wait="received")
 
     def shutdown(self) -> None:
         if self._receiver is not None:
