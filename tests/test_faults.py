@@ -182,9 +182,12 @@ def test_a_worker_killed_mid_rollout_is_reported_dead_promptly() -> None:
 
 @pytest.mark.timeout(90)
 def test_a_stopped_worker_times_out_then_catches_up_without_losing_frames() -> None:
+    """A MultiSyncCollector: a MultiAsyncCollector's workers keep collecting while this test's
+    loop stalls through the stop, and torchrl drops a worker's batch when the output queue
+    stays full past its put timeout (torchrl's behaviour, whatever envsync does)."""
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     with start_method("fork"):
-        collector = build("async", sender, endless(), frames_per_batch=FRAMES)
+        collector = build("sync", sender, endless(), frames_per_batch=FRAMES)
     checker = StepChecker()
     difficulty = {0: 0.0}
     try:
