@@ -1,9 +1,10 @@
 """Checkpoints of a sender: what :meth:`Sender.state_dict` writes and how
 :meth:`Sender.load_state_dict` restores it, before or after a collector is attached.
 
-A checkpoint holds the version, the desired config of every worker (one row per worker when
-attached), the pushed ``env_state`` (which includes statistics computed in main or merged),
-the ``sync_stats`` bookkeeping and, with ``gather=True``, every worker's own entries.
+A checkpoint holds the version, the desired config of every env (one row per env when
+attached; an unbatched worker drives one env), the pushed ``env_state`` (which includes
+statistics computed in main or merged), the ``sync_stats`` bookkeeping and, with
+``gather=True``, every worker's own entries.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
     with sender._lock:
         sender._prune()
         indices = sender._fleet.indices()
-        config = TensorDict.stack([sender.desired_config(w) for w in indices]) if indices else sender.desired_config()
+        rows = [sender.desired_config(env=e) for e in indices]
+        config = TensorDict.stack(rows) if rows else sender.desired_config()
         env_state = {k: v.clone() for k, v in desired.pushed_env_state(sender._default).items()}
         out: dict[str, Any] = {"version": sender.version, "config": config, "env_state": env_state}
         if sender._stats is not None:
@@ -57,20 +59,21 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
         sender._check_open()
         if "stats" in state:
             sender._stats = gather.StatsBook.from_state_dict(state["stats"])
-        if sender.num_workers is None:
+        if sender.num_envs is None:
             return _keep_for_attach(sender, int(state["version"]), rows, env_state, own)
     if len(rows) == 1:
         return sender.push(config=rows[0], env_state=env_state, wait=None)
-    if len(rows) != sender.num_workers:
+    if len(rows) != sender.num_envs:
+        what = "workers" if sender.num_envs == sender.num_workers else "envs"
         raise ValidationError(
-            f"the checkpoint has {len(rows)} worker configs; the collector has {sender.num_workers} workers"
+            f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {sender.num_envs} {what}"
         )
     if env_state:
         sender.push(env_state=env_state, wait=None)
     indices = sender._fleet.indices()
     for index, entries in zip(indices, own or [], strict=False):
-        sender.push(env_state=entries, workers=[index], wait=None)
-    return sender.push_each(dict(zip(indices, rows, strict=True)), wait=None)
+        sender.push(env_state=entries, envs=[index], wait=None)
+    return sender._push_rows(dict(zip(indices, rows, strict=True)), by_env=True, wait=None, timeout=30.0)
 
 
 def _keep_for_attach(

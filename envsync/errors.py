@@ -35,27 +35,31 @@ class WorkerApplyError(EnvSyncError):
     """A worker failed to apply a version.
 
     Args:
-        worker: index of the worker that failed.
+        worker: fleet index of the worker that failed.
         version: the version it failed to apply.
         remote_traceback: the worker's traceback text.
-        rollback: the version published to bring every worker that ``version`` targeted back
+        rollback: the version published to bring every env that ``version`` targeted back
             to the state before it, or ``None`` when ``version`` was no longer the latest.
+        env: fleet index of the env that failed (the worker's, for an unbatched worker).
 
     Examples:
         >>> err = WorkerApplyError(1, 3, "Traceback ... ZeroDivisionError", rollback=4)
-        >>> (err.worker, err.version, err.rollback)
-        (1, 3, 4)
+        >>> (err.worker, err.env, err.version, err.rollback)
+        (1, 1, 3, 4)
     """
 
-    def __init__(self, worker: int, version: int, remote_traceback: str, *, rollback: int | None = None) -> None:
+    def __init__(
+        self, worker: int, version: int, remote_traceback: str, *, rollback: int | None = None, env: int | None = None
+    ) -> None:
         self.worker = worker
+        self.env = worker if env is None else env
         self.version = version
         self.remote_traceback = remote_traceback
         self.rollback = rollback
         last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
+        who = f"worker {worker}" if self.env == worker else f"env {self.env} (worker {worker})"
         super().__init__(
-            f"worker {worker} failed to apply version {version}: {last}\n"
-            f"--- worker {worker} traceback ---\n{remote_traceback}"
+            f"{who} failed to apply version {version}: {last}\n--- {who} traceback ---\n{remote_traceback}"
         )
 
 
@@ -67,16 +71,26 @@ class AckTimeout(EnvSyncError, TimeoutError):
         workers: the late workers.
         dead: the subset of ``workers`` whose process is gone.
         until: what was waited for (``"received"`` or ``"applied"``).
+        envs: the late envs (the late workers' own, for unbatched workers).
 
     Examples:
         >>> err = AckTimeout(4, [1], dead=[1], until="applied")
-        >>> err.workers, err.dead
-        ([1], [1])
+        >>> err.workers, err.dead, err.envs
+        ([1], [1], [1])
     """
 
-    def __init__(self, version: int, workers: Sequence[int], *, dead: Sequence[int] = (), until: str) -> None:
+    def __init__(
+        self,
+        version: int,
+        workers: Sequence[int],
+        *,
+        dead: Sequence[int] = (),
+        until: str,
+        envs: Sequence[int] | None = None,
+    ) -> None:
         self.version = version
         self.workers = list(workers)
+        self.envs = list(workers if envs is None else envs)
         self.dead = list(dead)
         self.until = until
         detail = f"; dead: {self.dead}" if self.dead else ""

@@ -1,5 +1,9 @@
-"""The fleet: every worker of every collector attached to one sender, numbered in attach
-order (collector 0's workers first). Indices never shift while the sender lives: a
+"""The fleet: every env of every worker of every collector attached to one sender.
+
+Workers are numbered in attach order (collector 0's workers first), and envs worker by
+worker, then in each batched env's order; an unbatched worker drives one env, whose index is
+the worker's. A link has one slot per env, so the sender works on env indices and translates
+``workers=`` into the envs of those workers. Indices never shift while the sender lives: a
 collector that shuts down leaves holes, and only when no collector is left does numbering
 start again at 0.
 """
@@ -33,8 +37,14 @@ class Attachment:
     envs_per_worker: int = 1
     collectors: Sequence[int] | None = None
     offset: int = 0
+    worker_offset: int = 0
     index: int = 0
     mirrors: list[Flat] = field(default_factory=list)
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers the attached collector(s) have (the link has a slot per env)."""
+        return self.link.num_workers // self.envs_per_worker
 
 
 @dataclass(frozen=True)
@@ -42,16 +52,18 @@ class Member:
     """One worker of the fleet, as :meth:`~envsync.EnvStateSender.fleet` describes it.
 
     Args:
-        index: the fleet index.
+        index: the worker's fleet index.
         collector: the collector's number, in attach order.
         worker: the worker's index within its collector.
         envs: how many envs the worker drives.
+        first_env: the fleet index of its first env (its envs follow in order).
     """
 
     index: int
     collector: int
     worker: int
     envs: int
+    first_env: int = 0
 
 
 class Fleet:
@@ -60,18 +72,22 @@ class Fleet:
     def __init__(self) -> None:
         self.attachments: list[Attachment] = []
         self._next_offset = 0
+        self._next_worker = 0
         self._next_collector = 0
 
     def add(self, attachment: Attachment, start: Flat) -> None:
-        """Number the attachment's workers after every earlier one; mirror ``start``."""
+        """Number the attachment's workers and envs after every earlier one; mirror ``start``."""
         if not self.attachments:
             self._next_offset = 0
+            self._next_worker = 0
             self._next_collector = 0
         attachment.offset = self._next_offset
+        attachment.worker_offset = self._next_worker
         attachment.index = self._next_collector
         attachment.mirrors = [dict(start) for _ in range(attachment.link.num_workers)]
         self._next_offset += attachment.link.num_workers
-        self._next_collector += len(attachment.collectors or [attachment.link.num_workers])
+        self._next_worker += attachment.num_workers
+        self._next_collector += len(attachment.collectors or [attachment.num_workers])
         self.attachments.append(attachment)
 
     def prune(self) -> list[Attachment]:
@@ -82,41 +98,68 @@ class Fleet:
         return gone
 
     def indices(self) -> list[int]:
+        """The fleet indices of every live env, in order."""
+        return [a.offset + e for a in self.attachments for e in range(a.link.num_workers)]
+
+    def workers(self) -> list[int]:
         """The fleet indices of every live worker, in order."""
-        return [a.offset + w for a in self.attachments for w in range(a.link.num_workers)]
+        return [a.worker_offset + w for a in self.attachments for w in range(a.num_workers)]
 
     def locate(self, index: int) -> tuple[Attachment, int]:
-        """The attachment and local worker of fleet index ``index``."""
+        """The attachment and local slot of env ``index``."""
         for attachment in self.attachments:
             if attachment.offset <= index < attachment.offset + attachment.link.num_workers:
                 return attachment, index - attachment.offset
         raise KeyError(index)
 
+    def worker_of(self, index: int) -> int:
+        """The fleet index of the worker that drives env ``index``."""
+        attachment, slot = self.locate(index)
+        return attachment.worker_offset + slot // attachment.envs_per_worker
+
+    def envs_of(self, worker: int) -> list[int]:
+        """The env indices of fleet worker ``worker``."""
+        for a in self.attachments:
+            if a.worker_offset <= worker < a.worker_offset + a.num_workers:
+                first = a.offset + (worker - a.worker_offset) * a.envs_per_worker
+                return list(range(first, first + a.envs_per_worker))
+        raise KeyError(worker)
+
     def members(self) -> list[Member]:
         out = []
         for a in self.attachments:
-            index = a.offset
-            for collector, count in enumerate(a.collectors or [a.link.num_workers]):
+            index = a.worker_offset
+            for collector, count in enumerate(a.collectors or [a.num_workers]):
                 for worker in range(count):
-                    member = Member(index=index, collector=a.index + collector, worker=worker, envs=a.envs_per_worker)
-                    out.append(member)
+                    first = a.offset + (index - a.worker_offset) * a.envs_per_worker
+                    out.append(Member(index, a.index + collector, worker, a.envs_per_worker, first))
                     index += 1
         return out
 
-    def targets(self, workers: Sequence[int] | None) -> list[int]:
-        """Validate ``workers`` against the live fleet (default: every live worker)."""
-        live = self.indices()
-        if workers is None:
-            return live
+    def targets(self, workers: Sequence[int] | None, envs: Sequence[int] | None = None) -> list[int]:
+        """The env indices that ``workers`` (every env of each) or ``envs`` name, validated
+        against the live fleet (default: every live env)."""
+        if workers is not None and envs is not None:
+            raise ValidationError("give workers= or envs=, not both")
+        if workers is None and envs is None:
+            return self.indices()
         if not self.attachments:
-            raise ValidationError("workers= needs an attached collector; none is attached")
-        chosen: list[int] = []
-        for worker in workers:
-            if not isinstance(worker, int) or isinstance(worker, bool) or worker not in live:
-                raise ValidationError(f"worker {worker!r} does not exist; workers are {_ranges(live)}")
-            if worker not in chosen:
-                chosen.append(worker)
-        return chosen
+            what = "workers=" if envs is None else "envs="
+            raise ValidationError(f"{what} needs an attached collector; none is attached")
+        if envs is not None:
+            return _chosen(envs, self.indices(), "env", "envs")
+        assert workers is not None
+        return [e for w in _chosen(workers, self.workers(), "worker", "workers") for e in self.envs_of(w)]
+
+
+def _chosen(requested: Sequence[int], live: list[int], what: str, plural: str) -> list[int]:
+    chosen: list[int] = []
+    for index in requested:
+        if not isinstance(index, int) or isinstance(index, bool) or index not in live:
+            raise ValidationError(f"{what} {index!r} does not exist; {plural} are {_ranges(live)}")
+        if index not in chosen:
+            chosen.append(index)
+    return chosen
 
 
 def _ranges(indices: list[int]) -> str:

@@ -86,6 +86,8 @@ def gather(
     sender: Sender, env_state: Sequence[str] | None, workers: Sequence[int] | None, timeout: float
 ) -> TensorDict:
     """Implementation of :meth:`Sender.gather`."""
+    if any(a.envs_per_worker > 1 for a in sender._fleet.attachments):
+        raise ValidationError("gather and sync_stats do not reach the sub-envs of batched envs yet")
     names = select(sender.env_state_template().keys, env_state)
     with sender._lock:
         sender._check_open()

@@ -30,17 +30,34 @@ class Probe:
     Args:
         make: builds the env (the wrapped factory), or returns the user's own env.
         owned: whether the sender built it (and so closes it).
+        split: given the env, how many envs of the fleet it holds and a builder of the env
+            that stands for one of them (``None``: the env itself); a batched env holds one
+            per sub-env, and is described by one sub-env.
     """
 
     make: Callable[[], Any]
     owned: bool
+    split: Callable[[Any], tuple[int, Callable[[], Any] | None]] = lambda env: (1, None)
     env: Any = None
+    _leaf: Any = None
 
     def get(self) -> Any:
         """The probe env, built on first use."""
         if self.env is None:
             self.env = self.make()
         return self.env
+
+    def num_envs(self) -> int:
+        """How many envs of the fleet one such env holds (its sub-envs, when batched)."""
+        return self.split(self.get())[0]
+
+    def leaf(self) -> Any:
+        """The env that stands for one env of the fleet: the probe env, or one of its
+        sub-envs (built once, in this process)."""
+        if self._leaf is None:
+            make_leaf = self.split(self.get())[1]
+            self._leaf = self.get() if make_leaf is None else make_leaf()
+        return self._leaf
 
     def describe(self, spec: ApplySpec, allow_nonfinite: bool) -> EnvStateTemplate:
         """Check the env against the sender's settings; return its env-state template.
@@ -49,7 +66,7 @@ class Probe:
             ValidationError: a mode that truncates without a ``"truncated"`` key, or a
                 ``reinit`` selector that matches nothing or a policy a transform lacks.
         """
-        env = self.get()
+        env = self.leaf()
         if spec.truncates and "truncated" not in env.done_keys:
             raise ValidationError(
                 f"apply_at={spec.apply_at.value!r} (with the reinit policies given) ends episodes as "
@@ -57,14 +74,14 @@ class Probe:
                 "add a StepCounter or use GymEnv"
             )
         plan(env, spec.reinit)
-        if self.owned:
+        if self.owned or env is not self.env:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
         entries = {**env_state_dict(env), **stats_entries(env, spec.reinit)}
         return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
 
     def stats_indices(self, spec: ApplySpec, selector: Any) -> dict[int, float]:
         """The transforms ``selector`` picks that keep mergeable statistics: index -> decay."""
-        return stats_indices(self.get(), spec.reinit, selector)
+        return stats_indices(self.leaf(), spec.reinit, selector)
 
     def main_stats(self, spec: ApplySpec, config: TensorDictBase) -> dict[str, torch.Tensor]:
         """Run the ``recompute(where="main")`` policies under ``config``; return the state.
@@ -72,7 +89,7 @@ class Probe:
         Raises:
             ValidationError: the config method or the statistics failed on the probe.
         """
-        env = self.get()
+        env = self.leaf()
         try:
             apply_config(env, spec.apply, config)
             return compute_in_main(env, spec.reinit)
@@ -80,7 +97,10 @@ class Probe:
             raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
 
     def close(self) -> None:
-        """Close the env if the sender built it."""
+        """Close the env if the sender built it (and the sub-env it built to describe it)."""
+        if self._leaf is not None and self._leaf is not self.env:
+            self._leaf.close()
         if self.owned and self.env is not None:
-            self.env.close()
+            self.env.close(raise_if_closed=False)  # a batched probe env is never started
         self.env = None
+        self._leaf = None

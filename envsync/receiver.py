@@ -125,15 +125,22 @@ class EnvStateReceiver:
         """This receiver's worker index on its link."""
         return self.link.worker
 
-    def start(self) -> None:
-        """Catch up with the latest desired state (then reset), and listen while idle."""
+    def start(self, *, listen: bool = True) -> bool:
+        """Catch up with the latest desired state, and (``listen``) listen while idle; return
+        whether it caught up. A listening receiver resets its env after catching up; one that
+        does not listen (beside a sub-env of a batched env) leaves idle work and resets to the
+        batched env's binding."""
+        caught_up = False
         with self._lock:
             if self._pending(self.link.target()):
-                self._apply_latest(reset_after=True)
+                caught_up = self._apply_latest(reset_after=listen)
+        if not listen:
+            return caught_up
         thread = threading.Thread(
             target=_listen, args=(weakref.ref(self),), name=f"envsync-receiver-{self.worker}", daemon=True
         )
         thread.start()
+        return caught_up
 
     def close(self) -> None:
         """Stop the idle listener."""

@@ -51,6 +51,9 @@ class Sender:
         env_state_template: the env-state entries a push may carry (like
             ``env.state_dict()``); given, no env is ever built in the main process to learn
             them (use it when envs must not be initialised before workers fork).
+        envs_per_worker: how many envs each worker's (batched) env holds; counted on the
+            probe env when not given, and taken as 1 with an ``env_state_template`` (which
+            builds no env in main to count them).
 
     Examples:
         >>> sender = Sender(config={"difficulty": 0.0}, apply="set_difficulty")
@@ -70,6 +73,7 @@ class Sender:
         apply_at: str = "reset",
         allow_nonfinite: bool = False,
         env_state_template: Mapping[str, torch.Tensor] | None = None,
+        envs_per_worker: int | None = None,
     ) -> None:
         try:
             mode = ApplyAt(apply_at)
@@ -84,6 +88,9 @@ class Sender:
         if env_state_template is not None:
             self._env_state_template = EnvStateTemplate(env_state_template, allow_nonfinite=allow_nonfinite)
         self._declared = env_state_template is not None
+        if envs_per_worker is not None and (not isinstance(envs_per_worker, int) or envs_per_worker < 1):
+            raise ValidationError(f"envs_per_worker must be a positive int, got {envs_per_worker!r}")
+        self._envs_per_worker = envs_per_worker
         self._version = 0
         self._default: Flat = desired.start(self.template.flat, {})
         self._rows: list[Flat] | None = None
@@ -113,6 +120,15 @@ class Sender:
             raise ValidationError("envsync needs an env: wrap your env factory with sender.env_fn first")
         return self._probe
 
+    def envs_per_worker(self) -> int:
+        """How many envs each worker holds: as given, else counted on the probe env (1 with a
+        declared env-state template)."""
+        if self._envs_per_worker is not None:
+            return self._envs_per_worker
+        if self._declared:
+            return 1
+        return self._probe_or_fail().num_envs()
+
     def env_state_template(self) -> EnvStateTemplate:
         """The env-state keys a push may carry: declared, or read once from the probe env.
 
@@ -140,31 +156,39 @@ class Sender:
         envs_per_worker: int = 1,
         collectors: Sequence[int] | None = None,
     ) -> Attachment:
-        """Attach a collector's ``num_workers`` workers after the fleet's others.
+        """Attach a collector's ``num_workers`` workers, of ``envs_per_worker`` envs each,
+        after the fleet's others.
 
-        ``make_link`` builds the link from the leaves every worker starts from; then each
-        worker is given the latest version (and its own checkpointed row, if any).
-        ``collectors`` splits the workers among several collectors behind one link (their
-        worker counts, in order), as :meth:`fleet` describes them.
+        ``make_link`` builds the link (one slot per env) from the leaves every env starts
+        from; then each env is given the latest version (and its own checkpointed row, if
+        any). ``collectors`` splits the workers among several collectors behind one link
+        (their worker counts, in order), as :meth:`fleet` describes them.
 
         Raises:
-            ValidationError: a loaded per-worker checkpoint has another number of workers.
+            ValidationError: a loaded per-env checkpoint has another number of envs.
         """
+        if collectors is not None and envs_per_worker != 1:
+            raise ValidationError("batched envs are not supported behind a RayCollector yet")
+        num_envs = num_workers * envs_per_worker
         with self._lock:
             self._check_open()
             self._prune()
             rows = self._rows
-            if rows is not None and len(rows) != num_workers:
+            if rows is not None and len(rows) != num_envs:
+                what = "workers" if envs_per_worker == 1 else "envs"
                 raise ValidationError(
-                    f"the checkpoint has {len(rows)} worker configs; the collector has {num_workers} workers"
+                    f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {num_envs} {what}"
                 )
             start = self._start_leaves()
-            attachment = Attachment(make_link(start), detached, on_close, envs_per_worker, collectors)
+            link = make_link(start)
+            if link.num_workers != num_envs:
+                raise ValidationError(f"the link has {link.num_workers} slots for {num_envs} envs")
+            attachment = Attachment(link, detached, on_close, envs_per_worker, collectors)
             self._fleet.add(attachment, start)
-            for worker in range(num_workers):
-                entries = rows[worker] if rows is not None else {}
-                attachment.link.write(worker, self._version, entries)
-                attachment.mirrors[worker].update(entries)
+            for slot in range(num_envs):
+                entries = rows[slot] if rows is not None else {}
+                attachment.link.write(slot, self._version, entries)
+                attachment.mirrors[slot].update(entries)
             attachment.link.flush(self._version)
             self._rows = None
             return attachment
@@ -206,10 +230,18 @@ class Sender:
         """How many workers the attached collectors have, or ``None`` when none is attached."""
         with self._lock:
             self._prune()
+            return len(self._fleet.workers()) if self._fleet.attachments else None
+
+    @property
+    def num_envs(self) -> int | None:
+        """How many envs the attached collectors' workers drive (every sub-env of a batched
+        env counts), or ``None`` when none is attached."""
+        with self._lock:
+            self._prune()
             return len(self._fleet.indices()) if self._fleet.attachments else None
 
     def fleet(self) -> list[Member]:
-        """Every attached worker: fleet index, collector (attach order), worker, envs."""
+        """Every attached worker: fleet index, collector (attach order), worker, envs, first env."""
         with self._lock:
             self._prune()
             return self._fleet.members()
@@ -220,15 +252,20 @@ class Sender:
         env_state: Mapping[str, Any] | TensorDictBase | None = None,
         *,
         workers: Sequence[int] | None = None,
+        envs: Sequence[int] | None = None,
         wait: str | None = "received",
         timeout: float = 30.0,
     ) -> int:
         """Publish a new desired state and return its version.
 
         Args:
-            config: a subset of the template's names with new values.
+            config: a subset of the template's names with new values; a value with a leading
+                dim of one row per targeted env (shape ``(n, *template shape)``, or a
+                TensorDict with batch size ``[n]``) gives each env its own row.
             env_state: entries of the env's ``state_dict()`` to load, in place.
-            workers: the fleet indices to target (default: every worker of every collector).
+            workers: the fleet indices of the workers to target (every env of each).
+            envs: the fleet indices of the envs to target (default, with neither: every env
+                of every collector).
             wait: ``"received"``, ``"applied"`` or ``None``.
             timeout: seconds to wait for acknowledgements.
 
@@ -239,16 +276,18 @@ class Sender:
         """
 
         def prepare() -> tuple[dict[int, Flat], Flat | None]:
-            cfg = self.template.fit(config) if config is not None else {}
+            targets = self._fleet.targets(workers, envs)
+            rows = self.template.fit_rows(config, len(targets)) if config is not None else None
+            cfg = self.template.fit(config) if config is not None and rows is None else {}
             env = self.env_state_template().fit(env_state) if env_state is not None else {}
             version = self._version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}
             updates = {
-                w: desired.leaves(cfg, self._with_main_stats(cfg, env, w, cache), version)
-                for w in self._fleet.targets(workers)
+                e: desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
+                for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)
             }
             default = None
-            if workers is None:
+            if workers is None and envs is None and rows is None:
                 default = desired.leaves(cfg, self._with_main_stats(cfg, env, None, cache), version)
             return updates, default
 
@@ -261,24 +300,38 @@ class Sender:
         wait: str | None = "received",
         timeout: float = 30.0,
     ) -> int:
-        """Publish one version that gives each listed worker its own config.
+        """Publish one version that gives each listed worker its own config (every env of a
+        batched worker gets it; give per-env rows with ``push(config=..., envs=...)``).
 
         Args:
-            configs: fleet index to a (partial) config.
+            configs: worker fleet index to a (partial) config.
             wait: ``"received"``, ``"applied"`` or ``None``.
             timeout: seconds to wait for acknowledgements.
 
         Returns:
             The new version.
         """
+        return self._push_rows(configs, by_env=False, wait=wait, timeout=timeout)
+
+    def _push_rows(
+        self,
+        configs: Mapping[int, Mapping[str, Any] | TensorDictBase],
+        *,
+        by_env: bool,
+        wait: str | None,
+        timeout: float,
+    ) -> int:
+        """One version giving each listed worker (or, ``by_env``, env) its own config."""
 
         def prepare() -> tuple[dict[int, Flat], Flat | None]:
             version = self._version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}
             updates = {}
-            for w in self._fleet.targets(list(configs)):
-                cfg = self.template.fit(configs[w])
-                updates[w] = desired.leaves(cfg, self._with_main_stats(cfg, {}, w, cache), version)
+            for index in list(configs):
+                cfg = self.template.fit(configs[index])
+                envs = self._fleet.targets(None, [index]) if by_env else self._fleet.targets([index])
+                for e in envs:
+                    updates[e] = desired.leaves(cfg, self._with_main_stats(cfg, {}, e, cache), version)
             return updates, None
 
         return self._send(prepare, wait=wait, timeout=timeout)
@@ -294,7 +347,7 @@ class Sender:
             updates, default = prepare()
             version = self._publish(updates, default=default)
         if until is not None and updates:
-            self.wait(version, until=until.value, workers=list(updates), timeout=timeout)
+            self.wait(version, until=until.value, envs=list(updates), timeout=timeout)
         return version
 
     def _with_main_stats(
@@ -416,6 +469,7 @@ class Sender:
         *,
         until: str = "applied",
         workers: Sequence[int] | None = None,
+        envs: Sequence[int] | None = None,
         timeout: float = 30.0,
     ) -> None:
         """Block until the workers have received or applied ``version``.
@@ -423,7 +477,8 @@ class Sender:
         Args:
             version: a published version.
             until: ``"received"`` or ``"applied"``.
-            workers: the fleet indices to wait for (default: all).
+            workers: the fleet indices of the workers to wait for (every env of each).
+            envs: the fleet indices of the envs to wait for (default, with neither: all).
             timeout: seconds before :class:`~envsync.AckTimeout`.
 
         Raises:
@@ -438,7 +493,7 @@ class Sender:
             raise ValidationError(f"version {version} was never published; the latest is {self._version}")
         with self._lock:
             self._prune()
-            pending = self._fleet.targets(workers)
+            pending = self._fleet.targets(workers, envs)
             located = {w: self._fleet.locate(w) for w in pending}
         deadline = time.monotonic() + timeout
         check_liveness = False
@@ -449,7 +504,7 @@ class Sender:
                     return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise AckTimeout(version, pending, dead=[], until=mode.value)
+                    raise self._timeout(version, pending, [], mode)
                 # liveness (a syscall per worker) only when no acknowledgement came in a slice
                 check_liveness = not link.wait_acks(min(_ACK_SLICE, remaining), applied=mode is Until.APPLIED)
         except RuntimeError as err:  # a link closed under us
@@ -488,11 +543,23 @@ class Sender:
                 pending[:] = still
                 dead = gone + [w for w in still if check_liveness and not located[w][0].link.alive(located[w][1])]
                 if dead:
-                    raise AckTimeout(version, sorted(set(still) | set(gone)), dead=dead, until=mode.value)
+                    raise self._timeout(version, sorted(set(still) | set(gone)), dead, mode)
                 return located[still[0]][0].link if still else None
         except WorkerApplyError as err:
             self._confirm_rollback(err, mode, time.monotonic() + 5.0)
             raise
+
+    def _timeout(self, version: int, late: list[int], dead: list[int], mode: Until) -> AckTimeout:
+        """The timeout for late (and dead) envs, named by worker, with the envs alongside."""
+
+        def worker(env: int) -> int:
+            try:
+                return self._fleet.worker_of(env)
+            except KeyError:  # its collector left the fleet
+                return env
+
+        workers = sorted({worker(e) for e in late})
+        return AckTimeout(version, workers, dead=sorted({worker(e) for e in dead}), until=mode.value, envs=late)
 
     def _alive(self, index: int) -> bool:
         attachment, worker = self._fleet.locate(index)
@@ -516,31 +583,42 @@ class Sender:
             if failed is not None:
                 self._raise_failure(index, attachment, worker, failed)
 
-    def _raise_failure(self, index: int, attachment: Attachment, worker: int, failed: int) -> None:
+    def _raise_failure(self, index: int, attachment: Attachment, slot: int, failed: int) -> None:
         self._raised[index] = max(failed, self._raised.get(index, NO_FAILURE))
+        worker = self._fleet.worker_of(index)
         rollback = self._roll_back(failed)
-        raise WorkerApplyError(index, failed, attachment.link.error_text(worker), rollback=rollback)
+        text = attachment.link.error_text(slot)
+        raise WorkerApplyError(worker, failed, text, rollback=rollback, env=index)
 
     def versions(self) -> list[int]:
         """The version each attached worker's env runs now, in fleet order (empty when no
-        collector is attached)."""
+        collector is attached); for a batched worker, the oldest of its envs' versions."""
+        with self._lock:
+            self._prune()
+            applied = dict(zip(self._fleet.indices(), self.env_versions(), strict=True))
+            return [min(applied[e] for e in self._fleet.envs_of(w)) for w in self._fleet.workers()]
+
+    def env_versions(self) -> list[int]:
+        """The version each attached env runs now, in fleet env order (every sub-env of a
+        batched env counts)."""
         with self._lock:
             self._prune()
             out = []
             for attachment in self._fleet.attachments:
-                out += [attachment.link.status(w).applied for w in range(attachment.link.num_workers)]
+                out += [attachment.link.status(e).applied for e in range(attachment.link.num_workers)]
             return out
 
     # ---- desired state and checkpoints -----------------------------------------------------
 
-    def desired_config(self, worker: int | None = None) -> TensorDict:
-        """The desired config of fleet index ``worker`` (default: of a worker joining later)."""
-        if worker is None:
+    def desired_config(self, worker: int | None = None, *, env: int | None = None) -> TensorDict:
+        """The desired config of a worker (its first env's, for a batched worker), or of
+        env ``env``; with neither, the config a worker joining later starts from."""
+        if worker is None and env is None:
             return _nest(desired.section(self._default, "config")).clone()
         with self._lock:
             self._prune()
-            self._fleet.targets([worker])
-            return _nest(desired.section(self._mirror(worker), "config")).clone()
+            index = self._fleet.targets(None if worker is None else [worker], None if env is None else [env])[0]
+            return _nest(desired.section(self._mirror(index), "config")).clone()
 
     def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
         """A checkpoint: ``{"version", "config", "env_state"}`` and, after a ``sync_stats``,

@@ -287,3 +287,20 @@ def make_vecnorm_env(label: int = 0, decay: float = 1.0, v1: bool = False) -> An
     else:
         norm = VecNormV2(in_keys=["observation"], out_keys=["observation_norm"], decay=decay)
     return TransformedEnv(OffsetNoiseEnv(label), Compose(norm))
+
+
+def make_batched_counters(kind: str = "serial", n: int = 3, first_label: int = 0, horizon: int = 0) -> Any:
+    """A ``SerialEnv``/``ParallelEnv`` of ``n`` CounterEnvs labelled ``first_label + i``
+    (their fleet env indices, when built in fleet order). ``horizon`` > 0 gives sub-env ``i``
+    episodes of ``horizon + 2 * i`` steps, so sub-envs reset at different times."""
+    from functools import partial
+
+    from torchrl.envs import ParallelEnv, SerialEnv
+
+    fns = [
+        partial(make_counter_env, label=first_label + i, max_steps=horizon + 2 * i if horizon else 1000)
+        for i in range(n)
+    ]
+    if kind == "serial":
+        return SerialEnv(n, fns)
+    return ParallelEnv(n, fns, mp_start_method=mp.get_start_method())

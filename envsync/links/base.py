@@ -140,6 +140,10 @@ class ReceiverLink(Protocol):
     def set_busy(self, busy: bool) -> None:
         """Tell the sender whether the collector drives the env (then it needs no wake-up)."""
 
+    def note_versions(self, ran: int | None, obs: int) -> None:
+        """Record the version the env's latest step ran under (``None``: unchanged) and the one
+        its current observation comes from (a batched env reads them for its tags)."""
+
     def wait_notice(self, timeout: float) -> bool:
         """Block until the sender notifies this worker or ``timeout`` passes."""
 

@@ -87,9 +87,7 @@ class Mailbox:
                 await asyncio.wait_for(self._posted.wait(), timeout)
         return [p for p in self._posts if p[0] > after]
 
-    def report(
-        self, collector: int, statuses: list[Acks], errors: dict[int, str]
-    ) -> None:
+    def report(self, collector: int, statuses: list[Acks], errors: dict[int, str]) -> None:
         """A relay's acknowledgements per worker: ``(received, applied, failed, alive)``."""
         self._reports[collector] = (time.monotonic(), statuses)
         for worker, text in errors.items():

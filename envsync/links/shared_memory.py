@@ -1,6 +1,8 @@
 """The shared-memory link: one file ``/dev/shm/envsync-<owner pid>-<token>`` (mode 0600)
 per attachment, holding the slot table (:mod:`envsync.links.slots`); locks and semaphores
-come from the workers' multiprocessing context.
+come from a spawn multiprocessing context, whose semaphores are *named*: a handle pickles
+them by name, so it can also reach a process started after the link (the sub-processes of a
+``ParallelEnv`` get their ends through its pipes).
 
 The owner holds a shared ``flock`` on the file for as long as the link is open, so a file
 whose owner is gone is recognised by its lock, not by a pid (pids are reused, and other
@@ -195,8 +197,46 @@ class SharedMemoryHandle:
         raw = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
         return Table(raw, self.fields, self.num_workers)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        named = (*self.locks, *self.wakes, *self.acks)
+        if any(getattr(s, "_semlock", None) is None or s._semlock.name is None for s in named):
+            return super().__reduce__()  # type: ignore[return-value]  # unnamed: only at process start
+        state = (self.path, self.fields, self.size, self.num_workers, self.owner)
+        return _rebuild_handle, (
+            state,
+            [_portable(s) for s in self.locks],
+            [_portable(s) for s in self.wakes],
+            [_portable(s) for s in self.acks],
+        )
+
     def open(self, worker: int) -> SlotReader:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
         return SlotReader(self.table(), worker, self.locks[worker], self.wakes[worker], self.acks, owner=self.owner)
+
+
+def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:
+    semlock = sync._semlock
+    return type(sync), (semlock.handle, semlock.kind, semlock.maxvalue, semlock.name)
+
+
+def _reopen(portable: tuple[type, tuple[Any, ...]]) -> Any:
+    cls, state = portable
+    sync: Any = object.__new__(cls)
+    sync.__setstate__(state)  # reopens the semaphore by its name (sem_open)
+    return sync
+
+
+def _rebuild_handle(state: tuple[Any, ...], locks: list[Any], wakes: list[Any], acks: list[Any]) -> SharedMemoryHandle:
+    path, fields, size, num_workers, owner = state
+    return SharedMemoryHandle(
+        path=path,
+        fields=fields,
+        size=size,
+        num_workers=num_workers,
+        locks=[_reopen(s) for s in locks],
+        wakes=[_reopen(s) for s in wakes],
+        acks=(_reopen(acks[0]), _reopen(acks[1])),
+        owner=owner,
+    )

@@ -1,4 +1,4 @@
-"""The slot table both links lay out in one block of bytes: per worker, ten int64
+"""The slot table both links lay out in one block of bytes: per worker, twelve int64
 counters, an error-text buffer, one view per leaf of the desired state, and for every
 env-state entry a reply leaf and an "asked" mark (the worker -> main path of ``gather``).
 
@@ -25,7 +25,20 @@ from envsync.links.base import Header, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus
 
 ERROR_BYTES = 16384
-COUNTERS = ("target", "received", "applied", "failed", "error_len", "pid", "busy", "undo", "ask", "answered")
+COUNTERS = (
+    "target",
+    "received",
+    "applied",
+    "failed",
+    "error_len",
+    "pid",
+    "busy",
+    "undo",
+    "ask",
+    "answered",
+    "ran",
+    "obs",
+)
 _ALIGN = 64
 _LOCK_TIMEOUT = 10.0
 
@@ -306,6 +319,13 @@ class SlotReader:
 
     def set_busy(self, busy: bool) -> None:
         self._c["busy"][self.worker] = int(busy)
+
+    def note_versions(self, ran: int | None, obs: int) -> None:
+        """Record the version the env's latest step ran under (``None``: unchanged) and the
+        one its current observation comes from (read by a batched env's tags)."""
+        if ran is not None:
+            self._c["ran"][self.worker] = ran
+        self._c["obs"][self.worker] = obs
 
     def wait_notice(self, timeout: float) -> bool:
         return bool(self._wake.acquire(timeout=timeout))

@@ -111,6 +111,10 @@ class EnvHooks:
         self._worker = receiver.link.worker
         self._settled = False
 
+    def unsettle(self) -> None:
+        """Take the next step through the slow path (a version was applied outside one)."""
+        self._settled = False
+
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         frame = self.frame
         self.frame = frame + 1
@@ -131,6 +135,7 @@ class EnvHooks:
         _mark(self._root, frame + 1, version)
         self.obs_version = version
         self._settled = receiver.version == version
+        receiver.link.note_versions(version, version)
         return out
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
@@ -142,6 +147,7 @@ class EnvHooks:
         self.obs_version = receiver.version
         _mark(self._root, self.frame, self.obs_version)
         self._settled = False
+        receiver.link.note_versions(None, self.obs_version)
         return out
 
     def begin(self) -> None:
@@ -214,8 +220,8 @@ class CollectorAdapter:
         spec: how versions are applied.
     """
 
-    def __init__(self, collector: Any, env: EnvBase, spec: ApplySpec) -> None:
-        self._collector = weakref.ref(collector)
+    def __init__(self, collector: Any | None, env: EnvBase, spec: ApplySpec) -> None:
+        self._collector = weakref.ref(collector) if collector is not None else lambda: None
         self._env = weakref.ref(env)
         self._spec = spec
         self._apply = config_applier(env, spec.apply)
@@ -246,26 +252,27 @@ class CollectorAdapter:
 
     def reset(self) -> None:
         collector = self._collector()
-        if collector is not None:
-            collector.reset()
+        if collector is None:  # a sub-env of a batched env: its group resets it
+            raise RuntimeError("a sub-env is reset through its batched env's collector, not by its receiver")
+        collector.reset()
 
 
 @contextmanager
-def _busy(receiver_ref: weakref.ReferenceType[EnvStateReceiver]) -> Iterator[None]:
-    receiver = receiver_ref()
-    if receiver is None:
+def _busy(ref: weakref.ReferenceType[Any]) -> Iterator[None]:
+    owner = ref()
+    if owner is None:
         yield
         return
-    with receiver.busy():
+    with owner.busy():
         yield
 
 
-def _guard(collector: Any, name: str, receiver_ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
+def _guard(collector: Any, name: str, ref: weakref.ReferenceType[Any]) -> None:
     collector_ref = weakref.ref(collector)
     method = getattr(type(collector), name)
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        with _busy(receiver_ref):
+        with _busy(ref):
             return method(collector_ref(), *args, **kwargs)
 
     setattr(collector, name, guarded)
@@ -298,12 +305,50 @@ def _wrap_rollout(collector: Any, hooks: EnvHooks, receiver_ref: weakref.Referen
     collector.rollout = wrapped
 
 
-def bind(collector: Any, handle: LinkHandle, worker: int, env_index: int) -> EnvStateReceiver:
-    """Bind a receiver to ``collector``'s env as ``worker`` of ``handle``, and catch up.
+def wrap_collector(collector: Any, group: Any, hooks: Any, first_env: int) -> None:
+    """Wrap ``collector``'s rollout and worker commands for a batched env's :class:`EnvGroup`
+    (``hooks``: its :class:`BatchedHooks`): the batched twin of :func:`_wrap_rollout`."""
+    collector_ref = weakref.ref(collector)
+    group_ref = weakref.ref(group)
+    rollout = type(collector).rollout
+
+    def wrapped() -> Any:
+        group = group_ref()
+        if group is None:
+            return rollout(collector_ref())
+        truncating: list[int] = []
+        with group.busy():
+            hooks.begin()
+            batch = rollout(collector_ref())
+            if batch is not None:
+                hooks.tag(batch, first_env)
+                truncating = group.truncating()
+                hooks.truncate_last(batch, truncating)
+        if truncating or not group.spec.truncates:
+            group.apply_if_idle(truncating if group.spec.truncates else None)
+        return batch
+
+    collector.rollout = wrapped
+    for name in _GUARDED:
+        if hasattr(type(collector), name):
+            _guard(collector, name, group_ref)
+
+
+def bind(collector: Any, handle: LinkHandle, worker: int, env_index: int, envs: int = 1) -> Any:
+    """Bind ``collector``'s env to link slot ``worker`` (its ``envs`` sub-envs to the slots
+    from there, for a batched env) as fleet env ``env_index``, and catch up. Returns the
+    receiver (or, for a batched env, its :class:`~.batched.EnvGroup`).
 
     Raises:
-        ValidationError: the collector's env was not built by an envsync factory.
+        ValidationError: the collector's env was not built by an envsync factory, or has
+            another number of envs than the sender expects.
     """
+    from envsync.integrations.torchrl.batched import BatchedHooks, bind_batched
+
+    if BatchedHooks.of(collector.env) is not None:
+        return bind_batched(collector, handle, worker, env_index, envs)
+    if envs != 1:
+        raise ValidationError(f"this worker's env is not batched; the sender expects {envs} envs per worker")
     env, hooks = find_hooks(collector.env)
     receiver = EnvStateReceiver(
         link=handle.open(worker),
@@ -319,5 +364,3 @@ def bind(collector: Any, handle: LinkHandle, worker: int, env_index: int) -> Env
             _guard(collector, name, receiver_ref)
     receiver.start()
     return receiver
-
-

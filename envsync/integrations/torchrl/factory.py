@@ -14,6 +14,7 @@ from torchrl.envs import EnvBase
 
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks
+from envsync.integrations.torchrl.batched import find_batched, prepare_batched
 from envsync.probe import Probe
 from envsync.receiver import ApplySpec
 from envsync.state import apply_config
@@ -23,10 +24,33 @@ if TYPE_CHECKING:
 
 
 def prepare_env(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> EnvBase:
-    """Hook ``env`` and give it the template config, so version 0 is truthful."""
+    """Hook ``env`` and give it the template config, so version 0 is truthful; for a
+    batched env, make each of its sub-envs an env of the fleet instead.
+
+    Raises:
+        ValidationError: a natively batched env (``batch_size=[n]``), which is not
+            supported yet, or a batched env envsync cannot reach into.
+    """
+    batched = find_batched(env)
+    if batched is not None:
+        prepare_batched(env, batched, spec, initial_config)
+        return env
+    if env.batch_size.numel() != 1:
+        raise ValidationError(
+            f"natively batched envs (batch_size={list(env.batch_size)}) are not supported yet: build "
+            "unbatched envs and batch them in a SerialEnv or ParallelEnv"
+        )
     EnvHooks.install(env, spec, initial_config)
     apply_config(env, spec.apply, initial_config)
     return env
+
+
+def split(env: EnvBase) -> tuple[int, Callable[[], EnvBase] | None]:
+    """How many envs of the fleet ``env`` holds, and a builder of one of its sub-envs."""
+    batched = find_batched(env)
+    if batched is None:
+        return 1, None
+    return int(batched.num_workers), lambda: batched.create_env_fn[0](**batched.create_env_kwargs[0])
 
 
 class EnvFactory:
@@ -61,10 +85,10 @@ def wrap_env_fn(sender: Sender, fn: Callable[..., EnvBase] | EnvBase) -> Any:
     initial = sender.template.values.clone()
     if isinstance(fn, EnvBase):
         env = prepare_env(fn, sender.spec, initial)
-        sender.use_probe(Probe(make=lambda: env, owned=False))
+        sender.use_probe(Probe(make=lambda: env, owned=False, split=split))
         return env
     if not callable(fn):
         raise ValidationError(f"env_fn expects an env factory or an EnvBase, got {type(fn).__name__}")
     factory = EnvFactory(fn, sender.spec, initial)
-    sender.use_probe(Probe(make=factory, owned=True))
+    sender.use_probe(Probe(make=factory, owned=True, split=split))
     return factory

@@ -130,7 +130,6 @@ class EpisodicHandler:
         return None
 
 
-
 register(ObservationNorm, ObservationNormHandler())
 register(VecNorm, NormStatsHandler())
 register(VecNormV2, NormStatsHandler())

@@ -93,7 +93,7 @@ class NodeScheme(EnvSchemeBase):
             self._write_version(link)
             self._receiver = bind(context, link.handle(), 0, first)
         else:
-            link = worker_link(context, self._leaves, ctx)
+            link = worker_link(context, self._leaves)
             self._write_version(link)
             self._handle = link.handle()
         self.link = link

@@ -19,14 +19,15 @@ from typing import TYPE_CHECKING, Any
 from tensordict import TensorDictBase
 from torch import nn
 from torchrl.collectors import Collector
+from torchrl.envs import ParallelEnv
 from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
 
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import bind
+from envsync.integrations.torchrl.batched import find_batched
 from envsync.links.base import Flat, LinkHandle
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import SharedMemoryLink
-from envsync.receiver import EnvStateReceiver
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
@@ -43,15 +44,16 @@ def _worker_alive(collector_ref: weakref.ReferenceType[Any], worker: int) -> boo
     return worker >= len(procs) or procs[worker].is_alive()
 
 
-def worker_link(collector: Any, leaves: Flat, ctx: Any) -> SharedMemoryLink:
-    """The shared-memory link to a multi-process collector's workers (semaphores from its
-    multiprocessing context; liveness from its processes, by weakref)."""
+def worker_link(collector: Any, leaves: Flat, envs_per_worker: int = 1) -> SharedMemoryLink:
+    """The shared-memory link to a multi-process collector's workers, one slot per env
+    (named semaphores, so a ``ParallelEnv``'s sub-processes can open it later; liveness
+    from the workers' processes, by weakref)."""
     collector_ref = weakref.ref(collector)
     return SharedMemoryLink(
         leaves,
-        collector.num_workers,
-        ctx=ctx if ctx is not None else mp.get_context("spawn"),
-        alive=lambda worker: _worker_alive(collector_ref, worker),
+        collector.num_workers * envs_per_worker,
+        ctx=mp.get_context("spawn"),
+        alive=lambda slot: _worker_alive(collector_ref, slot // envs_per_worker),
     )
 
 
@@ -108,8 +110,9 @@ class EnvSyncScheme(EnvSchemeBase):
         self._sender: Sender | None = sender
         self._handle: LinkHandle | None = None
         self._offset = 0
+        self._envs = 1
         self._owner_pid = os.getpid()
-        self._receiver: EnvStateReceiver | None = None
+        self._receiver: Any = None  # the receiver, or a batched env's EnvGroup
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -127,8 +130,10 @@ class EnvSyncScheme(EnvSchemeBase):
             self._attach_in_process(self._sender, context)
             return
 
+        envs = self._envs = self._sender.envs_per_worker()
+
         def make(leaves: Flat) -> SharedMemoryLink:
-            link = worker_link(context, leaves, ctx)
+            link = worker_link(context, leaves, envs)
             self._handle = link.handle()
             return link
 
@@ -140,15 +145,23 @@ class EnvSyncScheme(EnvSchemeBase):
                 scheme._handle = None
 
         attachment = self._sender.attach(
-            context.num_workers, make, detached=lambda: _detached(collector_ref), on_close=forget
+            context.num_workers, make, detached=lambda: _detached(collector_ref), on_close=forget, envs_per_worker=envs
         )
         self._offset = attachment.offset
 
     def _attach_in_process(self, sender: Sender, collector: Collector) -> None:
         collector_ref = weakref.ref(collector)
-        attachment = sender.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: _detached(collector_ref))
+        batched = find_batched(collector.env)
+        envs = 1 if batched is None else int(batched.num_workers)
+
+        def make(leaves: Flat) -> Any:
+            if isinstance(batched, ParallelEnv):  # its sub-processes open the link too
+                return SharedMemoryLink(leaves, envs, ctx=mp.get_context("spawn"))
+            return LocalLink(leaves, envs)
+
+        attachment = sender.attach(1, make, detached=lambda: _detached(collector_ref), envs_per_worker=envs)
         try:
-            self._receiver = receiver = bind(collector, attachment.link.handle(), 0, attachment.offset)
+            self._receiver = receiver = bind(collector, attachment.link.handle(), 0, attachment.offset, envs)
         except BaseException:
             sender.detach(attachment)
             raise
@@ -161,7 +174,8 @@ class EnvSyncScheme(EnvSchemeBase):
             raise ValidationError("envsync scheme reached a worker without a link or worker index")
         self.model_id = model_id
         self.context = context
-        self._receiver = bind(context, self._handle, worker_idx, self._offset + worker_idx)
+        first = worker_idx * self._envs
+        self._receiver = bind(context, self._handle, first, self._offset + first, self._envs)
 
     def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
         """Route ``update_policy_weights_(weights=..., model_id="env")`` to a push."""
@@ -169,9 +183,10 @@ class EnvSyncScheme(EnvSchemeBase):
             raise ValidationError("this envsync scheme has no sender in this process")
         config, env_state = env_weights(weights)
         workers = [worker_ids] if isinstance(worker_ids, int) else worker_ids
+        envs = None
         if workers is not None:
-            workers = [self._offset + w for w in workers]
-        self._sender.push(config=config, env_state=env_state, workers=workers, wait="received")
+            envs = [self._offset + w * self._envs + e for w in workers for e in range(self._envs)]
+        self._sender.push(config=config, env_state=env_state, envs=envs, wait="received")
 
     def shutdown(self) -> None:
         if self._receiver is not None:

@@ -1,0 +1,433 @@
+"""Batched envs: every sub-env of a ``SerialEnv`` or ``ParallelEnv`` is an env of the fleet.
+
+Each sub-env (a *leaf*) gets its own slot on the link and its own receiver, beside it,
+wherever it runs: in the worker for a ``SerialEnv``, in the ``ParallelEnv``'s sub-process
+otherwise. The wrapped factory swaps the batched env's leaf factories (before it starts) for
+:class:`LeafFactory`, which hooks each leaf like an unbatched env, so a leaf applies at its
+own safe points: its own reset (partial resets included), its steps, and its truncation.
+
+What needs the collector lives beside the batched env, in :class:`EnvGroup`: the idle
+listeners (one per sub-env; an idle apply goes to the leaf through the batched env's own
+channel, or as a partial reset of that sub-env through the collector), the busy marks, and
+the tags. A leaf writes into its slot the version its latest step ran under and the one its
+observation comes from, only when they change; :class:`BatchedHooks` reads them after a
+batched step only while some sub-env is unsettled, and writes ``env_version`` and
+``env_index`` once per rollout, row by row.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+from torchrl.envs import EnvBase, ParallelEnv
+from torchrl.envs.batched_envs import BatchedEnvBase
+
+from envsync.errors import EnvSyncError, ValidationError
+from envsync.links.base import LinkHandle
+from envsync.protocol import ApplyAt
+from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.state import apply_config
+
+BIND = "_envsync_bind"
+APPLY_NOW = "_envsync_apply_now"
+_HOOKS = "_envsync_batched"
+_LISTEN_PERIOD = 0.5
+_MAX_ROUNDS = 8
+
+
+def find_batched(env: Any) -> BatchedEnvBase | None:
+    """The ``SerialEnv``/``ParallelEnv`` a (possibly transformed) env is built on, if any."""
+    while env is not None:
+        if isinstance(env, BatchedEnvBase):
+            return env
+        env = getattr(env, "base_env", None)
+    return None
+
+
+class LeafFactory:
+    """Builds one sub-env of a batched env and hooks it like an unbatched env.
+
+    Args:
+        make_env: the batched env's own factory for this sub-env.
+        spec: how versions are applied.
+        initial_config: the config template (version 0).
+    """
+
+    def __init__(self, make_env: Callable[..., EnvBase], spec: ApplySpec, initial_config: TensorDictBase) -> None:
+        self.envsync_make_env = make_env
+        self.envsync_spec = spec
+        self.envsync_initial_config = initial_config
+
+    def __call__(self, **kwargs: Any) -> EnvBase:
+        from envsync.integrations.torchrl.adapter import EnvHooks
+
+        env = self.envsync_make_env(**kwargs)
+        hooks = EnvHooks.install(env, self.envsync_spec, self.envsync_initial_config)
+        apply_config(env, self.envsync_spec.apply, self.envsync_initial_config)
+        env.__dict__[BIND] = _leaf_call(env, hooks, _bind_leaf)
+        env.__dict__[APPLY_NOW] = _leaf_call(env, hooks, _apply_now)
+        return env
+
+
+def _leaf_call(env: EnvBase, hooks: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A leaf entry point that never raises (a ``ParallelEnv`` sub-process dies of an
+    exception): it answers ``(traceback text or "", result)``."""
+    env_ref = weakref.ref(env)
+
+    def call(*args: Any) -> tuple[str, Any]:
+        try:
+            return "", fn(env_ref(), hooks, *args)
+        except Exception:
+            return traceback.format_exc(), None
+
+    return call
+
+
+def _bind_leaf(env: EnvBase, hooks: Any, handle: LinkHandle, slot: int, env_index: int) -> bool:
+    from envsync.integrations.torchrl.adapter import CollectorAdapter
+
+    receiver = EnvStateReceiver(
+        link=handle.open(slot),
+        spec=hooks.spec,
+        adapter=CollectorAdapter(None, env, hooks.spec),
+        initial_config=hooks.initial_config,
+    )
+    hooks.bind(receiver, env_index)
+    return receiver.start(listen=False)
+
+
+def _apply_now(env: EnvBase, hooks: Any) -> None:
+    if hooks.receiver is not None:
+        hooks.receiver.apply_if_idle()
+        hooks.unsettle()  # its next step notes the version it runs under
+
+
+def prepare_batched(env: EnvBase, batched: BatchedEnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:
+    """Make every sub-env of ``batched`` (not started yet) an env of the fleet.
+
+    Raises:
+        ValidationError: the batched env is started already, or its sub-envs are batched.
+    """
+    if isinstance(batched.__dict__.get(_HOOKS), BatchedHooks):
+        return
+    if not batched.is_closed:
+        raise ValidationError(
+            f"the {type(batched).__name__} was started before envsync saw it: build it (and return it from "
+            "your factory) without resetting or stepping it, so envsync can reach its sub-envs"
+        )
+    if tuple(batched.batch_size) != (batched.num_workers,):
+        raise ValidationError(
+            f"envsync needs unbatched sub-envs in a {type(batched).__name__}; its batch size is "
+            f"{list(batched.batch_size)} for {batched.num_workers} sub-envs"
+        )
+    batched.create_env_fn = [LeafFactory(fn, spec, initial_config) for fn in batched.create_env_fn]
+    BatchedHooks.install(batched, spec)
+
+
+class BatchedHooks:
+    """Frame counting and per-sub-env tags on a batched env (installed by the factory).
+
+    Its ``_step``, ``_reset`` and ``step_and_maybe_reset`` are replaced on the instance;
+    after each batched step, while some sub-env is unsettled, the versions every leaf noted
+    in its slot are read and recorded as per-row changes.
+    """
+
+    def __init__(self, env: BatchedEnvBase, spec: ApplySpec) -> None:
+        self.num_envs = int(env.num_workers)
+        self.spec = spec
+        self.group: EnvGroup | None = None
+        self.frame = 0
+        self._depth = 0
+        self._settled = True
+        self._root: list[list[tuple[int, int]]] = [[(0, 0)] for _ in range(self.num_envs)]
+        self._next: list[list[tuple[int, int]]] = [[(0, 0)] for _ in range(self.num_envs)]
+        self._step = env._step
+        self._reset = env._reset
+        self._step_and_maybe_reset = env.step_and_maybe_reset
+
+    @classmethod
+    def install(cls, env: BatchedEnvBase, spec: ApplySpec) -> BatchedHooks:
+        hooks = cls(env, spec)
+        env.__dict__[_HOOKS] = hooks
+        env._step = hooks.step
+        env._reset = hooks.reset
+        env.step_and_maybe_reset = hooks.step_and_maybe_reset
+        return hooks
+
+    @staticmethod
+    def of(env: Any) -> tuple[BatchedEnvBase, BatchedHooks] | None:
+        batched = find_batched(env)
+        hooks = None if batched is None else batched.__dict__.get(_HOOKS)
+        return (batched, hooks) if isinstance(hooks, BatchedHooks) else None
+
+    def step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if self._depth:
+            return self._step(tensordict)
+        self._depth = 1
+        try:
+            out = self._step(tensordict)
+        finally:
+            self._depth = 0
+        self._after_step()
+        return out
+
+    def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
+        self._depth += 1
+        try:
+            out = self._step_and_maybe_reset(tensordict)
+        finally:
+            self._depth -= 1
+        if not self._depth:
+            self._after_step()
+        return out
+
+    def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        out = self._reset(tensordict, **kwargs)
+        group = self.group
+        if not self._depth and group is not None:
+            for i, obs in enumerate(group.read()[1]):
+                _mark(self._root[i], self.frame, obs)
+            self._settled = False
+        return out
+
+    def _after_step(self) -> None:
+        frame = self.frame
+        self.frame = frame + 1
+        group = self.group
+        if group is None or (self._settled and group.unchanged()):
+            return
+        ran, obs, _, settled = group.read()
+        for i in range(self.num_envs):
+            _mark(self._next[i], frame, ran[i])
+            _mark(self._root[i], frame + 1, obs[i])
+        self._settled = settled
+
+    def begin(self) -> None:
+        """A rollout starts: frames count from 0; tags carry over from the leaves' state."""
+        self.frame = 0
+        if self.group is None:
+            return
+        _, obs, applied, _ = self.group.read()
+        self._root = [[(0, v)] for v in obs]
+        self._next = [[(0, v)] for v in applied]
+        self._settled = False
+
+    def tag(self, batch: TensorDictBase, first_env: int) -> None:
+        """Write the rollout's tags into ``batch`` (leading dim: the sub-envs)."""
+        from envsync.integrations.torchrl.adapter import INDEX_KEY, VERSION_KEY, _fill, _set
+
+        shape = batch.batch_size
+        for key, rows in ((VERSION_KEY, self._root), (("next", VERSION_KEY), self._next)):
+            out = batch.get(key, None)
+            if out is None:
+                out = torch.empty(shape, dtype=torch.int64)
+                _set(batch, key, out)
+            for i, changes in enumerate(rows):
+                _fill(out[i], changes)
+        index = torch.arange(first_env, first_env + self.num_envs, dtype=torch.int64)
+        index = index.view(-1, *([1] * (len(shape) - 1))).expand(shape).clone()
+        for key in (INDEX_KEY, ("next", INDEX_KEY)):
+            if batch.get(key, None) is None:
+                _set(batch, key, index if key == INDEX_KEY else index.clone())
+
+    @staticmethod
+    def truncate_last(batch: TensorDictBase, rows: list[int]) -> None:
+        """End the rollout's last frame of these sub-envs as truncated."""
+        from envsync.integrations.torchrl.adapter import _truncate
+
+        nxt = batch.get("next")
+        for i in rows:
+            last = nxt[i, -1]
+            _truncate(last)
+            nxt[i, -1] = last
+
+
+def _mark(changes: list[tuple[int, int]], frame: int, version: int) -> None:
+    from envsync.integrations.torchrl.adapter import _mark as mark
+
+    mark(changes, frame, version)
+
+
+def call_leaf(batched: BatchedEnvBase, index: int, name: str, *args: Any) -> Any:
+    """Call a leaf entry point of sub-env ``index`` (through the ``ParallelEnv``'s channel,
+    or directly in a ``SerialEnv``); raise what it raised."""
+    if batched.is_closed:
+        batched.start()
+    if isinstance(batched, ParallelEnv):
+        channel = batched.parent_channels[index]
+        channel.send((name, (list(args), {})))
+        _, (text, result) = channel.recv()
+    else:
+        text, result = batched._envs[index].__dict__[name](*args)
+    if text:
+        raise EnvSyncError(f"sub-env {index} of the {type(batched).__name__}:\n{text}")
+    return result
+
+
+class EnvGroup:
+    """The sub-envs of one batched env, seen from the process that drives it: their idle
+    listeners, their busy marks and the reads behind their tags.
+
+    Args:
+        collector: the (inner) collector that drives the batched env.
+        batched: the batched env.
+        handle: the link.
+        first_slot: the link slot of sub-env 0 (the others follow).
+    """
+
+    def __init__(self, collector: Any, batched: BatchedEnvBase, handle: LinkHandle, first_slot: int) -> None:
+        self.spec: ApplySpec = BatchedHooks.of(batched)[1].spec  # type: ignore[index]
+        self.num_envs = int(batched.num_workers)
+        self._collector = weakref.ref(collector)
+        self._batched = weakref.ref(batched)
+        self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
+        counters = self.ends[0].table.counters  # type: ignore[attr-defined]
+        window = slice(first_slot, first_slot + self.num_envs)
+        self._targets, self._applied, self._failed = (counters[k][window] for k in ("target", "applied", "failed"))
+        self._ran, self._obs = counters["ran"][window], counters["obs"][window]
+        self._seen = b""
+        self._lock = threading.RLock()
+        self._busy = 0
+        self._closed = False
+        self._idle_resets = self.spec.truncates or self.spec.reinit.moves_env
+
+    def unchanged(self) -> bool:
+        """Whether no push reached any sub-env since the group last settled."""
+        return self._targets.tobytes() == self._seen
+
+    def read(self) -> tuple[list[int], list[int], list[int], bool]:
+        """Per sub-env: the version its last step ran under, its observation's, its applied
+        one; and whether every sub-env is settled (remembering the targets it settled on)."""
+        targets = self._targets.copy()
+        applied, failed = self._applied.copy(), self._failed.copy()
+        ran, obs = self._ran.copy(), self._obs.copy()
+        settled = bool(np.all(((targets == applied) | (targets == failed)) & (ran == applied) & (obs == applied)))
+        if settled:
+            self._seen = targets.tobytes()
+        return ran.tolist(), obs.tolist(), applied.tolist(), settled
+
+    def pending(self) -> list[int]:
+        """The sub-envs with a version not applied (nor failed) yet."""
+        t, a, f = self._targets.copy(), self._applied.copy(), self._failed.copy()
+        return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark the collector as driving the batched env: the listeners keep off meanwhile."""
+        with self._lock:
+            self._busy += 1
+            for end in self.ends:
+                end.set_busy(True)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if not self._busy:
+                    for end in self.ends:
+                        end.set_busy(False)
+
+    def apply_if_idle(self, only: list[int] | None = None) -> None:
+        """With the collector idle: ``"step"`` versions apply at once in their leaves;
+        truncating ones (and re-inits that move the env) reset those sub-envs through the
+        collector, and the leaves apply at their reset."""
+        with self._lock:
+            if self.spec.apply_at is ApplyAt.RESET:
+                return
+            # again while anything is pending: this work marks the group busy, so a push
+            # landing meanwhile may not have woken its sub-env's listener
+            for _ in range(_MAX_ROUNDS):
+                pending = [i for i in self.pending() if only is None or i in only]
+                collector, batched = self._collector(), self._batched()
+                if not pending or collector is None or batched is None:
+                    return
+                if self._idle_resets:
+                    collector.reset(index=pending)
+                else:
+                    for i in pending:
+                        call_leaf(batched, i, APPLY_NOW)
+
+    def truncating(self) -> list[int]:
+        """The sub-envs whose pending version must end their episode as truncated."""
+        return self.pending() if self.spec.truncates else []
+
+    def on_wake(self, index: int) -> None:
+        """A listener was woken for sub-env ``index``: acknowledge; apply if idle."""
+        with self._lock:
+            end = self.ends[index]
+            end.ack_received(end.target())
+            if not self._busy:
+                self.apply_if_idle()
+
+    def start(self) -> None:
+        """Start one idle listener per sub-env."""
+        for i in range(self.num_envs):
+            thread = threading.Thread(
+                target=_listen, args=(weakref.ref(self), i), name=f"envsync-group-{i}", daemon=True
+            )
+            thread.start()
+
+    def close(self) -> None:
+        """Stop the listeners."""
+        self._closed = True
+
+
+def _listen(ref: weakref.ReferenceType[EnvGroup], index: int) -> None:
+    """A sub-env's idle listener (see :func:`envsync.receiver._listen`, its unbatched twin)."""
+    import os
+
+    while True:
+        group = ref()
+        if group is None or group._closed:
+            return
+        end = group.ends[index]
+        del group
+        end.wait_notice(_LISTEN_PERIOD)
+        if not end.owner_alive():
+            os._exit(1)
+        group = ref()
+        if group is None or group._closed:
+            return
+        try:
+            group.on_wake(index)
+        except Exception:
+            end.report_failure(end.target(), traceback.format_exc())
+        del group
+
+
+def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env: int, envs: int) -> EnvGroup:
+    """Bind every sub-env of ``collector``'s batched env to its slot, and catch up.
+
+    Raises:
+        ValidationError: the batched env has another number of sub-envs than the link
+            expects per worker.
+        EnvSyncError: a leaf could not be bound.
+    """
+    from envsync.integrations.torchrl.adapter import wrap_collector
+
+    found = BatchedHooks.of(collector.env)
+    assert found is not None
+    batched, hooks = found
+    if hooks.num_envs != envs:
+        raise ValidationError(
+            f"this worker's batched env has {hooks.num_envs} sub-envs; the sender expects {envs} per worker "
+            "(every worker must drive as many envs; see envs_per_worker=)"
+        )
+    group = EnvGroup(collector, batched, handle, first_slot)
+    caught_up = False
+    for i in range(hooks.num_envs):
+        caught_up |= bool(call_leaf(batched, i, BIND, handle, first_slot + i, first_env + i))
+    hooks.group = group
+    wrap_collector(collector, group, hooks, first_env)
+    if caught_up:
+        collector.reset()  # the leaves run the latest version: start fresh episodes under it
+    group.start()
+    return group
