@@ -17,6 +17,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from envsync import desired, gather
 from envsync.errors import ValidationError
+from envsync.state import flat_names
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
@@ -38,10 +39,6 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
     return out
 
 
-def _flat_names(row: TensorDictBase) -> dict[str, torch.Tensor]:
-    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in row.items(True, True)}
-
-
 def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
     """Implementation of :meth:`Sender.load_state_dict`."""
     if "version" not in state or "config" not in state:
@@ -52,7 +49,7 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
     rows = [sender.template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
     env_state = state.get("env_state") or None
     worker_state = state.get("worker_env_state")
-    own = None if worker_state is None else [_flat_names(r) for r in worker_state.unbind(0)]
+    own = None if worker_state is None else [flat_names(r) for r in worker_state.unbind(0)]
     if own is not None and len(own) != len(rows):
         raise ValidationError(f"the checkpoint has {len(rows)} worker configs and {len(own)} worker env states")
     with sender._lock:

@@ -30,14 +30,14 @@ class Probe:
     Args:
         make: builds the env (the wrapped factory), or returns the user's own env.
         owned: whether the sender built it (and so closes it).
-        split: given the env, how many envs of the fleet it holds and a builder of the env
-            that stands for one of them (``None``: the env itself); a batched env holds one
-            per sub-env, and is described by one sub-env.
+        split: given the env, how many envs of the fleet it holds, a builder of the env
+            that stands for one of them (``None``: the env itself), and whether it takes env
+            state; a batched env holds one per sub-env, and is described by one sub-env.
     """
 
     make: Callable[[], Any]
     owned: bool
-    split: Callable[[Any], tuple[int, Callable[[], Any] | None]] = lambda env: (1, None)
+    split: Callable[[Any], tuple[int, Callable[[], Any] | None, bool]] = lambda env: (1, None, True)
     env: Any = None
     _leaf: Any = None
 
@@ -74,6 +74,8 @@ class Probe:
                 "add a StepCounter or use GymEnv"
             )
         plan(env, spec.reinit)
+        if not self.split(self.get())[2]:
+            return EnvStateTemplate({}, allow_nonfinite=allow_nonfinite)
         if self.owned or env is not self.env:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
         entries = {**env_state_dict(env), **stats_entries(env, spec.reinit)}

@@ -30,7 +30,7 @@ from tensordict import TensorDictBase
 from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import ReinitSpec
-from envsync.state import FlatConfig
+from envsync.state import FlatConfig, flat_names
 
 _LISTEN_PERIOD = 0.5
 _MAX_RETRIES = 8
@@ -109,7 +109,7 @@ class EnvStateReceiver:
         self._failed = NO_FAILURE
         self._config: FlatConfig | None = None
         if initial_config is not None:
-            self._config = {".".join(k): v.clone() for k, v in initial_config.items(True, True)}
+            self._config = {k: v.clone() for k, v in flat_names(initial_config).items()}
         self._snapshot: dict[str, torch.Tensor] = {}
         self._kept: set[str] = set()
         self._snapshot_version = 0

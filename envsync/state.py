@@ -341,6 +341,16 @@ def _dotted(key: str | tuple[str, ...]) -> str:
     return ".".join(key) if isinstance(key, tuple) else key
 
 
+def flat_names(values: TensorDictBase) -> dict[str, torch.Tensor]:
+    """A TensorDict's leaves by dotted name.
+
+    Examples:
+        >>> sorted(flat_names(TensorDict({"a": torch.tensor(1.0), "b": {"c": torch.zeros(2)}})))
+        ['a', 'b.c']
+    """
+    return {_dotted(k): v for k, v in values.items(True, True)}
+
+
 def env_state_dict(env: Any, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
     """The env's ``state_dict()`` as envsync names it: a transform chain always counts as a
     ``Compose``, so a lone transform's entries read ``transforms.0.<name>`` (as they do once

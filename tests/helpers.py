@@ -304,3 +304,61 @@ def make_batched_counters(kind: str = "serial", n: int = 3, first_label: int = 0
     if kind == "serial":
         return SerialEnv(n, fns)
     return ParallelEnv(n, fns, mp_start_method=mp.get_start_method())
+
+
+class NativeCounterEnv(EnvBase):
+    """A natively batched CounterEnv (``batch_size=[n]``): row ``i`` observes ``[difficulty_i,
+    first_label + i, step_i]`` and has episodes of ``horizon + 2 * i`` steps."""
+
+    def __init__(self, n: int = 3, horizon: int = 1000, first_label: int = 0) -> None:
+        super().__init__(batch_size=torch.Size([n]))
+        self.labels = torch.arange(first_label, first_label + n, dtype=torch.float32)
+        self.horizons = torch.tensor([horizon + 2 * i for i in range(n)])
+        self.difficulty = torch.zeros(n)
+        self.count = torch.zeros(n)
+        self.observation_spec = Composite(observation=Unbounded((n, 3), dtype=torch.float32), shape=(n,))
+        self.action_spec = Bounded(-1.0, 1.0, (n, 1))
+        self.reward_spec = Unbounded((n, 1))
+        flag = Categorical(2, (n, 1), dtype=torch.bool)
+        self.done_spec = Composite(done=flag, terminated=flag.clone(), truncated=flag.clone(), shape=(n,))
+
+    def set_difficulty(self, difficulty: torch.Tensor, env_ids: torch.Tensor) -> None:
+        self.difficulty[env_ids] = difficulty.to(torch.float32)
+
+    def set_difficulty_all(self, difficulty: torch.Tensor) -> None:
+        self.difficulty[:] = difficulty.to(torch.float32)
+
+    def _obs(self) -> torch.Tensor:
+        return torch.stack([self.difficulty, self.labels, self.count], -1)
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
+        mask = None if tensordict is None else tensordict.get("_reset", None)
+        rows = torch.ones(self.batch_size, dtype=torch.bool) if mask is None else mask.reshape(-1)
+        self.count[rows] = 0
+        false = torch.zeros(*self.batch_size, 1, dtype=torch.bool)
+        return TensorDict(
+            observation=self._obs(),
+            done=false,
+            terminated=false.clone(),
+            truncated=false.clone(),
+            batch_size=self.batch_size,
+        )
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        self.count += 1
+        truncated = (self.count >= self.horizons).unsqueeze(-1)
+        return TensorDict(
+            observation=self._obs(),
+            reward=torch.ones(*self.batch_size, 1),
+            done=truncated.clone(),
+            terminated=torch.zeros_like(truncated),
+            truncated=truncated,
+            batch_size=self.batch_size,
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        return None
+
+
+def make_native_counters(n: int = 3, first_label: int = 0, horizon: int = 0) -> NativeCounterEnv:
+    return NativeCounterEnv(n, horizon or 1000, first_label)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_batched_counters, picky_on_worker_one, rows, start_method
+from helpers import make_batched_counters, make_native_counters, picky_on_worker_one, rows, start_method
 from tensordict import TensorDict, TensorDictBase
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 SETUPS = {
     "single-parallel": (Collector, 1, "parallel", 3, "fork"),
     "single-serial": (Collector, 1, "serial", 3, "spawn"),
+    "single-native": (Collector, 1, "native", 3, "spawn"),
     "sync-serial-fork": (MultiSyncCollector, 2, "serial", 2, "fork"),
     "async-parallel-spawn": (MultiAsyncCollector, 2, "parallel", 2, "spawn"),
 }
@@ -35,7 +36,12 @@ SETUPS = {
 def build(setup: str, sender: EnvStateSender, *, horizon: int = 0, frames: int = 48) -> Any:
     cls, workers, kind, n, method = SETUPS[setup]
     factories = [
-        sender.env_fn(functools.partial(make_batched_counters, kind, n, w * n, horizon)) for w in range(workers)
+        sender.env_fn(
+            functools.partial(make_native_counters, n, w * n, horizon)
+            if kind == "native"
+            else functools.partial(make_batched_counters, kind, n, w * n, horizon)
+        )
+        for w in range(workers)
     ]
     with start_method(method):
         return cls(
@@ -144,7 +150,7 @@ def test_workers_target_every_env_of_a_worker(stepping: Any) -> None:
 # ---- reset mode: each sub-env at its own reset --------------------------------------------
 
 
-@pytest.mark.parametrize("setup", ["single-serial", "async-parallel-spawn"])
+@pytest.mark.parametrize("setup", ["single-serial", "single-native", "async-parallel-spawn"])
 def test_reset_mode_switches_each_sub_env_at_its_own_reset(setup: str) -> None:
     """Sub-env i has episodes of 6 + 2i steps: each switches exactly at its own next reset,
     no trajectory holds two versions, and none waits for another's reset."""
@@ -259,4 +265,39 @@ def test_a_started_batched_env_is_refused_with_the_reason() -> None:
             sender.env_fn(started)
     finally:
         started.close()
+        sender.close()
+
+
+def test_a_native_env_without_env_ids_changes_all_rows_and_refuses_per_env_reset() -> None:
+    """An apply method without env_ids is called with the whole batch: it works in "step"
+    mode, and per-env "reset" mode is refused at attach with the reason."""
+    refused = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty_all", apply_at="reset")
+    with pytest.raises(ValidationError, match="takes no env_ids keyword"):
+        refused.env_fn(make_native_counters(3))
+    refused.close()
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty_all", apply_at="step")
+    collector = Collector(
+        sender.env_fn(make_native_counters(3)),
+        None,
+        frames_per_batch=30,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    try:
+        it = iter(collector)
+        next(it)
+        values = torch.tensor([4.0, 5.0, 6.0])
+        version = sender.push(config={"difficulty": values}, wait="applied")
+        next(it)
+        batch = next(it)
+        assert batch["next", "env_version"].eq(version).all()
+        assert batch["next", "observation"][..., 0].eq(values.unsqueeze(-1)).all()
+        version = sender.push(config={"difficulty": 9.0}, envs=[2], wait="applied")
+        next(it)
+        batch = next(it)
+        assert batch["next", "observation"][..., 0].eq(torch.tensor([[4.0], [5.0], [9.0]])).all()
+        with pytest.raises(ValidationError, match=r"not in the env.s state_dict; known: \[\]"):
+            sender.push(env_state={"transforms.0.loc": torch.zeros(3)})
+    finally:
+        collector.shutdown()
         sender.close()

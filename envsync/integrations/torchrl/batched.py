@@ -22,7 +22,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -140,8 +140,8 @@ class BatchedHooks:
     in its slot are read and recorded as per-row changes.
     """
 
-    def __init__(self, env: BatchedEnvBase, spec: ApplySpec) -> None:
-        self.num_envs = int(env.num_workers)
+    def __init__(self, env: EnvBase, spec: ApplySpec) -> None:
+        self.num_envs = int(env.batch_size[0])
         self.spec = spec
         self.group: EnvGroup | None = None
         self.frame = 0
@@ -154,7 +154,7 @@ class BatchedHooks:
         self._step_and_maybe_reset = env.step_and_maybe_reset
 
     @classmethod
-    def install(cls, env: BatchedEnvBase, spec: ApplySpec) -> BatchedHooks:
+    def install(cls, env: EnvBase, spec: ApplySpec) -> BatchedHooks:
         hooks = cls(env, spec)
         env.__dict__[_HOOKS] = hooks
         env._step = hooks.step
@@ -163,10 +163,23 @@ class BatchedHooks:
         return hooks
 
     @staticmethod
-    def of(env: Any) -> tuple[BatchedEnvBase, BatchedHooks] | None:
-        batched = find_batched(env)
-        hooks = None if batched is None else batched.__dict__.get(_HOOKS)
-        return (batched, hooks) if isinstance(hooks, BatchedHooks) else None
+    def of(env: Any) -> tuple[EnvBase, BatchedHooks] | None:
+        """The hooked batched env inside a collector's env (torchrl may wrap it) and its hooks."""
+        while env is not None:
+            hooks = getattr(env, "__dict__", {}).get(_HOOKS)
+            if isinstance(hooks, BatchedHooks):
+                return env, hooks
+            env = getattr(env, "base_env", None)
+        return None
+
+    def leaves(self, env: EnvBase) -> Leaves:
+        """How the group reaches the envs of the fleet that ``env`` holds."""
+        assert isinstance(env, BatchedEnvBase)
+        return SubEnvs(env)
+
+    def unsettle(self) -> None:
+        """Read the sub-envs' versions after the next step (they changed outside a step)."""
+        self._settled = False
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         if self._depth:
@@ -191,12 +204,15 @@ class BatchedHooks:
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
         out = self._reset(tensordict, **kwargs)
+        self._after_reset()
+        return out
+
+    def _after_reset(self) -> None:
         group = self.group
         if not self._depth and group is not None:
             for i, obs in enumerate(group.read()[1]):
                 _mark(self._root[i], self.frame, obs)
             self._settled = False
-        return out
 
     def _after_step(self) -> None:
         frame = self.frame
@@ -256,6 +272,35 @@ def _mark(changes: list[tuple[int, int]], frame: int, version: int) -> None:
     mark(changes, frame, version)
 
 
+class Leaves(Protocol):
+    """How a group reaches the envs of the fleet one batched env holds."""
+
+    def bind(self, index: int, handle: LinkHandle, slot: int, env_index: int) -> bool:
+        """Bind env ``index`` to link ``slot`` as fleet env ``env_index``; whether it caught up."""
+
+    def apply_now(self, index: int) -> None:
+        """Apply env ``index``'s pending version now (the collector is idle)."""
+
+
+class SubEnvs:
+    """The sub-envs of a ``SerialEnv`` or ``ParallelEnv``, each with its receiver beside it."""
+
+    def __init__(self, batched: BatchedEnvBase) -> None:
+        self._batched = weakref.ref(batched)
+
+    def _live(self) -> BatchedEnvBase:
+        batched = self._batched()
+        if batched is None:
+            raise RuntimeError("the batched env is gone")
+        return batched
+
+    def bind(self, index: int, handle: LinkHandle, slot: int, env_index: int) -> bool:
+        return bool(call_leaf(self._live(), index, BIND, handle, slot, env_index))
+
+    def apply_now(self, index: int) -> None:
+        call_leaf(self._live(), index, APPLY_NOW)
+
+
 def call_leaf(batched: BatchedEnvBase, index: int, name: str, *args: Any) -> Any:
     """Call a leaf entry point of sub-env ``index`` (through the ``ParallelEnv``'s channel,
     or directly in a ``SerialEnv``); raise what it raised."""
@@ -278,16 +323,19 @@ class EnvGroup:
 
     Args:
         collector: the (inner) collector that drives the batched env.
-        batched: the batched env.
+        hooks: the batched env's hooks.
+        leaves: how to reach its envs.
         handle: the link.
         first_slot: the link slot of sub-env 0 (the others follow).
     """
 
-    def __init__(self, collector: Any, batched: BatchedEnvBase, handle: LinkHandle, first_slot: int) -> None:
-        self.spec: ApplySpec = BatchedHooks.of(batched)[1].spec  # type: ignore[index]
-        self.num_envs = int(batched.num_workers)
+    def __init__(
+        self, collector: Any, hooks: BatchedHooks, leaves: Leaves, handle: LinkHandle, first_slot: int
+    ) -> None:
+        self.spec = hooks.spec
+        self.num_envs = hooks.num_envs
+        self.leaves = leaves
         self._collector = weakref.ref(collector)
-        self._batched = weakref.ref(batched)
         self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
         counters = self.ends[0].table.counters  # type: ignore[attr-defined]
         window = slice(first_slot, first_slot + self.num_envs)
@@ -346,14 +394,14 @@ class EnvGroup:
             # landing meanwhile may not have woken its sub-env's listener
             for _ in range(_MAX_ROUNDS):
                 pending = [i for i in self.pending() if only is None or i in only]
-                collector, batched = self._collector(), self._batched()
-                if not pending or collector is None or batched is None:
+                collector = self._collector()
+                if not pending or collector is None:
                     return
                 if self._idle_resets:
                     collector.reset(index=pending)
                 else:
                     for i in pending:
-                        call_leaf(batched, i, APPLY_NOW)
+                        self.leaves.apply_now(i)
 
     def truncating(self) -> list[int]:
         """The sub-envs whose pending version must end their episode as truncated."""
@@ -415,16 +463,17 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
 
     found = BatchedHooks.of(collector.env)
     assert found is not None
-    batched, hooks = found
+    env, hooks = found
     if hooks.num_envs != envs:
         raise ValidationError(
             f"this worker's batched env has {hooks.num_envs} sub-envs; the sender expects {envs} per worker "
             "(every worker must drive as many envs; see envs_per_worker=)"
         )
-    group = EnvGroup(collector, batched, handle, first_slot)
+    leaves = hooks.leaves(env)
+    group = EnvGroup(collector, hooks, leaves, handle, first_slot)
     caught_up = False
     for i in range(hooks.num_envs):
-        caught_up |= bool(call_leaf(batched, i, BIND, handle, first_slot + i, first_env + i))
+        caught_up |= leaves.bind(i, handle, first_slot + i, first_env + i)
     hooks.group = group
     wrap_collector(collector, group, hooks, first_env)
     if caught_up:

@@ -15,6 +15,7 @@ from torchrl.envs import EnvBase
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks
 from envsync.integrations.torchrl.batched import find_batched, prepare_batched
+from envsync.integrations.torchrl.native import prepare_native
 from envsync.probe import Probe
 from envsync.receiver import ApplySpec
 from envsync.state import apply_config
@@ -28,29 +29,30 @@ def prepare_env(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -
     batched env, make each of its sub-envs an env of the fleet instead.
 
     Raises:
-        ValidationError: a natively batched env (``batch_size=[n]``), which is not
-            supported yet, or a batched env envsync cannot reach into.
+        ValidationError: a batched env envsync cannot reach into, or settings it cannot
+            honour (see :func:`~.native.prepare_native`).
     """
     batched = find_batched(env)
     if batched is not None:
         prepare_batched(env, batched, spec, initial_config)
         return env
-    if env.batch_size.numel() != 1:
-        raise ValidationError(
-            f"natively batched envs (batch_size={list(env.batch_size)}) are not supported yet: build "
-            "unbatched envs and batch them in a SerialEnv or ParallelEnv"
-        )
+    if env.batch_size:
+        prepare_native(env, spec, initial_config)
+        return env
     EnvHooks.install(env, spec, initial_config)
     apply_config(env, spec.apply, initial_config)
     return env
 
 
-def split(env: EnvBase) -> tuple[int, Callable[[], EnvBase] | None]:
-    """How many envs of the fleet ``env`` holds, and a builder of one of its sub-envs."""
+def split(env: EnvBase) -> tuple[int, Callable[[], EnvBase] | None, bool]:
+    """How many envs of the fleet ``env`` holds, a builder of one of its sub-envs, and
+    whether it takes env state (a natively batched env's rows share its transforms)."""
     batched = find_batched(env)
-    if batched is None:
-        return 1, None
-    return int(batched.num_workers), lambda: batched.create_env_fn[0](**batched.create_env_kwargs[0])
+    if batched is not None:
+        return int(batched.num_workers), lambda: batched.create_env_fn[0](**batched.create_env_kwargs[0]), True
+    if env.batch_size:
+        return int(env.batch_size[0]), None, False
+    return 1, None, True
 
 
 class EnvFactory:

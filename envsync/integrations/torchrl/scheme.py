@@ -24,7 +24,7 @@ from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
 
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import bind
-from envsync.integrations.torchrl.batched import find_batched
+from envsync.integrations.torchrl.batched import BatchedHooks
 from envsync.links.base import Flat, LinkHandle
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import SharedMemoryLink
@@ -151,11 +151,11 @@ class EnvSyncScheme(EnvSchemeBase):
 
     def _attach_in_process(self, sender: Sender, collector: Collector) -> None:
         collector_ref = weakref.ref(collector)
-        batched = find_batched(collector.env)
-        envs = 1 if batched is None else int(batched.num_workers)
+        found = BatchedHooks.of(collector.env)
+        envs = 1 if found is None else found[1].num_envs
 
         def make(leaves: Flat) -> Any:
-            if isinstance(batched, ParallelEnv):  # its sub-processes open the link too
+            if found is not None and isinstance(found[0], ParallelEnv):  # its sub-processes open the link too
                 return SharedMemoryLink(leaves, envs, ctx=mp.get_context("spawn"))
             return LocalLink(leaves, envs)
 

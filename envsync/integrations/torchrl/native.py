@@ -1,0 +1,239 @@
+"""Natively batched envs: an ``EnvBase`` with ``batch_size=[n]`` holds ``n`` envs of the fleet.
+
+The rows share one env object, so their receivers live beside it in one process, and its
+hooks (:class:`NativeHooks`) run the rows' safe points: before a batched step, each row's
+``before_step``; before a reset, ``before_reset`` of the rows being reset only (the
+``"_reset"`` mask of a partial reset); after a step, a truncating row's ``done`` and
+``truncated`` are set. Everything else (tags, idle work, busy marks) is the batched env's
+(:mod:`.batched`).
+
+A row's config reaches the env through the user's ``apply``: a method (or callable) that
+takes an ``env_ids`` keyword is called with the rows being changed and their indices in
+the env; one that does not is called with the whole batch (every row's current config), and
+then per-env ``"reset"`` mode is refused, since changing one row would change them all.
+The rows share the env's transforms: a natively batched env takes config only (no env
+state, no re-initialisation).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.envs import EnvBase
+
+from envsync.errors import ValidationError
+from envsync.integrations.torchrl.batched import BatchedHooks, Leaves
+from envsync.links.base import LinkHandle
+from envsync.protocol import ApplyAt
+from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.state import FlatConfig, config_kwargs, find_config_method, flat_names
+
+
+def _takes_env_ids(fn: Callable[..., Any]) -> bool:
+    try:
+        return "env_ids" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class RowApplier:
+    """Gives rows of a natively batched env their configs through the user's ``apply``.
+
+    Args:
+        env: the env.
+        apply: a method name, a callable ``fn(env, config)``, or ``None``.
+        initial_config: every row's config at version 0 (flat).
+    """
+
+    def __init__(self, env: EnvBase, apply: Any, initial_config: FlatConfig, num_envs: int) -> None:
+        self._current = [dict(initial_config) for _ in range(num_envs)]
+        self._call: Callable[..., Any] | None = None
+        self.by_rows = False
+        if isinstance(apply, str):
+            method = find_config_method(env, apply)
+            self.by_rows = _takes_env_ids(method)
+            self._call = lambda config, **ids: method(**config_kwargs(config), **ids)
+        elif apply is not None:
+            self.by_rows = _takes_env_ids(apply)
+            self._call = lambda config, **ids: apply(env, _rows(config), **ids)
+
+    def apply_all(self) -> None:
+        """Give every row its current config (at build: the template's, so version 0 is truthful)."""
+        if self._call is None:
+            return
+        stacked = {k: torch.stack([r[k] for r in self._current]) for k in self._current[0]}
+        if self.by_rows:
+            self._call(stacked, env_ids=torch.arange(len(self._current)))
+        else:
+            self._call(stacked)
+
+    def apply(self, row: int, config: FlatConfig) -> None:
+        """Give ``row`` the whole ``config``."""
+        if self._call is not None:
+            if self.by_rows:
+                self._call({k: v.unsqueeze(0) for k, v in config.items()}, env_ids=torch.tensor([row]))
+            else:
+                rows = [dict(c) for c in self._current]
+                rows[row] = dict(config)
+                self._call({k: torch.stack([r[k] for r in rows]) for k in config})
+        self._current[row] = dict(config)
+
+
+def _rows(config: FlatConfig) -> TensorDict:
+    batch = next(iter(config.values())).shape[:1] if config else torch.Size([0])
+    return TensorDict({tuple(k.split(".")): v for k, v in config.items()}, batch_size=batch)
+
+
+class RowAdapter:
+    """A receiver's view of one row of a natively batched env (config only)."""
+
+    has_reinit = False
+
+    def __init__(self, applier: RowApplier, row: int) -> None:
+        self._applier = applier
+        self._row = row
+
+    def apply_config(self, config: FlatConfig) -> None:
+        self._applier.apply(self._row, config)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def commit(self, written: dict[str, torch.Tensor]) -> None:
+        return None
+
+    def reinit(self, version: int) -> None:
+        return None
+
+    def reset(self) -> None:
+        raise RuntimeError("a row of a batched env is reset through its collector, not by its receiver")
+
+
+class NativeHooks(BatchedHooks):
+    """:class:`~.batched.BatchedHooks` that also run each row's safe points."""
+
+    def __init__(self, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase, applier: RowApplier) -> None:
+        super().__init__(env, spec)
+        self.initial_config = initial_config
+        self.applier = applier
+        self.rows: list[EnvStateReceiver | None] = [None] * self.num_envs
+
+    @classmethod
+    def hook(cls, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase, applier: RowApplier) -> NativeHooks:
+        """Hook ``env``'s ``_step`` and ``_reset`` (on the instance)."""
+        hooks = cls(env, spec, initial_config, applier)
+        env.__dict__["_envsync_batched"] = hooks
+        env._step = hooks.step
+        env._reset = hooks.reset
+        return hooks  # step_and_maybe_reset stays EnvBase's: it steps and resets through these
+
+    def leaves(self, env: EnvBase) -> Leaves:
+        return Rows(self)
+
+    def step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        group = self.group
+        if self._depth or group is None or (self._settled and group.unchanged()):
+            return super().step(tensordict)
+        bound = [(i, r) for i, r in enumerate(self.rows) if r is not None]
+        for _, row in bound:
+            row.before_step()
+        self._depth = 1
+        try:
+            out = self._step(tensordict)
+        finally:
+            self._depth = 0
+        for i, row in bound:
+            if row.truncate_now():
+                _truncate_row(out, i)
+            row.link.note_versions(row.version, row.version)
+        self._after_step()
+        return out
+
+    def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
+        resetting = [i for i in _rows_reset(tensordict, self.num_envs) if self.rows[i] is not None]
+        for i in resetting:
+            row = self.rows[i]
+            assert row is not None
+            row.before_reset()
+        self._depth += 1
+        try:
+            out = self._reset(tensordict, **kwargs)
+        finally:
+            self._depth -= 1
+        for i in resetting:
+            row = self.rows[i]
+            assert row is not None
+            row.link.note_versions(None, row.version)
+        self._after_reset()
+        return out
+
+
+def _rows_reset(tensordict: TensorDictBase | None, num_envs: int) -> list[int]:
+    mask = None if tensordict is None else tensordict.get("_reset", None)
+    if mask is None:
+        return list(range(num_envs))
+    return torch.nonzero(mask.reshape(num_envs, -1).any(-1)).flatten().tolist()
+
+
+def _truncate_row(out: TensorDictBase, row: int) -> None:
+    done = out.get("done")
+    truncated = out.get("truncated", None)
+    if truncated is None:
+        truncated = torch.zeros_like(done)
+        out.set("truncated", truncated)
+    truncated[row] = truncated[row] | ~done[row]
+    done[row] = True
+
+
+class Rows:
+    """The rows of a natively batched env, each with its receiver in this process."""
+
+    def __init__(self, hooks: NativeHooks) -> None:
+        self._hooks = hooks
+
+    def bind(self, index: int, handle: LinkHandle, slot: int, env_index: int) -> bool:
+        hooks = self._hooks
+        receiver = EnvStateReceiver(
+            link=handle.open(slot),
+            spec=hooks.spec,
+            adapter=RowAdapter(hooks.applier, index),
+            initial_config=hooks.initial_config,
+        )
+        hooks.rows[index] = receiver
+        return receiver.start(listen=False)
+
+    def apply_now(self, index: int) -> None:
+        receiver = self._hooks.rows[index]
+        if receiver is not None:
+            receiver.apply_if_idle()
+            self._hooks.unsettle()
+
+
+def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:
+    """Make every row of a natively batched env an env of the fleet.
+
+    Raises:
+        ValidationError: a batch size of more than one dim, re-initialisation policies (the
+            rows share the transforms), or per-env ``"reset"`` mode with an ``apply`` that
+            takes no ``env_ids``.
+    """
+    if isinstance(env.__dict__.get("_envsync_batched"), NativeHooks):
+        return
+    if len(env.batch_size) != 1:
+        raise ValidationError(f"envsync needs a batch size of one dim on a batched env, got {list(env.batch_size)}")
+    if any(policy.kind != "keep" for _, policy in spec.reinit.rules):
+        raise ValidationError("a natively batched env takes config only: its rows share its transforms (no reinit)")
+    flat = flat_names(initial_config)
+    applier = RowApplier(env, spec.apply, flat, int(env.batch_size[0]))
+    if spec.apply is not None and not applier.by_rows and spec.apply_at is ApplyAt.RESET:
+        raise ValidationError(
+            f"apply={spec.apply!r} takes no env_ids keyword, so it can only change every row of this batched env at "
+            "once; apply_at='reset' changes each row at its own reset: add an env_ids keyword (it receives the "
+            "indices of the rows being changed, and each config value one row per index), or use apply_at='step'"
+        )
+    applier.apply_all()
+    NativeHooks.hook(env, spec, initial_config, applier)
