@@ -19,7 +19,7 @@ import os
 import threading
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -136,10 +136,7 @@ class EnvStateReceiver:
                 caught_up = self._apply_latest(reset_after=listen)
         if not listen:
             return caught_up
-        thread = threading.Thread(
-            target=_listen, args=(weakref.ref(self),), name=f"envsync-receiver-{self.worker}", daemon=True
-        )
-        thread.start()
+        start_listener(self, self.link, EnvStateReceiver.on_wake, name=f"envsync-receiver-{self.worker}")
         return caught_up
 
     def close(self) -> None:
@@ -312,27 +309,34 @@ class EnvStateReceiver:
         return ""
 
 
-def _listen(ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
-    """The idle listener: wait for a wake-up, apply if the collector is idle. Any error is
-    reported as a failure of the target version; the listener never dies of one."""
+def start_listener(owner: Any, link: ReceiverLink, wake: Callable[[Any], None], *, name: str) -> None:
+    """Start an idle listener for ``owner`` (a receiver, or a batched env's group) on one
+    link end: a daemon thread that waits for a wake-up (or half a second) and calls
+    ``wake(owner)``. It holds ``owner`` by weakref and ends with it (or when its ``_closed``
+    is set). An error is reported as a failure of the target version (and noted in the
+    owner's ``_failed``); the listener never dies of one."""
+    thread = threading.Thread(target=_listen, args=(weakref.ref(owner), link, wake), name=name, daemon=True)
+    thread.start()
+
+
+def _listen(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[Any], None]) -> None:
     while True:
-        receiver = ref()
-        if receiver is None or receiver._closed:
+        owner = ref()
+        if owner is None or owner._closed:
             return
-        link = receiver.link
-        del receiver
+        del owner
         link.wait_notice(_LISTEN_PERIOD)
         if not link.owner_alive():
             # torchrl's workers never notice a killed main process (they hold its pipe
             # ends themselves and wait forever): without a sender, end the worker
             os._exit(1)
-        receiver = ref()
-        if receiver is None or receiver._closed:
+        owner = ref()
+        if owner is None or owner._closed:
             return
         try:
-            receiver.on_wake()
+            wake(owner)
         except Exception:
             target = link.target()
-            receiver._failed = target
+            owner._failed = target
             link.report_failure(target, traceback.format_exc())
-        del receiver
+        del owner

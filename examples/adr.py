@@ -170,6 +170,7 @@ def run(args: Args) -> ADR:
         frames_per_batch=args.frames_per_batch,
         total_frames=-1,
         weight_sync_schemes=sender.schemes(),
+        auto_register_policy_transforms=False,  # the controller needs no InitTracker
     )
     adr = ADR(args, sender)
     try:

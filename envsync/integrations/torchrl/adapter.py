@@ -334,29 +334,28 @@ def wrap_collector(collector: Any, group: Any, hooks: Any, first_env: int) -> No
             _guard(collector, name, group_ref)
 
 
-def bind(collector: Any, handle: LinkHandle, worker: int, env_index: int, envs: int = 1) -> Any:
-    """Bind ``collector``'s env to link slot ``worker`` (its ``envs`` sub-envs to the slots
-    from there, for a batched env) as fleet env ``env_index``, and catch up. Returns the
-    receiver (or, for a batched env, its :class:`~.batched.EnvGroup`).
-
-    Raises:
-        ValidationError: the collector's env was not built by an envsync factory, or has
-            another number of envs than the sender expects.
-    """
-    from envsync.integrations.torchrl.batched import BatchedHooks, bind_batched
-
-    if BatchedHooks.of(collector.env) is not None:
-        return bind_batched(collector, handle, worker, env_index, envs)
-    if envs != 1:
-        raise ValidationError(f"this worker's env is not batched; the sender expects {envs} envs per worker")
-    env, hooks = find_hooks(collector.env)
+def serve_env(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, collector: Any) -> Any:
+    """A receiver for the hooked ``env`` on link ``slot``, as fleet env ``env_index``
+    (``collector``: the collector that drives it, or ``None`` for a sub-env)."""
     receiver = EnvStateReceiver(
-        link=handle.open(worker),
+        link=handle.open(slot),
         spec=hooks.spec,
         adapter=CollectorAdapter(collector, env, hooks.spec),
         initial_config=hooks.initial_config,
     )
     hooks.bind(receiver, env_index)
+    return receiver
+
+
+def bind_env(collector: Any, handle: LinkHandle, slot: int, env_index: int) -> EnvStateReceiver:
+    """Bind ``collector``'s (unbatched) env to link ``slot`` as fleet env ``env_index``, and
+    catch up.
+
+    Raises:
+        ValidationError: the collector's env was not built by an envsync factory.
+    """
+    env, hooks = find_hooks(collector.env)
+    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, collector)
     receiver_ref = weakref.ref(receiver)
     _wrap_rollout(collector, hooks, receiver_ref)
     for name in _GUARDED:

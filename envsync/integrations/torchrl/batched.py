@@ -17,6 +17,7 @@ batched step only while some sub-env is unsettled, and writes ``env_version`` an
 
 from __future__ import annotations
 
+import functools
 import threading
 import traceback
 import weakref
@@ -31,15 +32,25 @@ from torchrl.envs import EnvBase, ParallelEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
 
 from envsync.errors import EnvSyncError, ValidationError
+from envsync.integrations.torchrl.adapter import (
+    INDEX_KEY,
+    VERSION_KEY,
+    EnvHooks,
+    _fill,
+    _mark,
+    _set,
+    _truncate,
+    serve_env,
+    wrap_collector,
+)
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
-from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.receiver import ApplySpec, EnvStateReceiver, start_listener
 from envsync.state import apply_config
 
 BIND = "_envsync_bind"
 APPLY_NOW = "_envsync_apply_now"
 _HOOKS = "_envsync_batched"
-_LISTEN_PERIOD = 0.5
 _MAX_ROUNDS = 8
 
 
@@ -52,29 +63,14 @@ def find_batched(env: Any) -> BatchedEnvBase | None:
     return None
 
 
-class LeafFactory:
-    """Builds one sub-env of a batched env and hooks it like an unbatched env.
-
-    Args:
-        make_env: the batched env's own factory for this sub-env.
-        spec: how versions are applied.
-        initial_config: the config template (version 0).
-    """
-
-    def __init__(self, make_env: Callable[..., EnvBase], spec: ApplySpec, initial_config: TensorDictBase) -> None:
-        self.envsync_make_env = make_env
-        self.envsync_spec = spec
-        self.envsync_initial_config = initial_config
-
-    def __call__(self, **kwargs: Any) -> EnvBase:
-        from envsync.integrations.torchrl.adapter import EnvHooks
-
-        env = self.envsync_make_env(**kwargs)
-        hooks = EnvHooks.install(env, self.envsync_spec, self.envsync_initial_config)
-        apply_config(env, self.envsync_spec.apply, self.envsync_initial_config)
-        env.__dict__[BIND] = _leaf_call(env, hooks, _bind_leaf)
-        env.__dict__[APPLY_NOW] = _leaf_call(env, hooks, _apply_now)
-        return env
+def prepare_leaf(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> EnvBase:
+    """Hook one sub-env of a batched env like an unbatched env, give it the template config,
+    and add the entry points its group calls (through a ``ParallelEnv``'s channel)."""
+    hooks = EnvHooks.install(env, spec, initial_config)
+    apply_config(env, spec.apply, initial_config)
+    env.__dict__[BIND] = _leaf_call(env, hooks, _bind_leaf)
+    env.__dict__[APPLY_NOW] = _leaf_call(env, hooks, _apply_now)
+    return env
 
 
 def _leaf_call(env: EnvBase, hooks: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,16 +87,8 @@ def _leaf_call(env: EnvBase, hooks: Any, fn: Callable[..., Any]) -> Callable[...
     return call
 
 
-def _bind_leaf(env: EnvBase, hooks: Any, handle: LinkHandle, slot: int, env_index: int) -> bool:
-    from envsync.integrations.torchrl.adapter import CollectorAdapter
-
-    receiver = EnvStateReceiver(
-        link=handle.open(slot),
-        spec=hooks.spec,
-        adapter=CollectorAdapter(None, env, hooks.spec),
-        initial_config=hooks.initial_config,
-    )
-    hooks.bind(receiver, env_index)
+def _bind_leaf(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int) -> bool:
+    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None)
     return receiver.start(listen=False)
 
 
@@ -110,8 +98,9 @@ def _apply_now(env: EnvBase, hooks: Any) -> None:
         hooks.unsettle()  # its next step notes the version it runs under
 
 
-def prepare_batched(env: EnvBase, batched: BatchedEnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:
-    """Make every sub-env of ``batched`` (not started yet) an env of the fleet.
+def prepare_batched(batched: BatchedEnvBase, spec: ApplySpec, wrap_leaf: Callable[[Any], Any]) -> None:
+    """Make every sub-env of ``batched`` (not started yet) an env of the fleet: each of its
+    leaf factories is replaced by ``wrap_leaf(factory)`` (which calls :func:`prepare_leaf`).
 
     Raises:
         ValidationError: the batched env is started already, or its sub-envs are batched.
@@ -128,7 +117,7 @@ def prepare_batched(env: EnvBase, batched: BatchedEnvBase, spec: ApplySpec, init
             f"envsync needs unbatched sub-envs in a {type(batched).__name__}; its batch size is "
             f"{list(batched.batch_size)} for {batched.num_workers} sub-envs"
         )
-    batched.create_env_fn = [LeafFactory(fn, spec, initial_config) for fn in batched.create_env_fn]
+    batched.create_env_fn = [wrap_leaf(fn) for fn in batched.create_env_fn]
     BatchedHooks.install(batched, spec)
 
 
@@ -238,8 +227,6 @@ class BatchedHooks:
 
     def tag(self, batch: TensorDictBase, first_env: int) -> None:
         """Write the rollout's tags into ``batch`` (leading dim: the sub-envs)."""
-        from envsync.integrations.torchrl.adapter import INDEX_KEY, VERSION_KEY, _fill, _set
-
         shape = batch.batch_size
         for key, rows in ((VERSION_KEY, self._root), (("next", VERSION_KEY), self._next)):
             out = batch.get(key, None)
@@ -257,8 +244,6 @@ class BatchedHooks:
     @staticmethod
     def truncate_last(batch: TensorDictBase, rows: list[int]) -> None:
         """End the rollout's last frame of these sub-envs as truncated."""
-        from envsync.integrations.torchrl.adapter import _truncate
-
         nxt = batch.get("next")
         for i in rows:
             last = nxt[i, -1]
@@ -266,20 +251,15 @@ class BatchedHooks:
             nxt[i, -1] = last
 
 
-def _mark(changes: list[tuple[int, int]], frame: int, version: int) -> None:
-    from envsync.integrations.torchrl.adapter import _mark as mark
-
-    mark(changes, frame, version)
-
-
 class Leaves(Protocol):
     """How a group reaches the envs of the fleet one batched env holds."""
 
-    def bind(self, index: int, handle: LinkHandle, slot: int, env_index: int) -> bool:
-        """Bind env ``index`` to link ``slot`` as fleet env ``env_index``; whether it caught up."""
+    def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
+        """Bind env ``i`` to link slot ``first_slot + i`` as fleet env ``first_env + i``;
+        return whether any caught up with a version."""
 
-    def apply_now(self, index: int) -> None:
-        """Apply env ``index``'s pending version now (the collector is idle)."""
+    def apply_now(self, indices: list[int]) -> None:
+        """Apply these envs' pending versions now (the collector is idle)."""
 
 
 class SubEnvs:
@@ -294,27 +274,39 @@ class SubEnvs:
             raise RuntimeError("the batched env is gone")
         return batched
 
-    def bind(self, index: int, handle: LinkHandle, slot: int, env_index: int) -> bool:
-        return bool(call_leaf(self._live(), index, BIND, handle, slot, env_index))
+    def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
+        batched = self._live()
+        calls = {i: (handle, first_slot + i, first_env + i) for i in range(int(batched.num_workers))}
+        return any(call_leaves(batched, calls, BIND).values())
 
-    def apply_now(self, index: int) -> None:
-        call_leaf(self._live(), index, APPLY_NOW)
+    def apply_now(self, indices: list[int]) -> None:
+        call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
 
 
 def call_leaf(batched: BatchedEnvBase, index: int, name: str, *args: Any) -> Any:
-    """Call a leaf entry point of sub-env ``index`` (through the ``ParallelEnv``'s channel,
-    or directly in a ``SerialEnv``); raise what it raised."""
+    """Call a leaf entry point of sub-env ``index``; raise what it raised."""
+    return call_leaves(batched, {index: args}, name)[index]
+
+
+def call_leaves(batched: BatchedEnvBase, calls: dict[int, tuple[Any, ...]], name: str) -> dict[int, Any]:
+    """Call a leaf entry point of each sub-env in ``calls`` with its arguments: through the
+    ``ParallelEnv``'s channels (every call sent before any answer is read, so the sub-envs
+    work in parallel), or directly in a ``SerialEnv``; raise what one raised."""
     if batched.is_closed:
         batched.start()
+    answers: dict[int, tuple[str, Any]] = {}
     if isinstance(batched, ParallelEnv):
-        channel = batched.parent_channels[index]
-        channel.send((name, (list(args), {})))
-        _, (text, result) = channel.recv()
+        for index, args in calls.items():
+            batched.parent_channels[index].send((name, (list(args), {})))
+        for index in calls:
+            answers[index] = batched.parent_channels[index].recv()[1]
     else:
-        text, result = batched._envs[index].__dict__[name](*args)
-    if text:
-        raise EnvSyncError(f"sub-env {index} of the {type(batched).__name__}:\n{text}")
-    return result
+        for index, args in calls.items():
+            answers[index] = batched._envs[index].__dict__[name](*args)
+    for index, (text, _) in answers.items():
+        if text:
+            raise EnvSyncError(f"sub-env {index} of the {type(batched).__name__}:\n{text}")
+    return {index: result for index, (_, result) in answers.items()}
 
 
 class EnvGroup:
@@ -339,7 +331,7 @@ class EnvGroup:
         self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
         counters = self.ends[0].table.counters  # type: ignore[attr-defined]
         window = slice(first_slot, first_slot + self.num_envs)
-        self._targets, self._applied, self._failed = (counters[k][window] for k in ("target", "applied", "failed"))
+        self._targets, self._applied, self._failures = (counters[k][window] for k in ("target", "applied", "failed"))
         self._ran, self._obs = counters["ran"][window], counters["obs"][window]
         self._seen = b""
         self._lock = threading.RLock()
@@ -355,7 +347,7 @@ class EnvGroup:
         """Per sub-env: the version its last step ran under, its observation's, its applied
         one; and whether every sub-env is settled (remembering the targets it settled on)."""
         targets = self._targets.copy()
-        applied, failed = self._applied.copy(), self._failed.copy()
+        applied, failed = self._applied.copy(), self._failures.copy()
         ran, obs = self._ran.copy(), self._obs.copy()
         settled = bool(np.all(((targets == applied) | (targets == failed)) & (ran == applied) & (obs == applied)))
         if settled:
@@ -364,7 +356,7 @@ class EnvGroup:
 
     def pending(self) -> list[int]:
         """The sub-envs with a version not applied (nor failed) yet."""
-        t, a, f = self._targets.copy(), self._applied.copy(), self._failed.copy()
+        t, a, f = self._targets.copy(), self._applied.copy(), self._failures.copy()
         return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
 
     @contextmanager
@@ -400,8 +392,7 @@ class EnvGroup:
                 if self._idle_resets:
                     collector.reset(index=pending)
                 else:
-                    for i in pending:
-                        self.leaves.apply_now(i)
+                    self.leaves.apply_now(pending)
 
     def truncating(self) -> list[int]:
         """The sub-envs whose pending version must end their episode as truncated."""
@@ -417,38 +408,12 @@ class EnvGroup:
 
     def start(self) -> None:
         """Start one idle listener per sub-env."""
-        for i in range(self.num_envs):
-            thread = threading.Thread(
-                target=_listen, args=(weakref.ref(self), i), name=f"envsync-group-{i}", daemon=True
-            )
-            thread.start()
+        for i, end in enumerate(self.ends):
+            start_listener(self, end, functools.partial(EnvGroup.on_wake, index=i), name=f"envsync-group-{i}")
 
     def close(self) -> None:
         """Stop the listeners."""
         self._closed = True
-
-
-def _listen(ref: weakref.ReferenceType[EnvGroup], index: int) -> None:
-    """A sub-env's idle listener (see :func:`envsync.receiver._listen`, its unbatched twin)."""
-    import os
-
-    while True:
-        group = ref()
-        if group is None or group._closed:
-            return
-        end = group.ends[index]
-        del group
-        end.wait_notice(_LISTEN_PERIOD)
-        if not end.owner_alive():
-            os._exit(1)
-        group = ref()
-        if group is None or group._closed:
-            return
-        try:
-            group.on_wake(index)
-        except Exception:
-            end.report_failure(end.target(), traceback.format_exc())
-        del group
 
 
 def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env: int, envs: int) -> EnvGroup:
@@ -459,8 +424,6 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
             expects per worker.
         EnvSyncError: a leaf could not be bound.
     """
-    from envsync.integrations.torchrl.adapter import wrap_collector
-
     found = BatchedHooks.of(collector.env)
     assert found is not None
     env, hooks = found
@@ -471,9 +434,7 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
         )
     leaves = hooks.leaves(env)
     group = EnvGroup(collector, hooks, leaves, handle, first_slot)
-    caught_up = False
-    for i in range(hooks.num_envs):
-        caught_up |= leaves.bind(i, handle, first_slot + i, first_env + i)
+    caught_up = leaves.bind(handle, first_slot, first_env)
     hooks.group = group
     wrap_collector(collector, group, hooks, first_env)
     if caught_up:

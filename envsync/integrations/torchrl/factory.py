@@ -14,7 +14,7 @@ from torchrl.envs import EnvBase
 
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks
-from envsync.integrations.torchrl.batched import find_batched, prepare_batched
+from envsync.integrations.torchrl.batched import find_batched, prepare_batched, prepare_leaf
 from envsync.integrations.torchrl.native import prepare_native
 from envsync.probe import Probe
 from envsync.receiver import ApplySpec
@@ -34,7 +34,7 @@ def prepare_env(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -
     """
     batched = find_batched(env)
     if batched is not None:
-        prepare_batched(env, batched, spec, initial_config)
+        prepare_batched(batched, spec, lambda fn: LeafFactory(fn, spec, initial_config))
         return env
     if env.batch_size:
         prepare_native(env, spec, initial_config)
@@ -79,7 +79,18 @@ class EnvFactory:
             raise ValidationError(
                 f"env factory {self.envsync_make_env!r} returned {type(env).__name__}, not a torchrl EnvBase"
             )
+        return self.prepare(env)
+
+    def prepare(self, env: EnvBase) -> EnvBase:
         return prepare_env(env, self.envsync_spec, self.envsync_initial_config)
+
+
+class LeafFactory(EnvFactory):
+    """Builds one sub-env of a batched env (replacing the batched env's own factory for it)
+    and hooks it like an unbatched env (:func:`~.batched.prepare_leaf`)."""
+
+    def prepare(self, env: EnvBase) -> EnvBase:
+        return prepare_leaf(env, self.envsync_spec, self.envsync_initial_config)
 
 
 def wrap_env_fn(sender: Sender, fn: Callable[..., EnvBase] | EnvBase) -> Any:

@@ -195,22 +195,26 @@ class Rows:
     def __init__(self, hooks: NativeHooks) -> None:
         self._hooks = hooks
 
-    def bind(self, index: int, handle: LinkHandle, slot: int, env_index: int) -> bool:
+    def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
         hooks = self._hooks
-        receiver = EnvStateReceiver(
-            link=handle.open(slot),
-            spec=hooks.spec,
-            adapter=RowAdapter(hooks.applier, index),
-            initial_config=hooks.initial_config,
-        )
-        hooks.rows[index] = receiver
-        return receiver.start(listen=False)
+        caught_up = False
+        for index in range(hooks.num_envs):
+            receiver = EnvStateReceiver(
+                link=handle.open(first_slot + index),
+                spec=hooks.spec,
+                adapter=RowAdapter(hooks.applier, index),
+                initial_config=hooks.initial_config,
+            )
+            hooks.rows[index] = receiver
+            caught_up |= receiver.start(listen=False)
+        return caught_up
 
-    def apply_now(self, index: int) -> None:
-        receiver = self._hooks.rows[index]
-        if receiver is not None:
-            receiver.apply_if_idle()
-            self._hooks.unsettle()
+    def apply_now(self, indices: list[int]) -> None:
+        for index in indices:
+            receiver = self._hooks.rows[index]
+            if receiver is not None:
+                receiver.apply_if_idle()
+        self._hooks.unsettle()
 
 
 def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:

@@ -32,11 +32,11 @@ from torchrl.weight_update import RayWeightSyncScheme, WeightSyncScheme
 from envsync import desired
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment
-from envsync.integrations.torchrl.adapter import bind
 from envsync.integrations.torchrl.scheme import (
     EnvSchemeBase,
     InertWithoutModule,
     PolicySyncScheme,
+    bind,
     env_weights,
     worker_link,
 )

@@ -23,8 +23,8 @@ from torchrl.envs import ParallelEnv
 from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
 
 from envsync.errors import ValidationError
-from envsync.integrations.torchrl.adapter import bind
-from envsync.integrations.torchrl.batched import BatchedHooks
+from envsync.integrations.torchrl.adapter import bind_env
+from envsync.integrations.torchrl.batched import BatchedHooks, bind_batched
 from envsync.links.base import Flat, LinkHandle
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import SharedMemoryLink
@@ -55,6 +55,22 @@ def worker_link(collector: Any, leaves: Flat, envs_per_worker: int = 1) -> Share
         ctx=mp.get_context("spawn"),
         alive=lambda slot: _worker_alive(collector_ref, slot // envs_per_worker),
     )
+
+
+def bind(collector: Any, handle: LinkHandle, slot: int, env_index: int, envs: int = 1) -> Any:
+    """Bind ``collector``'s env to link ``slot`` as fleet env ``env_index`` (a batched env's
+    ``envs`` sub-envs to the slots from there), and catch up. Returns the receiver, or a
+    batched env's :class:`~.batched.EnvGroup`.
+
+    Raises:
+        ValidationError: the env was not built by an envsync factory, or holds another
+            number of envs than the sender expects per worker.
+    """
+    if BatchedHooks.of(collector.env) is not None:
+        return bind_batched(collector, handle, slot, env_index, envs)
+    if envs != 1:
+        raise ValidationError(f"this worker's env is not batched; the sender expects {envs} envs per worker")
+    return bind_env(collector, handle, slot, env_index)
 
 
 def env_weights(weights: Any) -> tuple[Any, Any]:
