@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import bench_batched
 import bench_hot_path
 import bench_payload
 import bench_switch_latency
@@ -28,6 +29,7 @@ BENCHMARKS: list[Any] = [
     bench_throughput_switch,
     bench_workload,
     bench_sync_stats,
+    bench_batched,
 ]
 if importlib.util.find_spec("ray") is not None:  # the ray extra: a local two-node cluster, ~30 s quick
     import bench_ray

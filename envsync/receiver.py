@@ -89,6 +89,12 @@ class EnvStateReceiver:
         spec: how versions are applied.
         adapter: the env this receiver serves.
         initial_config: the config the env was built with (version 0).
+        sub_env: it serves a sub-env of a batched env, driven from another thread or process:
+            it applies while idle only in plain ``"step"`` mode, never resets (the batched
+            env's group resets sub-envs through the collector), takes "busy" from the link
+            (the group marks it), and calls ``before_idle_apply`` first.
+        before_idle_apply: called before an idle apply of a sub-env (its hooks then note, at
+            the next step, the version it runs under).
 
     Examples:
         >>> EnvStateReceiver.__name__
@@ -96,7 +102,14 @@ class EnvStateReceiver:
     """
 
     def __init__(
-        self, *, link: ReceiverLink, spec: ApplySpec, adapter: EnvAdapter, initial_config: TensorDictBase | None
+        self,
+        *,
+        link: ReceiverLink,
+        spec: ApplySpec,
+        adapter: EnvAdapter,
+        initial_config: TensorDictBase | None,
+        sub_env: bool = False,
+        before_idle_apply: Callable[[], None] = lambda: None,
     ) -> None:
         self.link = link
         self.spec = spec
@@ -119,6 +132,8 @@ class EnvStateReceiver:
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
         self._resets_after_idle_apply = spec.truncates or spec.reinit.moves_env
+        self._sub_env = sub_env
+        self._before_idle_apply = before_idle_apply
 
     @property
     def worker(self) -> int:
@@ -127,13 +142,12 @@ class EnvStateReceiver:
 
     def start(self, *, listen: bool = True) -> bool:
         """Catch up with the latest desired state, and (``listen``) listen while idle; return
-        whether it caught up. A listening receiver resets its env after catching up; one that
-        does not listen (beside a sub-env of a batched env) leaves idle work and resets to the
-        batched env's binding."""
+        whether it caught up. A receiver resets its env after catching up, unless it serves a
+        sub-env (its batched env's group resets it)."""
         caught_up = False
         with self._lock:
             if self._pending(self.link.target()):
-                caught_up = self._apply_latest(reset_after=listen)
+                caught_up = self._apply_latest(reset_after=not self._sub_env)
         if not listen:
             return caught_up
         start_listener(self, self.link, EnvStateReceiver.on_wake, name=f"envsync-receiver-{self.worker}")
@@ -210,11 +224,21 @@ class EnvStateReceiver:
         return {name: live[name] for name in names}
 
     def apply_if_idle(self) -> None:
-        """With the collector idle: ``"step"`` and ``"truncate"`` apply at once."""
+        """With the collector idle: ``"step"`` and ``"truncate"`` apply at once (a sub-env:
+        plain ``"step"`` only)."""
         with self._lock:
             if self.spec.apply_at is ApplyAt.RESET or not self._pending(self.link.target()):
                 return
-            self._apply_latest(reset_after=self._resets_after_idle_apply)
+            if not self._sub_env:
+                self._apply_latest(reset_after=self._resets_after_idle_apply)
+                return
+            if self._resets_after_idle_apply:
+                return
+            # first make the sub-env's next step take the slow path, then look at "busy":
+            # a step that saw the fast path was sent after the group marked the sub-env busy
+            self._before_idle_apply()
+            if not self.link.is_busy():
+                self._apply_latest(reset_after=False)
 
     def _apply_latest(self, *, reset_after: bool) -> bool:
         """Apply the latest desired state; on failure restore the previous one and report."""

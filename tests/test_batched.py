@@ -301,3 +301,26 @@ def test_a_native_env_without_env_ids_changes_all_rows_and_refuses_per_env_reset
     finally:
         collector.shutdown()
         sender.close()
+
+
+def test_an_idle_truncate_resets_only_the_targeted_sub_envs() -> None:
+    """With the collector idle, a "truncate" push resets exactly the targeted sub-envs (a
+    partial reset through the collector): their next frames start fresh episodes under the
+    new version; the others run on, undisturbed."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="truncate")
+    collector = build("single-parallel", sender, frames=30)
+    try:
+        it = iter(collector)
+        before = next(it)
+        version = sender.push(config={"difficulty": 8.0}, envs=[0, 2], wait="applied")
+        after = next(it)
+        check_tags(after, {0: {0: 0.0, version: 8.0}, 1: {0: 0.0}, 2: {0: 0.0, version: 8.0}})
+        for env in (0, 2):
+            assert after["env_version"][env].eq(version).all()
+            assert int(after["observation"][env, 0, 2]) == 0, "a fresh episode"
+        last_step = int(before["next", "observation"][1, -1, 2])
+        assert int(after["observation"][1, 0, 2]) == last_step, "sub-env 1's episode goes on"
+        assert after["env_version"][1].eq(0).all()
+    finally:
+        collector.shutdown()
+        sender.close()

@@ -34,6 +34,7 @@ ROW_KEYS = {
     "bench_hot_path": {"env", "collector", "fps_without", "fps_with", "overhead_pct", "overhead_cpu_pct"},
     "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
     "bench_sync_stats": {"size", "workers", "sync_ms", "floor_ms", "sync_over_floor"},
+    "bench_batched": {"what"},
     "bench_workload": {
         "workers",
         "restart_ms",

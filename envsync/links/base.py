@@ -144,6 +144,13 @@ class ReceiverLink(Protocol):
         """Record the version the env's latest step ran under (``None``: unchanged) and the one
         its current observation comes from (a batched env reads them for its tags)."""
 
+    def is_busy(self) -> bool:
+        """Whether the collector drives the env now (as marked with ``set_busy``, possibly
+        from another process: a batched env's group marks its sub-envs)."""
+
+    def poke(self) -> None:
+        """Wake this end's listener (as the sender's notify does)."""
+
     def wait_notice(self, timeout: float) -> bool:
         """Block until the sender notifies this worker or ``timeout`` passes."""
 

@@ -320,6 +320,12 @@ class SlotReader:
     def set_busy(self, busy: bool) -> None:
         self._c["busy"][self.worker] = int(busy)
 
+    def is_busy(self) -> bool:
+        return bool(self._c["busy"][self.worker])
+
+    def poke(self) -> None:
+        self._wake.release()
+
     def note_versions(self, ran: int | None, obs: int) -> None:
         """Record the version the env's latest step ran under (``None``: unchanged) and the
         one its current observation comes from (read by a batched env's tags)."""

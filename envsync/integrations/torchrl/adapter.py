@@ -342,6 +342,8 @@ def serve_env(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_
         spec=hooks.spec,
         adapter=CollectorAdapter(collector, env, hooks.spec),
         initial_config=hooks.initial_config,
+        sub_env=collector is None,
+        before_idle_apply=hooks.unsettle,
     )
     hooks.bind(receiver, env_index)
     return receiver

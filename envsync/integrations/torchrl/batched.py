@@ -87,15 +87,14 @@ def _leaf_call(env: EnvBase, hooks: Any, fn: Callable[..., Any]) -> Callable[...
     return call
 
 
-def _bind_leaf(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int) -> bool:
+def _bind_leaf(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, listen: bool) -> bool:
     receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None)
-    return receiver.start(listen=False)
+    return receiver.start(listen=listen)
 
 
 def _apply_now(env: EnvBase, hooks: Any) -> None:
     if hooks.receiver is not None:
         hooks.receiver.apply_if_idle()
-        hooks.unsettle()  # its next step notes the version it runs under
 
 
 def prepare_batched(batched: BatchedEnvBase, spec: ApplySpec, wrap_leaf: Callable[[Any], Any]) -> None:
@@ -164,7 +163,7 @@ class BatchedHooks:
     def leaves(self, env: EnvBase) -> Leaves:
         """How the group reaches the envs of the fleet that ``env`` holds."""
         assert isinstance(env, BatchedEnvBase)
-        return SubEnvs(env)
+        return SubEnvs(env, self.spec)
 
     def unsettle(self) -> None:
         """Read the sub-envs' versions after the next step (they changed outside a step)."""
@@ -259,14 +258,24 @@ class Leaves(Protocol):
         return whether any caught up with a version."""
 
     def apply_now(self, indices: list[int]) -> None:
-        """Apply these envs' pending versions now (the collector is idle)."""
+        """Apply these envs' pending versions now (the collector is idle; a ``"step"`` version)."""
 
 
 class SubEnvs:
-    """The sub-envs of a ``SerialEnv`` or ``ParallelEnv``, each with its receiver beside it."""
+    """The sub-envs of a ``SerialEnv`` or ``ParallelEnv``, each with its receiver beside it.
 
-    def __init__(self, batched: BatchedEnvBase) -> None:
+    Unless idle applies reset sub-envs (``"truncate"``, or re-inits that move the env), the
+    receivers of a ``ParallelEnv``'s sub-envs listen in their own processes (the sender wakes
+    them directly) and apply a ``"step"`` version while idle themselves: the group never
+    writes into the ``ParallelEnv``'s channels after binding (the user's thread may use them,
+    e.g. torchrl's attribute forwarding), it only pokes their listeners. Otherwise the
+    group listens and applies (a ``SerialEnv``'s sub-envs run in this process), or resets.
+    """
+
+    def __init__(self, batched: BatchedEnvBase, spec: ApplySpec) -> None:
         self._batched = weakref.ref(batched)
+        self.listening = isinstance(batched, ParallelEnv) and not (spec.truncates or spec.reinit.moves_env)
+        self.ends: list[Any] = []
 
     def _live(self) -> BatchedEnvBase:
         batched = self._batched()
@@ -276,11 +285,16 @@ class SubEnvs:
 
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
         batched = self._live()
-        calls = {i: (handle, first_slot + i, first_env + i) for i in range(int(batched.num_workers))}
+        listen = self.listening
+        calls = {i: (handle, first_slot + i, first_env + i, listen) for i in range(int(batched.num_workers))}
         return any(call_leaves(batched, calls, BIND).values())
 
     def apply_now(self, indices: list[int]) -> None:
-        call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
+        if self.listening:
+            for i in indices:
+                self.ends[i].poke()
+        else:
+            call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
 
 
 def call_leaf(batched: BatchedEnvBase, index: int, name: str, *args: Any) -> Any:
@@ -434,10 +448,14 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
         )
     leaves = hooks.leaves(env)
     group = EnvGroup(collector, hooks, leaves, handle, first_slot)
+    listening = isinstance(leaves, SubEnvs) and leaves.listening
+    if isinstance(leaves, SubEnvs):
+        leaves.ends = group.ends
     caught_up = leaves.bind(handle, first_slot, first_env)
     hooks.group = group
     wrap_collector(collector, group, hooks, first_env)
     if caught_up:
         collector.reset()  # the leaves run the latest version: start fresh episodes under it
-    group.start()
+    if not listening:  # one listener per wake-up semaphore: the sub-envs' own, or the group's
+        group.start()
     return group

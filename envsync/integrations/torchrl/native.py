@@ -204,6 +204,8 @@ class Rows:
                 spec=hooks.spec,
                 adapter=RowAdapter(hooks.applier, index),
                 initial_config=hooks.initial_config,
+                sub_env=True,
+                before_idle_apply=hooks.unsettle,
             )
             hooks.rows[index] = receiver
             caught_up |= receiver.start(listen=False)
@@ -214,7 +216,6 @@ class Rows:
             receiver = self._hooks.rows[index]
             if receiver is not None:
                 receiver.apply_if_idle()
-        self._hooks.unsettle()
 
 
 def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:
