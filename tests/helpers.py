@@ -362,3 +362,13 @@ class NativeCounterEnv(EnvBase):
 
 def make_native_counters(n: int = 3, first_label: int = 0, horizon: int = 0) -> NativeCounterEnv:
     return NativeCounterEnv(n, horizon or 1000, first_label)
+
+
+def make_parallel_normed(n: int = 2) -> Any:
+    """A ``ParallelEnv`` of ``n`` ObservationNorm'ed CounterEnvs labelled ``0..n-1``."""
+    from functools import partial
+
+    from torchrl.envs import ParallelEnv
+
+    fns = [partial(make_normed_counter_env, label=i) for i in range(n)]
+    return ParallelEnv(n, fns, mp_start_method=mp.get_start_method())

@@ -15,11 +15,18 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_batched_counters, make_native_counters, picky_on_worker_one, rows, start_method
+from helpers import (
+    make_batched_counters,
+    make_native_counters,
+    make_parallel_normed,
+    picky_on_worker_one,
+    rows,
+    start_method,
+)
 from tensordict import TensorDict, TensorDictBase
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 
-from envsync import EnvStateSender, ValidationError, WorkerApplyError
+from envsync import EnvStateSender, ValidationError, WorkerApplyError, reinit
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -321,6 +328,37 @@ def test_an_idle_truncate_resets_only_the_targeted_sub_envs() -> None:
         last_step = int(before["next", "observation"][1, -1, 2])
         assert int(after["observation"][1, 0, 2]) == last_step, "sub-env 1's episode goes on"
         assert after["env_version"][1].eq(0).all()
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def test_reinit_recomputes_each_sub_envs_statistics_in_its_own_process() -> None:
+    """An ObservationNorm inside each sub-env of a ParallelEnv is recomputed in that sub-env,
+    under its new config: afterwards each sub-env's constant dims (its difficulty and its own
+    label) normalise to 0; a shared or unrecomputed statistic would leave them at 5 and 1."""
+    sender = EnvStateSender(
+        config={"difficulty": 0.0},
+        apply="set_difficulty",
+        apply_at="step",
+        reinit={"ObservationNorm": reinit.recompute(num_iter=8)},
+    )
+    with start_method("fork"):
+        collector = Collector(
+            sender.env_fn(make_parallel_normed),
+            None,
+            frames_per_batch=20,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
+    try:
+        it = iter(collector)
+        before = next(it)
+        assert before["next", "observation"][1, :, 1].eq(1.0).all()  # label 1, loc 0, scale 1
+        version = sender.push(config={"difficulty": 5.0}, wait="applied")
+        after = next(it)
+        assert after["next", "env_version"].eq(version).all()
+        assert after["next", "observation"][..., :2].abs().max() < 1e-3
     finally:
         collector.shutdown()
         sender.close()

@@ -257,8 +257,10 @@ def make_ray_kwargs(
     inner = dict(kwargs.get("weight_sync_schemes") or {})
     if "env" in inner:
         raise ValidationError("collector_kwargs['weight_sync_schemes'] already has an 'env' scheme")
+    if sender.envs_per_worker() != 1:
+        raise ValidationError("batched envs are not supported behind a RayCollector yet: give it unbatched envs")
     members = sender.fleet()
-    offset = max(m.index for m in members) + 1 if members else 0
+    offset = max(m.first_env + m.envs for m in members) if members else 0  # the next env index
     inner["env"] = NodeScheme(_start_leaves(sender), sender.version, offset, start_method)
     inner.setdefault("policy", PolicySyncScheme())
     kwargs["weight_sync_schemes"] = inner
