@@ -54,6 +54,13 @@ def replaced(current: Mapping[Key, torch.Tensor], update: Iterable[Key]) -> Flat
     return {key: current[key] for key in update}
 
 
+def restamped(entries: Flat, stamp: torch.Tensor) -> Flat:
+    """Previous values to publish again: entries pushed before get the new ``stamp``, so
+    every worker loads them again; never-pushed ones keep stamp 0 (the workers that loaded
+    the failed version put their own live values back, see the undo mark)."""
+    return {k: (stamp if k[0] == "stamp" and int(v) > 0 else v) for k, v in entries.items()}
+
+
 @dataclass
 class Undo:
     """What the latest push replaced: per targeted fleet index, and in the default state."""

@@ -110,6 +110,11 @@ def gather(
     return TensorDict.stack(rows) if rows else TensorDict()
 
 
+def _alive(sender: Sender, index: int) -> bool:
+    attachment, slot = sender._fleet.locate(index)
+    return attachment.link.alive(slot)
+
+
 def _await_answers(sender: Sender, targets: list[int], request: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     pending = list(targets)
@@ -117,7 +122,7 @@ def _await_answers(sender: Sender, targets: list[int], request: int, timeout: fl
         with sender._lock:
             sender._prune()
             live = set(sender._fleet.indices())
-            dead = [w for w in pending if w not in live or not sender._alive(w)]
+            dead = [w for w in pending if w not in live or not _alive(sender, w)]
             if dead:
                 raise AckTimeout(request, pending, dead=dead, until="gathered")
             pending = [w for w in pending if _answered(sender, w) < request]

@@ -13,26 +13,22 @@ and :meth:`Sender.detach`. Users build :class:`envsync.EnvStateSender`, the torc
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import checkpoint, desired, gather
+from envsync import acks, checkpoint, desired, gather
 from envsync.desired import Undo
-from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
+from envsync.errors import ValidationError
 from envsync.fleet import Attachment, Fleet, Member
-from envsync.links.base import Flat, Key, SenderLink
+from envsync.links.base import Flat, Key, SenderLink, write_group
 from envsync.probe import Probe
-from envsync.protocol import NO_FAILURE, ApplyAt, Until, failure_to_raise, is_done
+from envsync.protocol import ApplyAt, Until
 from envsync.receiver import ApplySpec
 from envsync.reinit import Policy, ReinitSpec, Selector
 from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate
-
-_ACK_SLICE = 0.05
-"""Longest blocking wait for an acknowledgement before liveness is checked again."""
 
 Prepare = Callable[[], tuple[dict[int, Flat], Flat | None]]
 
@@ -388,7 +384,7 @@ class Sender:
             undo.workers[index] = desired.replaced(mirror, update)
             mirror.update(update)
         for attachment, group in groups.values():
-            _write_group(attachment.link, version, group, undo_mark)
+            write_group(attachment.link, version, group, undo_mark)
             attachment.link.flush(version)
         self._version = version
         self._undo = undo
@@ -409,7 +405,7 @@ class Sender:
             return None
         live = set(self._fleet.indices())
         reload = torch.tensor(self._version + 1, dtype=torch.int64)
-        updates = {w: _restamped(u, reload) for w, u in undo.workers.items() if w in live}
+        updates = {w: desired.restamped(u, reload) for w, u in undo.workers.items() if w in live}
         version = self._publish(updates, default=undo.default, undo_mark=failed)
         self._undo = None  # a rollback is not rolled back in turn
         return version
@@ -491,104 +487,11 @@ class Sender:
         assert mode is not None
         if version > self._version or version < 0:
             raise ValidationError(f"version {version} was never published; the latest is {self._version}")
-        with self._lock:
-            self._prune()
-            pending = self._fleet.targets(workers, envs)
-            located = {w: self._fleet.locate(w) for w in pending}
-        deadline = time.monotonic() + timeout
-        check_liveness = False
-        try:
-            while True:
-                link = self._progress(pending, located, version, mode, check_liveness)
-                if link is None:
-                    return
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise self._timeout(version, pending, [], mode)
-                # liveness (a syscall per worker) only when no acknowledgement came in a slice
-                check_liveness = not link.wait_acks(min(_ACK_SLICE, remaining), applied=mode is Until.APPLIED)
-        except RuntimeError as err:  # a link closed under us
-            if self._closed:
-                raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err
-            raise
-
-    def _progress(
-        self,
-        pending: list[int],
-        located: Mapping[int, tuple[Attachment, int]],
-        version: int,
-        mode: Until,
-        check_liveness: bool,
-    ) -> SenderLink | None:
-        """Drop the workers that are done from ``pending``; raise failures and (when asked to
-        check) deaths; return a link to block on (``None`` when nothing is pending). Each
-        worker's counters are read once: this runs at every acknowledgement."""
-        try:
-            with self._lock:
-                if check_liveness:
-                    self._prune()
-                # a collector that left the fleet (pruned here or by anyone) has no link left
-                gone = [w for w in pending if located[w][0] not in self._fleet.attachments]
-                still = []
-                for index in pending:
-                    if index in gone:
-                        continue
-                    attachment, worker = located[index]
-                    status = attachment.link.status(worker)
-                    failed = failure_to_raise(status, self._raised.get(index, NO_FAILURE), version)
-                    if failed is not None:
-                        self._raise_failure(index, attachment, worker, failed)
-                    if not is_done(status, version, mode):
-                        still.append(index)
-                pending[:] = still
-                dead = gone + [w for w in still if check_liveness and not located[w][0].link.alive(located[w][1])]
-                if dead:
-                    raise self._timeout(version, sorted(set(still) | set(gone)), dead, mode)
-                return located[still[0]][0].link if still else None
-        except WorkerApplyError as err:
-            self._confirm_rollback(err, mode, time.monotonic() + 5.0)
-            raise
-
-    def _timeout(self, version: int, late: list[int], dead: list[int], mode: Until) -> AckTimeout:
-        """The timeout for late (and dead) envs, named by worker, with the envs alongside."""
-
-        def worker(env: int) -> int:
-            try:
-                return self._fleet.worker_of(env)
-            except KeyError:  # its collector left the fleet
-                return env
-
-        workers = sorted({worker(e) for e in late})
-        return AckTimeout(version, workers, dead=sorted({worker(e) for e in dead}), until=mode.value, envs=late)
-
-    def _alive(self, index: int) -> bool:
-        attachment, worker = self._fleet.locate(index)
-        return attachment.link.alive(worker)
-
-    def _confirm_rollback(self, err: WorkerApplyError, until: Until, deadline: float) -> None:
-        """Wait (without holding the sender's lock) until the rollback is in place too."""
-        if err.rollback is None:
-            return
-        try:
-            self.wait(err.rollback, until=until.value, timeout=max(0.05, deadline - time.monotonic()))
-        except EnvSyncError as late:
-            err.add_note(f"rollback version {err.rollback} not confirmed: {late}")
+        acks.wait(self, version, mode, self._fleet.targets(workers, envs), timeout)
 
     def _raise_failures(self) -> None:
-        """Raise the first failure of any worker not raised yet; if it is of the latest push,
-        roll it back."""
-        for index in self._fleet.indices():
-            attachment, worker = self._fleet.locate(index)
-            failed = failure_to_raise(attachment.link.status(worker), self._raised.get(index, NO_FAILURE))
-            if failed is not None:
-                self._raise_failure(index, attachment, worker, failed)
-
-    def _raise_failure(self, index: int, attachment: Attachment, slot: int, failed: int) -> None:
-        self._raised[index] = max(failed, self._raised.get(index, NO_FAILURE))
-        worker = self._fleet.worker_of(index)
-        rollback = self._roll_back(failed)
-        text = attachment.link.error_text(slot)
-        raise WorkerApplyError(worker, failed, text, rollback=rollback, env=index)
+        """Raise the first failure of any worker not raised yet (rolling the latest push back)."""
+        acks.raise_failures(self)
 
     def versions(self) -> list[int]:
         """The version each attached worker's env runs now, in fleet order (empty when no
@@ -676,34 +579,6 @@ class Sender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
-    """Write one link's workers, notifying each as soon as it is written; env state that is
-    the same tensor for every worker of the link (a fleet-wide push) is written once for all."""
-    first = next(iter(group.values()))
-    shared = {
-        k[1]: v
-        for k, v in first.items()
-        if k[0] == "env_state" and all(update.get(k) is v for update in group.values())
-    }
-    # only when every worker of the link is written: none may keep reading an older broadcast
-    if shared and len(group) == link.num_workers > 1 and not undo_mark:
-        own = {w: {k: v for k, v in u.items() if k[0] != "env_state" or k[1] not in shared} for w, u in group.items()}
-        link.broadcast(version, shared, own)
-        for worker in group:
-            link.notify(worker)
-        return
-    for worker, update in group.items():
-        link.write(worker, version, update, undo=undo_mark)
-        link.notify(worker)
-
-
-def _restamped(entries: Flat, stamp: torch.Tensor) -> Flat:
-    """Previous values to publish again: entries pushed before get the new ``stamp``, so
-    every worker loads them again; never-pushed ones keep stamp 0 (the workers that loaded
-    the failed version put their own live values back, see the undo mark)."""
-    return {k: (stamp if k[0] == "stamp" and int(v) > 0 else v) for k, v in entries.items()}
 
 
 def _release(attachment: Attachment) -> None:

@@ -159,3 +159,25 @@ class ReceiverLink(Protocol):
 
     def close(self) -> None:
         """Drop the mapping."""
+
+
+def write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
+    """Write one link's slots (``group``: slot -> update) under ``version``, notifying each as
+    soon as it is written; env state that is the same tensor for every slot of the link (a
+    fleet-wide push) is written once for all, to the broadcast region."""
+    first = next(iter(group.values()))
+    shared = {
+        k[1]: v
+        for k, v in first.items()
+        if k[0] == "env_state" and all(update.get(k) is v for update in group.values())
+    }
+    # only when every worker of the link is written: none may keep reading an older broadcast
+    if shared and len(group) == link.num_workers > 1 and not undo_mark:
+        own = {w: {k: v for k, v in u.items() if k[0] != "env_state" or k[1] not in shared} for w, u in group.items()}
+        link.broadcast(version, shared, own)
+        for worker in group:
+            link.notify(worker)
+        return
+    for worker, update in group.items():
+        link.write(worker, version, update, undo=undo_mark)
+        link.notify(worker)

@@ -1,0 +1,126 @@
+"""Waiting for acknowledgements, and raising what the workers report: the sender's
+``wait``, and the failures a push or a wait must raise (rolling the latest push back).
+
+Each worker's counters are read once per acknowledgement; a blocking wait on the link's
+acknowledgement semaphores takes at most a slice, after which the liveness of the workers
+still pending is checked (a syscall per worker, so only when no acknowledgement came).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
+from envsync.fleet import Attachment
+from envsync.links.base import SenderLink
+from envsync.protocol import NO_FAILURE, Until, failure_to_raise, is_done
+
+if TYPE_CHECKING:
+    from envsync.sender import Sender
+
+_ACK_SLICE = 0.05
+"""Longest blocking wait for an acknowledgement before liveness is checked again."""
+
+
+def wait(sender: Sender, version: int, mode: Until, targets: list[int], timeout: float) -> None:
+    """Implementation of :meth:`Sender.wait` (``targets``: env indices, validated)."""
+    with sender._lock:
+        sender._prune()
+        pending = list(targets)
+        located = {w: sender._fleet.locate(w) for w in pending}
+    deadline = time.monotonic() + timeout
+    check_liveness = False
+    try:
+        while True:
+            link = _progress(sender, pending, located, version, mode, check_liveness)
+            if link is None:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _timeout(sender, version, pending, [], mode)
+            # liveness (a syscall per worker) only when no acknowledgement came in a slice
+            check_liveness = not link.wait_acks(min(_ACK_SLICE, remaining), applied=mode is Until.APPLIED)
+    except RuntimeError as err:  # a link closed under us
+        if sender._closed:
+            raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err
+        raise
+
+
+def _progress(
+    sender: Sender,
+    pending: list[int],
+    located: Mapping[int, tuple[Attachment, int]],
+    version: int,
+    mode: Until,
+    check_liveness: bool,
+) -> SenderLink | None:
+    """Drop the envs that are done from ``pending``; raise failures and (when asked to
+    check) deaths; return a link to block on (``None`` when nothing is pending)."""
+    try:
+        with sender._lock:
+            if check_liveness:
+                sender._prune()
+            # a collector that left the fleet (pruned here or by anyone) has no link left
+            gone = [w for w in pending if located[w][0] not in sender._fleet.attachments]
+            still = []
+            for index in pending:
+                if index in gone:
+                    continue
+                attachment, slot = located[index]
+                status = attachment.link.status(slot)
+                failed = failure_to_raise(status, sender._raised.get(index, NO_FAILURE), version)
+                if failed is not None:
+                    _raise_failure(sender, index, attachment, slot, failed)
+                if not is_done(status, version, mode):
+                    still.append(index)
+            pending[:] = still
+            dead = gone + [w for w in still if check_liveness and not located[w][0].link.alive(located[w][1])]
+            if dead:
+                raise _timeout(sender, version, sorted(set(still) | set(gone)), dead, mode)
+            return located[still[0]][0].link if still else None
+    except WorkerApplyError as err:
+        _confirm_rollback(sender, err, mode, time.monotonic() + 5.0)
+        raise
+
+
+def _timeout(sender: Sender, version: int, late: list[int], dead: list[int], mode: Until) -> AckTimeout:
+    """The timeout for late (and dead) envs, named by worker, with the envs alongside."""
+
+    def worker(env: int) -> int:
+        try:
+            return sender._fleet.worker_of(env)
+        except KeyError:  # its collector left the fleet
+            return env
+
+    workers = sorted({worker(e) for e in late})
+    return AckTimeout(version, workers, dead=sorted({worker(e) for e in dead}), until=mode.value, envs=late)
+
+
+def _confirm_rollback(sender: Sender, err: WorkerApplyError, until: Until, deadline: float) -> None:
+    """Wait (without holding the sender's lock) until the rollback is in place too."""
+    if err.rollback is None:
+        return
+    try:
+        sender.wait(err.rollback, until=until.value, timeout=max(0.05, deadline - time.monotonic()))
+    except EnvSyncError as late:
+        err.add_note(f"rollback version {err.rollback} not confirmed: {late}")
+
+
+def raise_failures(sender: Sender) -> None:
+    """Raise the first failure of any env not raised yet; if it is of the latest push, roll
+    that push back."""
+    for index in sender._fleet.indices():
+        attachment, slot = sender._fleet.locate(index)
+        failed = failure_to_raise(attachment.link.status(slot), sender._raised.get(index, NO_FAILURE))
+        if failed is not None:
+            _raise_failure(sender, index, attachment, slot, failed)
+
+
+def _raise_failure(sender: Sender, index: int, attachment: Attachment, slot: int, failed: int) -> None:
+    sender._raised[index] = max(failed, sender._raised.get(index, NO_FAILURE))
+    worker = sender._fleet.worker_of(index)
+    rollback = sender._roll_back(failed)
+    text = attachment.link.error_text(slot)
+    raise WorkerApplyError(worker, failed, text, rollback=rollback, env=index)
