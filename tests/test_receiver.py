@@ -131,3 +131,36 @@ def test_only_what_nothing_else_can_restore_is_kept() -> None:
         first = receiver._snapshot_version
         sender.push(env_state={"transforms.0.loc": torch.full((3,), 2.0)}, wait="applied", timeout=5)
         assert receiver._snapshot_version == first  # no copy kept: the sender can republish
+
+
+def test_a_listener_wake_while_busy_does_not_hide_a_step_version_from_the_next_step() -> None:
+    """The idle listener also wakes every half second while the collector drives the env, and
+    notices (acknowledges) a pending version then. In "step" mode the next step must still
+    apply it: it once took the fast path because the receiver had "seen" the version."""
+    from helpers import make_counter_env
+
+    from envsync.integrations.torchrl.adapter import EnvHooks
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    sender.env_fn(make_counter_env)
+    attachment = sender.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: False)
+    env = make_counter_env()
+    hooks = EnvHooks.install(env, sender.spec, sender.template.values.clone())
+    receiver = EnvStateReceiver(
+        link=attachment.link.handle().open(0),
+        spec=sender.spec,
+        adapter=EnvAdapter(env, sender.spec.apply),
+        initial_config=sender.template.values,
+    )
+    hooks.bind(receiver, 0)
+    from torchrl.envs.utils import step_mdp
+
+    td = step_mdp(env.rand_step(env.reset()))  # settles the hooks: the next steps take the fast path
+    with receiver.busy():
+        version = sender.push(config={"difficulty": 3.0}, wait=None)
+        receiver.on_wake()  # the listener's periodic wake, while busy: notices, does not apply
+        assert (receiver.seen, receiver.version) == (version, 0)
+        out = env.rand_step(td)
+        assert receiver.version == version
+        assert float(out["next", "observation"][0]) == 3.0
+    sender.close()

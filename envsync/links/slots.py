@@ -235,8 +235,7 @@ class SlotWriter:
             return {name: slot[("reply", name)].clone() for name in names}
 
     def notify(self, worker: int) -> None:
-        if not self.table.counters["busy"][worker]:
-            self._wakes[worker].release()
+        self._wakes[worker].release()
 
     def status(self, worker: int) -> WorkerStatus:
         return self.table.status(worker)

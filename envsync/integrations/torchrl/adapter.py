@@ -83,6 +83,7 @@ class EnvHooks:
         self._root: Changes = [(0, 0)]
         self._next: Changes = [(0, 0)]
         self._settled = True
+        self._handled = 0  # the latest target the step path itself has seen
         self._targets: Any = None
         self._worker = 0
         self._step = env._step
@@ -119,13 +120,16 @@ class EnvHooks:
         frame = self.frame
         self.frame = frame + 1
         receiver = self.receiver
-        if receiver is None or (self._settled and self._targets[self._worker] == receiver.seen):
+        # compared with the target this path handled, not the receiver's `seen`: the idle
+        # listener's periodic wake notices (and acknowledges) targets too, even while busy
+        if receiver is None or (self._settled and self._targets[self._worker] == self._handled):
             return self._step(tensordict)
         return self._slow_step(receiver, frame, tensordict)
 
     def _slow_step(self, receiver: EnvStateReceiver, frame: int, tensordict: TensorDictBase) -> TensorDictBase:
         if receiver.applying:
             return self._step(tensordict)
+        self._handled = int(self._targets[self._worker])
         receiver.before_step()
         version = receiver.version
         _mark(self._next, frame, version)

@@ -396,8 +396,8 @@ class EnvGroup:
         with self._lock:
             if self.spec.apply_at is ApplyAt.RESET:
                 return
-            # again while anything is pending: this work marks the group busy, so a push
-            # landing meanwhile may not have woken its sub-env's listener
+            # again while anything is pending: a push may land while this runs (its sub-env's
+            # listener then waits for the lock held here)
             for _ in range(_MAX_ROUNDS):
                 pending = [i for i in self.pending() if only is None or i in only]
                 collector = self._collector()
