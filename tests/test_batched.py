@@ -157,7 +157,7 @@ def test_workers_target_every_env_of_a_worker(stepping: Any) -> None:
 # ---- reset mode: each sub-env at its own reset --------------------------------------------
 
 
-@pytest.mark.parametrize("setup", ["single-serial", "single-native", "async-parallel-spawn"])
+@pytest.mark.parametrize("setup", ["single-serial", "single-native", "sync-serial-fork", "async-parallel-spawn"])
 def test_reset_mode_switches_each_sub_env_at_its_own_reset(setup: str) -> None:
     """Sub-env i has episodes of 6 + 2i steps: each switches exactly at its own next reset,
     no trajectory holds two versions, and none waits for another's reset."""
