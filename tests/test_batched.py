@@ -36,6 +36,7 @@ SETUPS = {
     "single-serial": (Collector, 1, "serial", 3, "spawn"),
     "single-native": (Collector, 1, "native", 3, "spawn"),
     "sync-serial-fork": (MultiSyncCollector, 2, "serial", 2, "fork"),
+    "sync-native-spawn": (MultiSyncCollector, 2, "native", 2, "spawn"),
     "async-parallel-spawn": (MultiAsyncCollector, 2, "parallel", 2, "spawn"),
 }
 
