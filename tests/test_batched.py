@@ -7,6 +7,7 @@ their fleet env index, so every frame shows the config it ran under and the env 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -362,4 +363,29 @@ def test_reinit_recomputes_each_sub_envs_statistics_in_its_own_process() -> None
         assert after["next", "observation"][..., :2].abs().max() < 1e-3
     finally:
         collector.shutdown()
+        sender.close()
+
+
+def test_a_dead_parallel_env_sub_process_is_reported_dead_promptly() -> None:
+    """A sub-env's process dies (SIGKILL): a push waiting for it raises AckTimeout at once,
+    naming its worker as dead and the env as late, not after the full timeout."""
+    import os
+    import signal
+
+    from envsync import AckTimeout
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build("single-parallel", sender, frames=30)
+    try:
+        next(iter(collector))
+        os.kill(collector.env._workers[1].pid, signal.SIGKILL)
+        collector.env._workers[1].join(5)
+        start = time.monotonic()
+        with pytest.raises(AckTimeout) as info:
+            sender.push(config={"difficulty": 1.0}, wait="applied", timeout=20.0)
+        assert time.monotonic() - start < 5.0
+        assert info.value.dead == [0] and 1 in info.value.envs
+    finally:
+        with contextlib.suppress(Exception):  # the ParallelEnv lost a sub-process: its shutdown may complain
+            collector.shutdown()
         sender.close()

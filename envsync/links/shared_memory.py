@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from envsync.links.base import Key
-from envsync.links.slots import Field, SlotReader, SlotWriter, Table, plan
+from envsync.links.slots import Field, SlotReader, SlotWriter, Table, pid_alive, plan
 
 SHM_DIR = "/dev/shm"
 PREFIX = "envsync-"
@@ -155,7 +155,13 @@ class SharedMemoryLink:
         return self._live().error_text(worker)
 
     def alive(self, worker: int) -> bool:
-        return self._alive(worker)
+        """Whether the slot's process can still answer: the collector says its worker lives,
+        and the process that opened the slot (the worker, or a ``ParallelEnv``'s sub-process
+        for a sub-env) still runs."""
+        if not self._alive(worker):
+            return False
+        pid = int(self._live().table.counters["pid"][worker])
+        return not pid or pid == os.getpid() or pid_alive(pid)
 
     def wait_acks(self, timeout: float, *, applied: bool) -> bool:
         return self._live().wait_acks(timeout, applied=applied)

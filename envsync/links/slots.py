@@ -43,6 +43,21 @@ _ALIGN = 64
 _LOCK_TIMEOUT = 10.0
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this machine) still runs: it exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: existence is all we can tell
+
+
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
@@ -337,15 +352,7 @@ class SlotReader:
 
     def owner_alive(self) -> bool:
         """Whether the process that owns the link (the sender's) still runs."""
-        if not self._owner or self._owner == os.getpid():
-            return True
-        try:
-            os.kill(self._owner, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return not self._owner or self._owner == os.getpid() or pid_alive(self._owner)
 
     def close(self) -> None:
         return None
