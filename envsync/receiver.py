@@ -56,6 +56,12 @@ class ApplySpec:
         so does ``"step"`` when a re-init policy steps the env (it needs a fresh episode)."""
         return self.apply_at is ApplyAt.TRUNCATE or (self.apply_at is ApplyAt.STEP and self.reinit.moves_env)
 
+    @property
+    def idle_resets(self) -> bool:
+        """Whether a version applied while the collector is idle is followed by a reset (a
+        truncating mode, or a re-init policy that steps the env)."""
+        return self.truncates or self.reinit.moves_env
+
 
 class EnvAdapter(Protocol):
     """What a receiver needs from the env it serves (see ``envsync.integrations``)."""
@@ -131,7 +137,7 @@ class EnvStateReceiver:
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
-        self._resets_after_idle_apply = spec.truncates or spec.reinit.moves_env
+        self._resets_after_idle_apply = spec.idle_resets
         self._sub_env = sub_env
         self._before_idle_apply = before_idle_apply
 

@@ -273,8 +273,9 @@ class Sender:
 
         def prepare() -> tuple[dict[int, Flat], Flat | None]:
             targets = self._fleet.targets(workers, envs)
-            rows = self.template.fit_rows(config, len(targets)) if config is not None else None
-            cfg = self.template.fit(config) if config is not None and rows is None else {}
+            fitted = self.template.fit_rows(config, len(targets)) if config is not None else {}
+            rows = fitted if isinstance(fitted, list) else None
+            cfg = fitted if isinstance(fitted, dict) else {}
             env = self.env_state_template().fit(env_state) if env_state is not None else {}
             version = self._version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}

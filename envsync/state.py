@@ -158,52 +158,47 @@ class ConfigTemplate:
 
     def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, torch.Tensor]:
         """Like :meth:`validate`, but flat: dotted names to fresh tensors."""
-        fitted = {}
-        for path, value in _flatten_config(values).items():
-            if path not in self._flat:
-                raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
-            fitted[path] = _fit("config value", path, value, self._flat[path], self.allow_nonfinite)
-        return fitted
+        return {path: self._fit_named(path, value) for path, value in _flatten_config(values).items()}
 
-    def fit_rows(self, values: Mapping[str, Any] | TensorDictBase, count: int) -> list[dict[str, torch.Tensor]] | None:
-        """Fit a config for ``count`` envs, one row each: a value whose shape is ``(count,
-        *template shape)`` (or any value of a TensorDict with batch size ``[count]``) gives
-        one row per env; every other value is the same for all of them. ``None`` when no
-        value has a row per env (use :meth:`fit`).
+    def _fit_named(self, path: str, value: Any) -> torch.Tensor:
+        like = self._flat.get(path)
+        if like is None:
+            raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
+        return _fit("config value", path, value, like, self.allow_nonfinite)
+
+    def fit_rows(
+        self, values: Mapping[str, Any] | TensorDictBase, count: int
+    ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+        """Fit a config for ``count`` envs: a value whose shape is ``(count, *template
+        shape)`` (or any value of a TensorDict with batch size ``[count]``) gives one row per
+        env; every other value is the same for all of them. Returns what :meth:`fit` returns
+        when no value has a row per env, else one config per env.
 
         Examples:
             >>> template = ConfigTemplate({"difficulty": 0.0, "seed": 1})
             >>> rows = template.fit_rows({"difficulty": torch.tensor([0.1, 0.2]), "seed": 7}, 2)
             >>> [(round(r["difficulty"].item(), 1), r["seed"].item()) for r in rows]
             [(0.1, 7), (0.2, 7)]
-            >>> template.fit_rows({"difficulty": 0.3}, 2) is None
-            True
+            >>> template.fit_rows({"difficulty": 0.3}, 2)
+            {'difficulty': tensor(0.3000)}
         """
         batch = tuple(values.batch_size) if isinstance(values, TensorDictBase) else ()
-        batched = bool(batch)
-        if batched and batch != (count,):
+        if batch and batch != (count,):
             raise ValidationError(f"a config with batch size {list(batch)} needs one row per targeted env: [{count}]")
         flat = _flatten_config(values)
-        for path in flat:
-            if path not in self._flat:
-                raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
 
         def per_env(path: str, value: Any) -> bool:
-            like = self._flat[path]
-            return isinstance(value, torch.Tensor) and tuple(value.shape) == (count, *like.shape)
+            like = self._flat.get(path)
+            return like is not None and isinstance(value, torch.Tensor) and value.shape == (count, *like.shape)
 
-        if count == 0 or not (batched or any(per_env(p, v) for p, v in flat.items())):
-            return None
-        rows: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
-        for path, value in flat.items():
-            like = self._flat[path]
-            if per_env(path, value):
-                for row, item in zip(rows, value.unbind(0), strict=True):
-                    row[path] = _fit("config value", path, item, like, self.allow_nonfinite)
-            else:
-                fitted = _fit("config value", path, value, like, self.allow_nonfinite)
-                for row in rows:
-                    row[path] = fitted
+        rowed = {p: v for p, v in flat.items() if count and per_env(p, v)}
+        shared = {p: self._fit_named(p, v) for p, v in flat.items() if p not in rowed}
+        if not rowed and not batch:
+            return shared
+        rows = [dict(shared) for _ in range(count)]
+        for path, value in rowed.items():
+            for row, item in zip(rows, value.unbind(0), strict=True):
+                row[path] = self._fit_named(path, item)
         return rows
 
     @property

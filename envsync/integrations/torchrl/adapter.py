@@ -179,10 +179,7 @@ class EnvHooks:
 
     def truncate_last(self, batch: TensorDictBase) -> None:
         """End the rollout's last frame as truncated (a ``"truncate"`` version is pending)."""
-        nxt = batch.get("next")
-        last = nxt[..., -1]
-        _truncate(last)
-        nxt[..., -1] = last
+        truncate_at(batch.get("next"), (..., -1))
 
 
 def _set(batch: TensorDictBase, key: Any, value: torch.Tensor) -> None:
@@ -191,6 +188,13 @@ def _set(batch: TensorDictBase, key: Any, value: torch.Tensor) -> None:
             batch.set(key, value)
     else:
         batch.set(key, value)
+
+
+def truncate_at(next_tensordict: TensorDictBase, index: Any) -> None:
+    """End the frames ``next_tensordict[index]`` as truncated (written back in place)."""
+    part = next_tensordict[index]
+    _truncate(part)
+    next_tensordict[index] = part
 
 
 def _truncate(next_tensordict: TensorDictBase) -> None:
@@ -271,15 +275,20 @@ def _busy(ref: weakref.ReferenceType[Any]) -> Iterator[None]:
         yield
 
 
-def _guard(collector: Any, name: str, ref: weakref.ReferenceType[Any]) -> None:
+def _guard_commands(collector: Any, ref: weakref.ReferenceType[Any]) -> None:
+    """Mark ``ref``'s owner (a receiver, or a batched env's group) busy while torchrl's worker
+    loop runs one of its commands on the env (reset, seed, state dicts, close)."""
     collector_ref = weakref.ref(collector)
-    method = getattr(type(collector), name)
+    for name in _GUARDED:
+        method = getattr(type(collector), name, None)
+        if method is None:
+            continue
 
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        with _busy(ref):
-            return method(collector_ref(), *args, **kwargs)
+        def guarded(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            with _busy(ref):
+                return _method(collector_ref(), *args, **kwargs)
 
-    setattr(collector, name, guarded)
+        setattr(collector, name, guarded)
 
 
 def _wrap_rollout(collector: Any, hooks: EnvHooks, receiver_ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
@@ -333,9 +342,7 @@ def wrap_collector(collector: Any, group: Any, hooks: Any, first_env: int) -> No
         return batch
 
     collector.rollout = wrapped
-    for name in _GUARDED:
-        if hasattr(type(collector), name):
-            _guard(collector, name, group_ref)
+    _guard_commands(collector, group_ref)
 
 
 def serve_env(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, collector: Any) -> Any:
@@ -364,8 +371,6 @@ def bind_env(collector: Any, handle: LinkHandle, slot: int, env_index: int) -> E
     receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, collector)
     receiver_ref = weakref.ref(receiver)
     _wrap_rollout(collector, hooks, receiver_ref)
-    for name in _GUARDED:
-        if hasattr(type(collector), name):
-            _guard(collector, name, receiver_ref)
+    _guard_commands(collector, receiver_ref)
     receiver.start()
     return receiver

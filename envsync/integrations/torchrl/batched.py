@@ -39,8 +39,8 @@ from envsync.integrations.torchrl.adapter import (
     _fill,
     _mark,
     _set,
-    _truncate,
     serve_env,
+    truncate_at,
     wrap_collector,
 )
 from envsync.links.base import LinkHandle
@@ -50,7 +50,7 @@ from envsync.state import apply_config
 
 BIND = "_envsync_bind"
 APPLY_NOW = "_envsync_apply_now"
-_HOOKS = "_envsync_batched"
+HOOKS = "_envsync_batched"
 _MAX_ROUNDS = 8
 
 
@@ -104,7 +104,7 @@ def prepare_batched(batched: BatchedEnvBase, spec: ApplySpec, wrap_leaf: Callabl
     Raises:
         ValidationError: the batched env is started already, or its sub-envs are batched.
     """
-    if isinstance(batched.__dict__.get(_HOOKS), BatchedHooks):
+    if isinstance(batched.__dict__.get(HOOKS), BatchedHooks):
         return
     if not batched.is_closed:
         raise ValidationError(
@@ -141,20 +141,28 @@ class BatchedHooks:
         self._reset = env._reset
         self._step_and_maybe_reset = env.step_and_maybe_reset
 
+    hooks_step_and_maybe_reset = True
+    """Whether the env's own ``step_and_maybe_reset`` is hooked too (a ``ParallelEnv``'s
+    steps and resets its sub-envs without calling ``_step``/``_reset``)."""
+
     @classmethod
     def install(cls, env: EnvBase, spec: ApplySpec) -> BatchedHooks:
-        hooks = cls(env, spec)
-        env.__dict__[_HOOKS] = hooks
-        env._step = hooks.step
-        env._reset = hooks.reset
-        env.step_and_maybe_reset = hooks.step_and_maybe_reset
-        return hooks
+        return cls(env, spec).attach(env)
+
+    def attach(self, env: EnvBase) -> Any:
+        """Replace ``env``'s ``_step`` and ``_reset`` (and ``step_and_maybe_reset``) on the instance."""
+        env.__dict__[HOOKS] = self
+        env._step = self.step
+        env._reset = self.reset
+        if self.hooks_step_and_maybe_reset:
+            env.step_and_maybe_reset = self.step_and_maybe_reset
+        return self
 
     @staticmethod
     def of(env: Any) -> tuple[EnvBase, BatchedHooks] | None:
         """The hooked batched env inside a collector's env (torchrl may wrap it) and its hooks."""
         while env is not None:
-            hooks = getattr(env, "__dict__", {}).get(_HOOKS)
+            hooks = getattr(env, "__dict__", {}).get(HOOKS)
             if isinstance(hooks, BatchedHooks):
                 return env, hooks
             env = getattr(env, "base_env", None)
@@ -245,20 +253,23 @@ class BatchedHooks:
         """End the rollout's last frame of these sub-envs as truncated."""
         nxt = batch.get("next")
         for i in rows:
-            last = nxt[i, -1]
-            _truncate(last)
-            nxt[i, -1] = last
+            truncate_at(nxt, (i, -1))
 
 
 class Leaves(Protocol):
     """How a group reaches the envs of the fleet one batched env holds."""
+
+    listening: bool
+    """Whether the envs' own receivers listen (and apply while idle): the group then only
+    pokes them, and starts no listener of its own."""
 
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
         """Bind env ``i`` to link slot ``first_slot + i`` as fleet env ``first_env + i``;
         return whether any caught up with a version."""
 
     def apply_now(self, indices: list[int]) -> None:
-        """Apply these envs' pending versions now (the collector is idle; a ``"step"`` version)."""
+        """Apply these envs' pending versions now (the collector is idle; a ``"step"`` version;
+        not called when they listen)."""
 
 
 class SubEnvs:
@@ -274,8 +285,7 @@ class SubEnvs:
 
     def __init__(self, batched: BatchedEnvBase, spec: ApplySpec) -> None:
         self._batched = weakref.ref(batched)
-        self.listening = isinstance(batched, ParallelEnv) and not (spec.truncates or spec.reinit.moves_env)
-        self.ends: list[Any] = []
+        self.listening = isinstance(batched, ParallelEnv) and not spec.idle_resets
 
     def _live(self) -> BatchedEnvBase:
         batched = self._batched()
@@ -285,21 +295,11 @@ class SubEnvs:
 
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
         batched = self._live()
-        listen = self.listening
-        calls = {i: (handle, first_slot + i, first_env + i, listen) for i in range(int(batched.num_workers))}
+        calls = {i: (handle, first_slot + i, first_env + i, self.listening) for i in range(int(batched.num_workers))}
         return any(call_leaves(batched, calls, BIND).values())
 
     def apply_now(self, indices: list[int]) -> None:
-        if self.listening:
-            for i in indices:
-                self.ends[i].poke()
-        else:
-            call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
-
-
-def call_leaf(batched: BatchedEnvBase, index: int, name: str, *args: Any) -> Any:
-    """Call a leaf entry point of sub-env ``index``; raise what it raised."""
-    return call_leaves(batched, {index: args}, name)[index]
+        call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
 
 
 def call_leaves(batched: BatchedEnvBase, calls: dict[int, tuple[Any, ...]], name: str) -> dict[int, Any]:
@@ -351,7 +351,6 @@ class EnvGroup:
         self._lock = threading.RLock()
         self._busy = 0
         self._closed = False
-        self._idle_resets = self.spec.truncates or self.spec.reinit.moves_env
 
     def unchanged(self) -> bool:
         """Whether no push reached any sub-env since the group last settled."""
@@ -403,8 +402,11 @@ class EnvGroup:
                 collector = self._collector()
                 if not pending or collector is None:
                     return
-                if self._idle_resets:
+                if self.spec.idle_resets:
                     collector.reset(index=pending)
+                elif self.leaves.listening:
+                    for i in pending:
+                        self.ends[i].poke()
                 else:
                     self.leaves.apply_now(pending)
 
@@ -421,7 +423,10 @@ class EnvGroup:
                 self.apply_if_idle()
 
     def start(self) -> None:
-        """Start one idle listener per sub-env."""
+        """Start one idle listener per sub-env (unless the sub-envs' own receivers listen:
+        one listener per wake-up semaphore)."""
+        if self.leaves.listening:
+            return
         for i, end in enumerate(self.ends):
             start_listener(self, end, functools.partial(EnvGroup.on_wake, index=i), name=f"envsync-group-{i}")
 
@@ -448,14 +453,10 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
         )
     leaves = hooks.leaves(env)
     group = EnvGroup(collector, hooks, leaves, handle, first_slot)
-    listening = isinstance(leaves, SubEnvs) and leaves.listening
-    if isinstance(leaves, SubEnvs):
-        leaves.ends = group.ends
     caught_up = leaves.bind(handle, first_slot, first_env)
     hooks.group = group
     wrap_collector(collector, group, hooks, first_env)
     if caught_up:
         collector.reset()  # the leaves run the latest version: start fresh episodes under it
-    if not listening:  # one listener per wake-up semaphore: the sub-envs' own, or the group's
-        group.start()
+    group.start()
     return group

@@ -26,7 +26,8 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
 from envsync.errors import ValidationError
-from envsync.integrations.torchrl.batched import BatchedHooks, Leaves
+from envsync.integrations.torchrl.adapter import truncate_at
+from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.receiver import ApplySpec, EnvStateReceiver
@@ -114,22 +115,16 @@ class RowAdapter:
 
 
 class NativeHooks(BatchedHooks):
-    """:class:`~.batched.BatchedHooks` that also run each row's safe points."""
+    """:class:`~.batched.BatchedHooks` that also run each row's safe points. The env's own
+    ``step_and_maybe_reset`` (``EnvBase``'s) steps and resets through these hooks."""
+
+    hooks_step_and_maybe_reset = False
 
     def __init__(self, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase, applier: RowApplier) -> None:
         super().__init__(env, spec)
         self.initial_config = initial_config
         self.applier = applier
-        self.rows: list[EnvStateReceiver | None] = [None] * self.num_envs
-
-    @classmethod
-    def hook(cls, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase, applier: RowApplier) -> NativeHooks:
-        """Hook ``env``'s ``_step`` and ``_reset`` (on the instance)."""
-        hooks = cls(env, spec, initial_config, applier)
-        env.__dict__["_envsync_batched"] = hooks
-        env._step = hooks.step
-        env._reset = hooks.reset
-        return hooks  # step_and_maybe_reset stays EnvBase's: it steps and resets through these
+        self.rows: list[EnvStateReceiver] = []  # one per row once bound
 
     def leaves(self, env: EnvBase) -> Leaves:
         return Rows(self)
@@ -137,36 +132,34 @@ class NativeHooks(BatchedHooks):
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         group = self.group
         if self._depth or group is None or (self._settled and group.unchanged()):
-            return super().step(tensordict)
-        bound = [(i, r) for i, r in enumerate(self.rows) if r is not None]
-        for _, row in bound:
+            out = self._step(tensordict)
+            if not self._depth:
+                self.frame += 1  # what _after_step does with nothing to read
+            return out
+        for row in self.rows:
             row.before_step()
         self._depth = 1
         try:
             out = self._step(tensordict)
         finally:
             self._depth = 0
-        for i, row in bound:
+        for i, row in enumerate(self.rows):
             if row.truncate_now():
-                _truncate_row(out, i)
+                truncate_at(out, i)
             row.link.note_versions(row.version, row.version)
         self._after_step()
         return out
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
-        resetting = [i for i in _rows_reset(tensordict, self.num_envs) if self.rows[i] is not None]
-        for i in resetting:
-            row = self.rows[i]
-            assert row is not None
+        resetting = [self.rows[i] for i in _rows_reset(tensordict, self.num_envs)] if self.rows else []
+        for row in resetting:
             row.before_reset()
         self._depth += 1
         try:
             out = self._reset(tensordict, **kwargs)
         finally:
             self._depth -= 1
-        for i in resetting:
-            row = self.rows[i]
-            assert row is not None
+        for row in resetting:
             row.link.note_versions(None, row.version)
         self._after_reset()
         return out
@@ -179,27 +172,18 @@ def _rows_reset(tensordict: TensorDictBase | None, num_envs: int) -> list[int]:
     return torch.nonzero(mask.reshape(num_envs, -1).any(-1)).flatten().tolist()
 
 
-def _truncate_row(out: TensorDictBase, row: int) -> None:
-    done = out.get("done")
-    truncated = out.get("truncated", None)
-    if truncated is None:
-        truncated = torch.zeros_like(done)
-        out.set("truncated", truncated)
-    truncated[row] = truncated[row] | ~done[row]
-    done[row] = True
-
-
 class Rows:
     """The rows of a natively batched env, each with its receiver in this process."""
+
+    listening = False
 
     def __init__(self, hooks: NativeHooks) -> None:
         self._hooks = hooks
 
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
         hooks = self._hooks
-        caught_up = False
-        for index in range(hooks.num_envs):
-            receiver = EnvStateReceiver(
+        rows = [
+            EnvStateReceiver(
                 link=handle.open(first_slot + index),
                 spec=hooks.spec,
                 adapter=RowAdapter(hooks.applier, index),
@@ -207,15 +191,14 @@ class Rows:
                 sub_env=True,
                 before_idle_apply=hooks.unsettle,
             )
-            hooks.rows[index] = receiver
-            caught_up |= receiver.start(listen=False)
-        return caught_up
+            for index in range(hooks.num_envs)
+        ]
+        hooks.rows = rows
+        return any([row.start(listen=False) for row in rows])  # a list: every row catches up
 
     def apply_now(self, indices: list[int]) -> None:
         for index in indices:
-            receiver = self._hooks.rows[index]
-            if receiver is not None:
-                receiver.apply_if_idle()
+            self._hooks.rows[index].apply_if_idle()
 
 
 def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:
@@ -226,7 +209,7 @@ def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase
             rows share the transforms), or per-env ``"reset"`` mode with an ``apply`` that
             takes no ``env_ids``.
     """
-    if isinstance(env.__dict__.get("_envsync_batched"), NativeHooks):
+    if isinstance(env.__dict__.get(HOOKS), NativeHooks):
         return
     if len(env.batch_size) != 1:
         raise ValidationError(f"envsync needs a batch size of one dim on a batched env, got {list(env.batch_size)}")
@@ -241,4 +224,4 @@ def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase
             "indices of the rows being changed, and each config value one row per index), or use apply_at='step'"
         )
     applier.apply_all()
-    NativeHooks.hook(env, spec, initial_config, applier)
+    NativeHooks(env, spec, initial_config, applier).attach(env)
