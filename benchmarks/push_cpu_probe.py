@@ -26,8 +26,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="profile 300 more pushes")
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--start-method", default="fork", choices=["fork", "spawn"])
     args = parser.parse_args()
-    mp.set_start_method("fork", force=True)
+    mp.set_start_method(args.start_method, force=True)
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = MultiAsyncCollector(
         [sender.env_fn(make_drift_env)] * args.workers,

@@ -1,9 +1,10 @@
 """Waiting for acknowledgements, and raising what the workers report: the sender's
 ``wait``, and the failures a push or a wait must raise (rolling the latest push back).
 
-Each worker's counters are read once per acknowledgement; a blocking wait on the link's
-acknowledgement semaphores takes at most a slice, after which the liveness of the workers
-still pending is checked (a syscall per worker, so only when no acknowledgement came).
+The workers' counters are read when the wait starts and each time the link wakes it: a
+link wakes the sender once the slots it was given have all acknowledged (or on a failure).
+A blocking wait takes at most a slice, after which the liveness of the workers still
+pending is checked (a syscall per worker, so only when no acknowledgement came).
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ def wait(sender: Sender, version: int, mode: Until, targets: list[int], timeout:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _timeout(sender, version, pending, [], mode)
+            slots = [located[e][1] for e in pending if located[e][0].link is link]
             # liveness (a syscall per worker) only when no acknowledgement came in a slice
-            check_liveness = not link.wait_acks(min(_ACK_SLICE, remaining), applied=mode is Until.APPLIED)
+            woken = link.wait_acks(
+                min(_ACK_SLICE, remaining), applied=mode is Until.APPLIED, version=version, slots=slots
+            )
+            check_liveness = not woken
     except RuntimeError as err:  # a link closed under us
         if sender._closed:
             raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err

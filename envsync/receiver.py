@@ -355,8 +355,9 @@ def _listen(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[
         if owner is None or owner._closed:
             return
         del owner
-        link.wait_notice(_LISTEN_PERIOD)
-        if not link.owner_alive():
+        # a wake-up proves the sender alive: its liveness (a syscall and a /proc read) is
+        # checked only after a quiet period
+        if not link.wait_notice(_LISTEN_PERIOD) and not link.owner_alive():
             # torchrl's workers never notice a killed main process (they hold its pipe
             # ends themselves and wait forever): without a sender, end the worker
             os._exit(1)

@@ -99,6 +99,62 @@ def test_an_ack_wakes_a_blocked_sender(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_sender_waiting_on_slots_is_woken_once_by_the_last_of_them(kind: str) -> None:
+    link = make(kind, 3)
+    try:
+        ends = [link.handle().open(w) for w in range(3)]
+        for w in range(3):
+            link.write(w, 1, {("config", "level"): torch.tensor(2)})
+        # armed for slots 0-2 (none has acknowledged): nothing wakes the sender yet
+        assert not link.wait_acks(0.0, applied=True, version=1, slots=[0, 1, 2])
+        ends[0].ack_applied(1)
+        ends[1].ack_applied(1)
+        assert not link.wait_acks(0.0, applied=True)  # two of three: no release
+        ends[2].ack_applied(1)
+        assert link.wait_acks(0.0, applied=True)  # the last one released it, once
+        assert not link.wait_acks(0.0, applied=True)
+        # nobody owes version 1 any more: the wait returns at once
+        assert link.wait_acks(0.0, applied=True, version=1, slots=[0, 1, 2])
+        # a failure always wakes the sender, counted or not
+        for w in range(3):
+            link.write(w, 2, {("config", "level"): torch.tensor(3)})
+        assert not link.wait_acks(0.0, applied=True, version=2, slots=[0, 1, 2])
+        ends[1].report_failure(2, "boom")
+        assert link.wait_acks(0.0, applied=True)
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_threads_waiting_on_one_link_are_each_woken(kind: str) -> None:
+    """A second waiter turns the countdown off, so that one release cannot serve two waiters:
+    each acknowledgement then wakes one of them, and both wake."""
+    link = make(kind, 2)
+    writer = link if kind == "local" else link._writer
+    try:
+        ends = [link.handle().open(w) for w in range(2)]
+        for w in range(2):
+            link.write(w, 1, {("config", "level"): torch.tensor(2)})
+        woken: list[bool] = []
+        waiters = [
+            threading.Thread(target=lambda: woken.append(link.wait_acks(5.0, applied=True, version=1, slots=[0, 1]))),
+            threading.Thread(target=lambda: woken.append(link.wait_acks(5.0, applied=True))),
+        ]
+        for started, waiter in enumerate(waiters, 1):
+            waiter.start()
+            deadline = time.monotonic() + 5.0
+            while writer._waiters < started and time.monotonic() < deadline:  # blocked in wait_acks
+                time.sleep(0.005)
+        ends[0].ack_applied(1)
+        ends[1].ack_applied(1)
+        for waiter in waiters:
+            waiter.join(10.0)
+        assert woken == [True, True]
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_reader_never_sees_a_torn_payload(kind: str) -> None:
     """A slot of many leaves, rewritten as fast as possible while read: every read sees one
     version's values throughout (leaves and target from the same write)."""

@@ -15,7 +15,7 @@ Receiver side: ``target`` (one integer read, on every safe point) -> ``ack_recei
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -92,9 +92,11 @@ class SenderLink(Protocol):
     def alive(self, worker: int) -> bool:
         """Whether the worker can still answer."""
 
-    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
+    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         """Block until some worker acknowledges (``applied``: an apply or a failure; else
-        anything), or ``timeout`` passes; return whether an acknowledgement came."""
+        anything), or ``timeout`` passes; return whether an acknowledgement came. Given the
+        ``slots`` that still owe ``version``, a link may wake the sender only once they all
+        acknowledged it (or on a failure), and returns at once when none owes it any more."""
 
     def handle(self) -> LinkHandle:
         """What a worker needs to open its end (picklable for the shared-memory link)."""

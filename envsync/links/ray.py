@@ -216,7 +216,7 @@ class RayLink:
         collector, _ = self._collector_of(worker)
         return time.monotonic() - self._seen[collector] < STALE_AFTER and self._acks[worker][3]
 
-    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
+    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         if self._closed:
             raise RuntimeError("link is closed")
         with self._changed:

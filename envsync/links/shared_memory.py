@@ -16,7 +16,7 @@ import fcntl
 import os
 import secrets
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,10 +113,13 @@ class SharedMemoryLink:
             locks=[ctx.Lock() for _ in range(num_workers)],
             wakes=[ctx.Semaphore(0) for _ in range(num_workers)],
             acks=(ctx.Semaphore(0), ctx.Semaphore(0)),
+            tally=ctx.Lock(),
             owner=os.getpid(),
         )
         handle = self._handle
-        self._writer: SlotWriter | None = SlotWriter(handle.table(), handle.locks, handle.wakes, handle.acks)
+        self._writer: SlotWriter | None = SlotWriter(
+            handle.table(), handle.locks, handle.wakes, handle.acks, handle.tally
+        )
         self._writer.initialise(leaves)
         self._alive = alive
 
@@ -163,8 +166,8 @@ class SharedMemoryLink:
         pid = int(self._live().table.counters["pid"][worker])
         return not pid or pid == os.getpid() or pid_alive(pid)
 
-    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
-        return self._live().wait_acks(timeout, applied=applied)
+    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
+        return self._live().wait_acks(timeout, applied=applied, version=version, slots=slots)
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
@@ -188,7 +191,8 @@ class SharedMemoryLink:
 
 @dataclass
 class SharedMemoryHandle:
-    """What a worker needs to open its end: the path, the layout, the locks and semaphores."""
+    """What a worker needs to open its end: the path, the layout, the locks and semaphores
+    (``tally``: the lock over the acknowledgement countdown)."""
 
     path: str
     fields: list[Field]
@@ -197,6 +201,7 @@ class SharedMemoryHandle:
     locks: list[Any]
     wakes: list[Any]
     acks: tuple[Any, Any]
+    tally: Any
     owner: int
 
     def table(self) -> Table:
@@ -204,7 +209,7 @@ class SharedMemoryHandle:
         return Table(raw, self.fields, self.num_workers)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        named = (*self.locks, *self.wakes, *self.acks)
+        named = (*self.locks, *self.wakes, *self.acks, self.tally)
         if any(getattr(s, "_semlock", None) is None or s._semlock.name is None for s in named):
             return super().__reduce__()  # type: ignore[return-value]  # unnamed: only at process start
         state = (self.path, self.fields, self.size, self.num_workers, self.owner)
@@ -213,13 +218,16 @@ class SharedMemoryHandle:
             [_portable(s) for s in self.locks],
             [_portable(s) for s in self.wakes],
             [_portable(s) for s in self.acks],
+            _portable(self.tally),
         )
 
     def open(self, worker: int) -> SlotReader:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
-        return SlotReader(self.table(), worker, self.locks[worker], self.wakes[worker], self.acks, owner=self.owner)
+        return SlotReader(
+            self.table(), worker, self.locks[worker], self.wakes[worker], self.acks, self.tally, owner=self.owner
+        )
 
 
 def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:
@@ -234,7 +242,9 @@ def _reopen(portable: tuple[type, tuple[Any, ...]]) -> Any:
     return sync
 
 
-def _rebuild_handle(state: tuple[Any, ...], locks: list[Any], wakes: list[Any], acks: list[Any]) -> SharedMemoryHandle:
+def _rebuild_handle(
+    state: tuple[Any, ...], locks: list[Any], wakes: list[Any], acks: list[Any], tally: Any
+) -> SharedMemoryHandle:
     path, fields, size, num_workers, owner = state
     return SharedMemoryHandle(
         path=path,
@@ -244,5 +254,6 @@ def _rebuild_handle(state: tuple[Any, ...], locks: list[Any], wakes: list[Any], 
         locks=[_reopen(s) for s in locks],
         wakes=[_reopen(s) for s in wakes],
         acks=(_reopen(acks[0]), _reopen(acks[1])),
+        tally=_reopen(tally),
         owner=owner,
     )

@@ -7,13 +7,20 @@ process-shared lock for the shared-memory link), so a reader never sees a half-w
 slot on any CPU (a lock is a full memory barrier), and a write that fails half-way is
 undone before the lock is released. Acknowledgements have one writer each (the worker) and
 are single aligned integers: they need no lock.
+
+A waiting sender is woken once, not once per acknowledgement: it *arms* a countdown (the
+table's ``tally``: per mode, a version and how many slots still owe it) under the link's
+*tally lock*, and each worker counts its acknowledgement down under that lock; only the
+last one (or an acknowledgement the countdown does not cover, a failure or a reply)
+releases the acknowledgement semaphore.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +96,8 @@ def plan(leaves: Mapping[Key, torch.Tensor], num_workers: int) -> tuple[list[Fie
     for name in COUNTERS:
         fields.append(Field((name,), torch.int64, (num_workers,), offset))
         offset = _align(offset + 8 * num_workers)
+    fields.append(Field(("tally",), torch.int64, (4,), offset))
+    offset = _align(offset + 4 * 8)
     fields.append(Field(("error",), torch.uint8, (num_workers, ERROR_BYTES), offset))
     offset = _align(offset + num_workers * ERROR_BYTES)
     gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
@@ -114,6 +123,7 @@ class Table:
         self.num_workers = num_workers
         arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
+        self.tally = arrays[("tally",)].numpy()
         self.error = arrays[("error",)].numpy()
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
@@ -155,14 +165,18 @@ class SlotWriter:
         acks: the semaphores workers release after acknowledging: ``(received, applied)``;
             "applied" (and failures) release the second, so a sender waiting for "applied"
             is not woken by "received" acknowledgements.
+        tally: the lock over the table's acknowledgement countdown.
     """
 
-    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
+    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any, tally: Any) -> None:
         self.table = table
         self.num_workers = table.num_workers
         self._locks = locks
         self._wakes = wakes
         self._acks = acks
+        self._tally = tally
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
 
     def initialise(self, leaves: Mapping[Key, torch.Tensor]) -> None:
         """Give every worker the same starting leaves at version 0 (before any worker reads)."""
@@ -258,14 +272,53 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
-    def wait_acks(self, timeout: float, *, applied: bool) -> bool:
-        return bool(self._acks[1 if applied else 0].acquire(timeout=max(timeout, 0.0)))
+    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
+        """Block until an acknowledgement wakes the sender, or ``timeout`` passes. With
+        ``slots``, that still owe ``version`` (up to their target): until the last of them
+        acknowledges it (failures, replies and acknowledgements of other versions still wake
+        it); returns at once when none owes it any more. Another thread of this process
+        waiting on the same link at the same time turns the countdown off: each is then
+        woken by every acknowledgement."""
+        semaphore = self._acks[1 if applied else 0]
+        with self._waiters_lock:
+            self._waiters += 1
+            alone = self._waiters == 1
+        try:
+            if not alone:
+                self._arm(semaphore, applied, 0, ())
+            elif slots and not self._arm(semaphore, applied, version, slots):
+                return True
+            return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
+
+    def _arm(self, semaphore: Any, applied: bool, version: int, slots: Sequence[int]) -> bool:
+        """Set the countdown for ``slots`` still owing ``version`` (none: every acknowledgement
+        wakes); return whether any still owes it. Armed, it first takes back the releases made
+        before: the counters it reads under the same lock already show them."""
+        c = self.table.counters
+        acked, target = c["applied" if applied else "received"], c["target"]
+        mode = 2 if applied else 0
+        with locked(self._tally, "arming the acknowledgement count"):
+            owed = [min(version, int(target[s])) for s in slots]
+            left = [o for s, o in zip(slots, owed, strict=True) if acked[s] < o]
+            if slots and not left:
+                return False
+            if slots:
+                while semaphore.acquire(False):
+                    pass
+            self.table.tally[mode] = min(left) if left else 0
+            self.table.tally[mode + 1] = len(left)
+        return True
 
 
 class SlotReader:
     """One worker's operations on a table (both links use it)."""
 
-    def __init__(self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, *, owner: int = 0) -> None:
+    def __init__(
+        self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, tally: Any, *, owner: int = 0
+    ) -> None:
         self.worker = worker
         self._owner = owner
         self.table = table
@@ -278,6 +331,7 @@ class SlotReader:
         self._lock = lock
         self._wake = wake
         self._acks = acks
+        self._tally = tally
         self._c["pid"][worker] = os.getpid()
 
     def target(self) -> int:
@@ -313,15 +367,26 @@ class SlotReader:
         self._acks[1].release()
 
     def ack_received(self, version: int) -> None:
-        received = self._c["received"]
-        if version > received[self.worker]:
-            received[self.worker] = version
-            self._acks[0].release()
+        if version > self._c["received"][self.worker]:
+            self._acknowledge("received", version)
 
     def ack_applied(self, version: int) -> None:
-        self._c["applied"][self.worker] = version
-        self._acks[1].release()
+        self._acknowledge("applied", version)
         self.ack_received(version)
+
+    def _acknowledge(self, what: str, version: int) -> None:
+        """Record the acknowledgement and count it down; release the sender only when it was
+        the last one counted, or when the countdown does not cover it."""
+        mode = 2 if what == "applied" else 0
+        tally = self.table.tally
+        with locked(self._tally, f"worker {self.worker} acknowledging"):
+            self._c[what][self.worker] = version
+            left = int(tally[mode + 1])
+            counted = left > 0 and version >= tally[mode]
+            if counted:
+                tally[mode + 1] = left - 1
+        if not counted or left == 1:
+            self._acks[1 if mode else 0].release()
 
     def report_failure(self, version: int, text: str) -> None:
         data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
