@@ -116,11 +116,14 @@ def _confirm_rollback(sender: Sender, err: WorkerApplyError, until: Until, deadl
 def raise_failures(sender: Sender) -> None:
     """Raise the first failure of any env not raised yet; if it is of the latest push, roll
     that push back."""
-    for index in sender._fleet.indices():
-        attachment, slot = sender._fleet.locate(index)
-        failed = failure_to_raise(attachment.link.status(slot), sender._raised.get(index, NO_FAILURE))
-        if failed is not None:
-            _raise_failure(sender, index, attachment, slot, failed)
+    for attachment in sender._fleet.attachments:
+        for slot, latest in enumerate(attachment.link.failed()):
+            if latest == NO_FAILURE:
+                continue
+            index = attachment.offset + slot
+            failed = failure_to_raise(attachment.link.status(slot), sender._raised.get(index, NO_FAILURE))
+            if failed is not None:
+                _raise_failure(sender, index, attachment, slot, failed)
 
 
 def _raise_failure(sender: Sender, index: int, attachment: Attachment, slot: int, failed: int) -> None:

@@ -13,7 +13,7 @@ Call order of one push (sender side)::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from typing import NamedTuple
 
 NO_FAILURE = -1
 """Value of :attr:`WorkerStatus.failed` while a worker has never failed."""
@@ -44,9 +44,8 @@ class Until(enum.StrEnum):
     APPLIED = "applied"
 
 
-@dataclass(frozen=True)
-class WorkerStatus:
-    """A snapshot of one worker's acknowledgements.
+class WorkerStatus(NamedTuple):
+    """A snapshot of one worker's acknowledgements (a tuple: read on every push's path).
 
     Args:
         worker: the worker index.

@@ -16,6 +16,7 @@ Teach envsync a new stateful transform with :func:`register`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -159,8 +160,8 @@ class ReinitSpec:
     def moves_env(self) -> bool:
         return any(policy.moves_env for _, policy in self.rules)
 
-    @property
-    def computes_in_main(self) -> bool:
+    @functools.cached_property
+    def computes_in_main(self) -> bool:  # read on every push's path
         return any(policy.kind == "recompute" and policy.where == "main" for _, policy in self.rules)
 
 

@@ -279,13 +279,18 @@ class Sender:
             env = self.env_state_template().fit(env_state) if env_state is not None else {}
             version = self._version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}
-            updates = {
-                e: desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
-                for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)
-            }
+
+            def update(c: dict[str, torch.Tensor], e: int | None) -> Flat:
+                return desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
+
+            if rows is None and not self.spec.reinit.computes_in_main:  # one update for all (never mutated)
+                shared = update(cfg, None)
+                updates = dict.fromkeys(targets, shared)
+            else:
+                updates = {e: update(c, e) for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)}
             default = None
             if workers is None and envs is None and rows is None:
-                default = desired.leaves(cfg, self._with_main_stats(cfg, env, None, cache), version)
+                default = update(cfg, None)
             return updates, default
 
         return self._send(prepare, wait=wait, timeout=timeout)

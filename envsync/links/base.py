@@ -77,6 +77,10 @@ class SenderLink(Protocol):
     def status(self, worker: int) -> WorkerStatus:
         """Read the worker's acknowledgements."""
 
+    def failed(self) -> list[int]:
+        """Every worker's latest failed version (:data:`~envsync.protocol.NO_FAILURE`: none),
+        in one read (checked before every push)."""
+
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask the worker for the current values of these env-state entries."""
 

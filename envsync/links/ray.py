@@ -209,6 +209,9 @@ class RayLink:
         target = self._target[worker]
         return WorkerStatus(worker=worker, target=target, received=received, applied=applied, failed=failed)
 
+    def failed(self) -> list[int]:
+        return [acks[2] for acks in self._acks]
+
     def error_text(self, worker: int) -> str:
         return self._errors.get(worker, "")
 

@@ -154,6 +154,9 @@ class SharedMemoryLink:
     def status(self, worker: int) -> Any:
         return self._live().status(worker)
 
+    def failed(self) -> list[int]:
+        return self._live().failed()
+
     def error_text(self, worker: int) -> str:
         return self._live().error_text(worker)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,28 +131,31 @@ class Table:
 
     def status(self, worker: int) -> WorkerStatus:
         c = self.counters
-        return WorkerStatus(
-            worker=worker,
-            target=int(c["target"][worker]),
-            received=int(c["received"][worker]),
-            applied=int(c["applied"][worker]),
-            failed=int(c["failed"][worker]),
-        )
+        target, received, applied = int(c["target"][worker]), int(c["received"][worker]), int(c["applied"][worker])
+        return WorkerStatus(worker, target, received, applied, int(c["failed"][worker]))
 
     def error_text(self, worker: int) -> str:
         length = int(self.counters["error_len"][worker])
         return bytes(self.error[worker, :length]).decode("utf-8", errors="replace")
 
 
-@contextlib.contextmanager
-def locked(lock: Any, what: str) -> Iterator[None]:
-    """Hold a slot lock; a lock held longer than any write takes means a dead holder."""
-    if not lock.acquire(timeout=_LOCK_TIMEOUT):
-        raise EnvSyncError(f"{what}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
-    try:
-        yield
-    finally:
-        lock.release()
+class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
+    """Hold a slot lock for a ``with`` block: ``with locked(lock, "writing worker %d", w)``.
+    A lock held longer than any write takes means a dead holder: raise, naming ``what % args``
+    (formatted only then: this is on every push's path)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: Any, what: str, *args: Any) -> None:
+        if not lock.acquire(timeout=_LOCK_TIMEOUT):
+            raise EnvSyncError(f"{what % args}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class SlotWriter:
@@ -187,7 +190,7 @@ class SlotWriter:
 
     def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
         self._check(worker, entries)
-        with locked(self._locks[worker], f"writing worker {worker}"):
+        with locked(self._locks[worker], "writing worker %d", worker):
             self._write(worker, version, entries, undo)
 
     def _check(self, worker: int, entries: Mapping[Key, torch.Tensor]) -> None:
@@ -226,7 +229,7 @@ class SlotWriter:
                 raise ValueError(f"broadcast entry {name!r} does not fit the region")
         with contextlib.ExitStack() as stack:
             for worker in workers:
-                stack.enter_context(locked(self._locks[worker], f"broadcasting to worker {worker}"))
+                stack.enter_context(locked(self._locks[worker], "broadcasting to worker %d", worker))
             for name, value in shared.items():
                 self.table.broadcast[name].copy_(value)
             for worker in workers:
@@ -237,7 +240,7 @@ class SlotWriter:
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
         slot = self.table.slots[worker]
-        with locked(self._locks[worker], f"reading back worker {worker}"):
+        with locked(self._locks[worker], "reading back worker %d", worker):
             out = {key: view.clone() for key, view in slot.items()}
             for name, region in self.table.broadcast.items():
                 if int(slot[("source", name)]) > 0:
@@ -250,7 +253,7 @@ class SlotWriter:
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask ``worker`` for the current values of ``names`` (answered at a safe point)."""
         slot = self.table.slots[worker]
-        with locked(self._locks[worker], f"asking worker {worker}"):
+        with locked(self._locks[worker], "asking worker %d", worker):
             for name in names:
                 slot[("asked", name)].fill_(request)
             self.table.counters["ask"][worker] = request
@@ -260,7 +263,7 @@ class SlotWriter:
 
     def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
         slot = self.table.slots[worker]
-        with locked(self._locks[worker], f"reading worker {worker}'s reply"):
+        with locked(self._locks[worker], "reading worker %d's reply", worker):
             return {name: slot[("reply", name)].clone() for name in names}
 
     def notify(self, worker: int) -> None:
@@ -268,6 +271,9 @@ class SlotWriter:
 
     def status(self, worker: int) -> WorkerStatus:
         return self.table.status(worker)
+
+    def failed(self) -> list[int]:
+        return [int(f) for f in self.table.counters["failed"].tolist()]
 
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
@@ -338,7 +344,7 @@ class SlotReader:
         return int(self.targets[self.worker])
 
     def read_header(self) -> Header:
-        with locked(self._lock, f"worker {self.worker} reading"):
+        with locked(self._lock, "worker %d reading", self.worker):
             return Header(
                 version=int(self.targets[self.worker]),
                 config={k[1]: self._slot[k].clone() for k in self._config},
@@ -347,7 +353,7 @@ class SlotReader:
             )
 
     def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
-        with locked(self._lock, f"worker {self.worker} loading"):
+        with locked(self._lock, "worker %d loading", self.worker):
             if int(self.targets[self.worker]) != version:
                 return False
             for name in names:
@@ -359,7 +365,7 @@ class SlotReader:
         return int(self._c["ask"][self.worker])
 
     def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
-        with locked(self._lock, f"worker {self.worker} replying"):
+        with locked(self._lock, "worker %d replying", self.worker):
             names = [k[1] for k in self._asked if int(self._slot[k]) == request]
             for name, value in read(names).items():
                 self._slot[("reply", name)].copy_(value)
@@ -368,25 +374,32 @@ class SlotReader:
 
     def ack_received(self, version: int) -> None:
         if version > self._c["received"][self.worker]:
-            self._acknowledge("received", version)
+            self._acknowledge(version, applied=False)
 
     def ack_applied(self, version: int) -> None:
-        self._acknowledge("applied", version)
-        self.ack_received(version)
+        self._acknowledge(version, applied=True)
 
-    def _acknowledge(self, what: str, version: int) -> None:
-        """Record the acknowledgement and count it down; release the sender only when it was
-        the last one counted, or when the countdown does not cover it."""
-        mode = 2 if what == "applied" else 0
-        tally = self.table.tally
-        with locked(self._tally, f"worker {self.worker} acknowledging"):
-            self._c[what][self.worker] = version
-            left = int(tally[mode + 1])
-            counted = left > 0 and version >= tally[mode]
-            if counted:
-                tally[mode + 1] = left - 1
-        if not counted or left == 1:
-            self._acks[1 if mode else 0].release()
+    def _acknowledge(self, version: int, *, applied: bool) -> None:
+        """Record the acknowledgement (``applied`` implies received) under the tally lock, and
+        wake the sender for each counter that asks to."""
+        with locked(self._tally, "worker %d acknowledging", self.worker):
+            wake_received = version > self._c["received"][self.worker] and self._count("received", version)
+            wake_applied = applied and self._count("applied", version)
+        if wake_received:
+            self._acks[0].release()
+        if wake_applied:
+            self._acks[1].release()
+
+    def _count(self, what: str, version: int) -> bool:
+        """(Under the tally lock.) Record ``what`` and count it down; return whether to wake
+        the sender: it was the last one counted, or the countdown does not cover it."""
+        self._c[what][self.worker] = version
+        mode, tally = (2 if what == "applied" else 0), self.table.tally
+        left = int(tally[mode + 1])
+        if left <= 0 or version < tally[mode]:
+            return True
+        tally[mode + 1] = left - 1
+        return left == 1
 
     def report_failure(self, version: int, text: str) -> None:
         data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
