@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import desired, gather
 from envsync.errors import ValidationError
-from envsync.state import flat_names
+from envsync.state import Leaf, flat_names
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
@@ -73,9 +72,7 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
     return sender._push_rows(dict(zip(indices, rows, strict=True)), by_env=True, wait=None, timeout=30.0)
 
 
-def _keep_for_attach(
-    sender: Sender, version: int, rows: list[dict[str, torch.Tensor]], env_state: Any, own: Any
-) -> int:
+def _keep_for_attach(sender: Sender, version: int, rows: list[dict[str, Leaf]], env_state: Any, own: Any) -> int:
     """No collector yet: what the next one starts from (env state is checked at attach,
     when the env's keys are known)."""
     # a restore with workers' own env state is a version of its own (stamps > 0)

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 
 from envsync.links.base import Flat, Key
+from envsync.state import Leaf, tensor_of
 
 NEVER = torch.zeros((), dtype=torch.int64)
 """The stamp of an env-state entry that was never pushed (a worker never loads it)."""
 
 
-def leaves(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Tensor], version: int) -> Flat:
+def leaves(config: Mapping[str, Leaf], env_state: Mapping[str, torch.Tensor], version: int) -> Flat:
     """One update as leaves: config names, env-state entries and their stamps.
 
     Examples:
@@ -34,22 +35,22 @@ def leaves(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Ten
     return out
 
 
-def start(config: Mapping[str, torch.Tensor], env_state: Mapping[str, torch.Tensor]) -> Flat:
+def start(config: Mapping[str, Leaf], env_state: Mapping[str, torch.Tensor]) -> Flat:
     """The leaves every worker starts from: the template config, env state never pushed."""
     return leaves(config, env_state, 0)
 
 
-def section(flat: Mapping[Key, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+def section(flat: Mapping[Key, Leaf], name: str) -> dict[str, Leaf]:
     """The leaves of one section by dotted name (``"config"``, ``"env_state"``, ``"stamp"``)."""
     return {k[1]: v for k, v in flat.items() if k[0] == name}
 
 
-def pushed_env_state(flat: Mapping[Key, torch.Tensor]) -> dict[str, torch.Tensor]:
+def pushed_env_state(flat: Mapping[Key, Leaf]) -> dict[str, torch.Tensor]:
     """The env-state entries that were pushed at least once (stamp > 0)."""
-    return {k[1]: v for k, v in flat.items() if k[0] == "env_state" and int(flat[("stamp", k[1])]) > 0}
+    return {k[1]: tensor_of(v) for k, v in flat.items() if k[0] == "env_state" and int(flat[("stamp", k[1])]) > 0}
 
 
-def replaced(current: Mapping[Key, torch.Tensor], update: Iterable[Key]) -> Flat:
+def replaced(current: Mapping[Key, Leaf], update: Iterable[Key]) -> Flat:
     """The entries of ``current`` that ``update`` is about to replace (references)."""
     return {key: current[key] for key in update}
 

@@ -28,7 +28,7 @@ from envsync.probe import Probe
 from envsync.protocol import ApplyAt, Until
 from envsync.receiver import ApplySpec
 from envsync.reinit import Policy, ReinitSpec, Selector
-from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate
+from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, Leaf, nest, tensor_of
 
 Prepare = Callable[[], tuple[dict[int, Flat], Flat | None]]
 
@@ -280,7 +280,7 @@ class Sender:
             version = self._version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}
 
-            def update(c: dict[str, torch.Tensor], e: int | None) -> Flat:
+            def update(c: Mapping[str, Leaf], e: int | None) -> Flat:
                 return desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
 
             if rows is None and not self.spec.reinit.computes_in_main:  # one update for all (never mutated)
@@ -354,7 +354,7 @@ class Sender:
 
     def _with_main_stats(
         self,
-        config: dict[str, torch.Tensor],
+        config: Mapping[str, Leaf],
         env_state: dict[str, torch.Tensor],
         worker: int | None,
         cache: dict[bytes, dict[str, torch.Tensor]],
@@ -367,9 +367,9 @@ class Sender:
         source = self._default if worker is None else self._mirror(worker)
         merged = desired.section(source, "config")
         merged.update(config)
-        key = b"".join(merged[k].numpy().tobytes() for k in sorted(merged))
+        key = b"".join(tensor_of(merged[k]).numpy().tobytes() for k in sorted(merged))
         if key not in cache:
-            stats = self._probe_or_fail().main_stats(self.spec, _nest(merged))
+            stats = self._probe_or_fail().main_stats(self.spec, nest(merged))
             cache[key] = self.env_state_template().fit(stats)
         return {**cache[key], **env_state}
 
@@ -396,7 +396,7 @@ class Sender:
         self._undo = undo
         return version
 
-    def _set_default(self, entries: Mapping[Key, torch.Tensor | None]) -> None:
+    def _set_default(self, entries: Mapping[Key, Leaf | None]) -> None:
         for key, value in entries.items():
             if value is None:
                 self._default.pop(key, None)
@@ -523,11 +523,11 @@ class Sender:
         """The desired config of a worker (its first env's, for a batched worker), or of
         env ``env``; with neither, the config a worker joining later starts from."""
         if worker is None and env is None:
-            return _nest(desired.section(self._default, "config")).clone()
+            return nest(desired.section(self._default, "config")).clone()
         with self._lock:
             self._prune()
             index = self._fleet.targets(None if worker is None else [worker], None if env is None else [env])[0]
-            return _nest(desired.section(self._mirror(index), "config")).clone()
+            return nest(desired.section(self._mirror(index), "config")).clone()
 
     def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
         """A checkpoint: ``{"version", "config", "env_state"}`` and, after a ``sync_stats``,
@@ -590,7 +590,3 @@ class Sender:
 def _release(attachment: Attachment) -> None:
     attachment.on_close()
     attachment.link.close()
-
-
-def _nest(flat: Mapping[str, torch.Tensor]) -> TensorDict:
-    return TensorDict({tuple(k.split(".")): v for k, v in flat.items()}, batch_size=[])

@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -18,6 +19,25 @@ from envsync.errors import ValidationError
 
 ConfigValue = int | float | bool | torch.Tensor | Mapping[str, Any]
 ApplyFn = Callable[[Any, TensorDictBase], None]
+
+Leaf = torch.Tensor | np.ndarray
+"""A config or env-state value inside envsync. Config values fitted from plain numbers, and
+config leaves as a link reads them, are numpy arrays: a small push then makes no torch call,
+and a torch call costs tens of microseconds when the caches are cold, as they are in a
+process just woken up. Env-state values are always tensors."""
+
+
+def _numpy_dtype(like: torch.Tensor) -> np.dtype | None:
+    """The numpy dtype of a tensor's, or ``None`` where numpy has none (bfloat16)."""
+    try:
+        return like.numpy().dtype
+    except TypeError:
+        return None
+
+
+def tensor_of(value: Leaf) -> torch.Tensor:
+    """``value`` as a tensor (a numpy array is wrapped, sharing its memory)."""
+    return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
 
 
 def _leaf_tensor(path: str, value: Any) -> torch.Tensor:
@@ -56,8 +76,9 @@ def _flatten_config(values: Any) -> dict[str, Any]:
     return _flatten(values, what="config", expected="a mapping of names to values")
 
 
-def _nest(flat: Mapping[str, torch.Tensor]) -> TensorDict:
-    return TensorDict({tuple(k.split(".")): v for k, v in flat.items()}, batch_size=[])
+def nest(flat: Mapping[str, Leaf]) -> TensorDict:
+    """Flat leaves by dotted name as a nested ``TensorDict`` (numpy leaves wrapped, not copied)."""
+    return TensorDict({tuple(k.split(".")): tensor_of(v) for k, v in flat.items()}, batch_size=[])
 
 
 def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
@@ -72,10 +93,18 @@ def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
 
 
 def _fit(
-    what: str, path: str, value: Any, like: torch.Tensor, allow_nonfinite: bool, *, copy: bool = True
-) -> torch.Tensor:
+    what: str,
+    path: str,
+    value: Any,
+    like: torch.Tensor,
+    allow_nonfinite: bool,
+    *,
+    copy: bool = True,
+    numpy_dtype: np.dtype | None = None,
+) -> Leaf:
     """Check one pushed value against its template tensor; return it as a fresh tensor (or,
-    with ``copy=False``, the caller's own tensor when it already has the template's dtype)."""
+    with ``copy=False``, the caller's own tensor when it already has the template's dtype).
+    A plain number for a 0-d template with ``numpy_dtype`` becomes a 0-d numpy array."""
     if isinstance(value, Mapping | TensorDictBase):
         raise ValidationError(f"{what} {path!r} is a value in the template, not a mapping")
     if isinstance(value, bool | int | float):
@@ -91,7 +120,12 @@ def _fit(
             raise ValidationError(
                 f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
             )
-        tensor = torch.as_tensor(value, dtype=like.dtype)
+        try:
+            if numpy_dtype is not None:
+                return np.asarray(value, dtype=numpy_dtype)
+            tensor = torch.as_tensor(value, dtype=like.dtype)
+        except (OverflowError, RuntimeError) as err:
+            raise ValidationError(f"{what} {path!r} does not fit dtype {like.dtype}: {value!r}") from err
         if tensor.shape != like.shape:
             raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}")
         return tensor
@@ -135,7 +169,8 @@ class ConfigTemplate:
                 _check_finite("config value", path, tensor)
         self.allow_nonfinite = allow_nonfinite
         self._flat = flat
-        self.values = _nest(flat)
+        self._numpy = {path: _numpy_dtype(t) if t.ndim == 0 else None for path, t in flat.items()}
+        self.values = nest(flat)
 
     @property
     def names(self) -> list[str]:
@@ -154,21 +189,22 @@ class ConfigTemplate:
         Raises:
             ValidationError: unknown name, wrong shape or dtype, non-numeric or non-finite value.
         """
-        return _nest(self.fit(values))
+        return nest(self.fit(values))
 
-    def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, torch.Tensor]:
-        """Like :meth:`validate`, but flat: dotted names to fresh tensors."""
+    def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, Leaf]:
+        """Like :meth:`validate`, but flat: dotted names to fresh values (a plain number for a
+        0-d leaf becomes a numpy array, see :data:`Leaf`; everything else a tensor)."""
         return {path: self._fit_named(path, value) for path, value in _flatten_config(values).items()}
 
-    def _fit_named(self, path: str, value: Any) -> torch.Tensor:
+    def _fit_named(self, path: str, value: Any) -> Leaf:
         like = self._flat.get(path)
         if like is None:
             raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
-        return _fit("config value", path, value, like, self.allow_nonfinite)
+        return _fit("config value", path, value, like, self.allow_nonfinite, numpy_dtype=self._numpy[path])
 
     def fit_rows(
         self, values: Mapping[str, Any] | TensorDictBase, count: int
-    ) -> dict[str, torch.Tensor] | list[dict[str, torch.Tensor]]:
+    ) -> dict[str, Leaf] | list[dict[str, Leaf]]:
         """Fit a config for ``count`` envs: a value whose shape is ``(count, *template
         shape)`` (or any value of a TensorDict with batch size ``[count]``) gives one row per
         env; every other value is the same for all of them. Returns what :meth:`fit` returns
@@ -180,7 +216,7 @@ class ConfigTemplate:
             >>> [(round(r["difficulty"].item(), 1), r["seed"].item()) for r in rows]
             [(0.1, 7), (0.2, 7)]
             >>> template.fit_rows({"difficulty": 0.3}, 2)
-            {'difficulty': tensor(0.3000)}
+            {'difficulty': array(0.3, dtype=float32)}
         """
         batch = tuple(values.batch_size) if isinstance(values, TensorDictBase) else ()
         if batch and batch != (count,):
@@ -227,7 +263,7 @@ class EnvStateTemplate:
             if isinstance(v, torch.Tensor) and not torch.nn.parameter.is_lazy(v)
         }
         self.allow_nonfinite = allow_nonfinite
-        self.values = _nest(self._flat)
+        self.values = nest(self._flat)
 
     @property
     def keys(self) -> list[str]:
@@ -246,7 +282,7 @@ class EnvStateTemplate:
         Raises:
             ValidationError: a key the env does not have, wrong shape or dtype, non-finite value.
         """
-        return _nest(self.fit(values))
+        return nest(self.fit(values))
 
     def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, torch.Tensor]:
         """Like :meth:`validate`, but flat: state_dict keys to fresh tensors."""
@@ -256,7 +292,7 @@ class EnvStateTemplate:
             if key not in self._flat:
                 raise ValidationError(f"env_state key {key!r} is not in the env's state_dict; known: {self.keys}")
             # no copy: the link copies the caller's tensor straight into the workers' slots
-            fitted[key] = _fit("env_state", key, value, self._flat[key], self.allow_nonfinite, copy=False)
+            fitted[key] = tensor_of(_fit("env_state", key, value, self._flat[key], self.allow_nonfinite, copy=False))
         return fitted
 
     @property
@@ -265,15 +301,15 @@ class EnvStateTemplate:
         return self._flat
 
 
-def config_kwargs(config: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Turn a config (nested, or flat by dotted name) into keyword arguments: 0-d tensors
-    become Python numbers, dotted names nested mappings.
+def config_kwargs(config: TensorDictBase | Mapping[str, Leaf]) -> dict[str, Any]:
+    """Turn a config (nested, or flat by dotted name) into keyword arguments: 0-d values
+    become Python numbers, others fresh tensors, dotted names nested mappings.
 
     Examples:
         >>> config_kwargs(TensorDict({"a": torch.tensor(2.5), "b": {"c": torch.ones(2)}}))
         {'a': 2.5, 'b': {'c': tensor([1., 1.])}}
-        >>> config_kwargs({"a": torch.tensor(1), "b.c": torch.tensor(True)})
-        {'a': 1, 'b': {'c': True}}
+        >>> config_kwargs({"a": torch.tensor(1), "b.c": np.array(True), "d": np.zeros(2)})
+        {'a': 1, 'b': {'c': True}, 'd': tensor([0., 0.], dtype=torch.float64)}
     """
     flat = _flatten(config, what="config", expected="a mapping") if isinstance(config, TensorDictBase) else config
     out: dict[str, Any] = {}
@@ -282,7 +318,10 @@ def config_kwargs(config: TensorDictBase | Mapping[str, torch.Tensor]) -> dict[s
         into = out
         for part in path:
             into = into.setdefault(part, {})
-        into[leaf] = value.item() if value.ndim == 0 else value.clone()
+        if value.ndim == 0:
+            into[leaf] = value.item()
+        else:
+            into[leaf] = torch.from_numpy(value.copy()) if isinstance(value, np.ndarray) else value.clone()
     return out
 
 
@@ -311,7 +350,7 @@ def find_config_method(env: Any, name: str) -> Callable[..., Any]:
     raise ValidationError(f"apply={name!r}: no such method on the env or its base envs {chain}")
 
 
-FlatConfig = Mapping[str, torch.Tensor]
+FlatConfig = Mapping[str, Leaf]
 """A whole config by dotted name, as a link carries it."""
 
 
@@ -324,7 +363,7 @@ def config_applier(env: Any, apply: str | ApplyFn | None) -> Callable[[FlatConfi
     if isinstance(apply, str):
         method = find_config_method(env, apply)
         return lambda config: method(**config_kwargs(config))
-    return lambda config: apply(env, _nest(dict(config)))
+    return lambda config: apply(env, nest(dict(config)))
 
 
 def apply_config(env: Any, apply: str | ApplyFn | None, config: TensorDictBase) -> None:

@@ -16,6 +16,7 @@ import torch
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import PREFIX, SHM_DIR, SharedMemoryLink, sweep_stale
 from envsync.protocol import NO_FAILURE
+from envsync.state import tensor_of
 
 LEAVES = {
     ("config", "difficulty"): torch.tensor(0.0),
@@ -175,7 +176,7 @@ def test_reader_never_sees_a_torn_payload(kind: str) -> None:
         end = link.handle().open(0)
         for _ in range(300):
             header = end.read_header()
-            values = {float(v) for t in header.config.values() for v in t.unique()}
+            values = {float(v) for t in header.config.values() for v in tensor_of(t).unique()}
             if values != {float(header.version)} and header.version:
                 torn.append((header.version, sorted(values)))
     finally:

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from envsync.protocol import WorkerStatus
+from envsync.state import Leaf, tensor_of
 
 Key = tuple[str, str]
 """A leaf of a worker's desired state: ``(section, dotted name)``. Sections: ``"config"``
@@ -29,7 +30,7 @@ Key = tuple[str, str]
 ``"transforms.0.loc"``) and ``"stamp"`` (per env-state key, the version that last pushed it;
 0 means never pushed)."""
 
-Flat = dict[Key, torch.Tensor]
+Flat = dict[Key, Leaf]
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,14 @@ class Header:
 
     Args:
         version: the target version.
-        config: the config leaves, copied out of the slot.
+        config: the config leaves, copied out of the slot (numpy arrays, except for dtypes
+            numpy lacks, such as bfloat16).
         stamps: per env-state key, the version that last pushed it.
         undo: a version whose env-state changes this worker must undo (0: none).
     """
 
     version: int
-    config: dict[str, torch.Tensor]
+    config: dict[str, Leaf]
     stamps: dict[str, int]
     undo: int
 
@@ -55,11 +57,11 @@ class SenderLink(Protocol):
 
     num_workers: int
 
-    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+    def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically."""
 
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
         """Like ``write`` to each worker of ``entries``, with the env-state values ``shared``
         (the same for all of them) written once for all."""
@@ -176,7 +178,7 @@ def write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mar
     fleet-wide push) is written once for all, to the broadcast region."""
     first = next(iter(group.values()))
     shared = {
-        k[1]: v
+        k[1]: tensor_of(v)
         for k, v in first.items()
         if k[0] == "env_state" and all(update.get(k) is v for update in group.values())
     }

@@ -12,6 +12,7 @@ import torch
 
 from envsync.links.base import Key
 from envsync.links.slots import SlotReader, SlotWriter, Table, plan
+from envsync.state import Leaf
 
 
 class LocalLink(SlotWriter):
@@ -32,7 +33,7 @@ class LocalLink(SlotWriter):
     """
 
     def __init__(
-        self, leaves: Mapping[Key, torch.Tensor], num_workers: int, *, alive: Callable[[int], bool] = lambda w: True
+        self, leaves: Mapping[Key, Leaf], num_workers: int, *, alive: Callable[[int], bool] = lambda w: True
     ) -> None:
         fields, size = plan(leaves, num_workers)
         table = Table(torch.zeros(size, dtype=torch.uint8), fields, num_workers)

@@ -41,6 +41,7 @@ import torch
 from envsync.errors import ValidationError
 from envsync.links.base import Key, SenderLink
 from envsync.protocol import NO_FAILURE, WorkerStatus
+from envsync.state import Leaf
 
 HEARTBEAT = 0.5
 """Seconds between a relay's reports when nothing changes."""
@@ -48,7 +49,7 @@ STALE_AFTER = 3.0
 """Seconds without a report after which a remote collector counts as dead."""
 _POLL = 0.5
 
-Payload = dict[int, tuple[int, int, dict[Key, torch.Tensor]]]
+Payload = dict[int, tuple[int, int, dict[Key, Leaf]]]
 """What one push puts into the object store: link worker -> (version, undo mark, leaves)."""
 Acks = tuple[int, int, int, bool]
 """One worker's report: ``(received, applied, failed, alive)``."""
@@ -137,7 +138,7 @@ class RayLink:
         'RayLink'
     """
 
-    def __init__(self, leaves: Mapping[Key, torch.Tensor], workers: Sequence[int], mailbox: Any) -> None:
+    def __init__(self, leaves: Mapping[Key, Leaf], workers: Sequence[int], mailbox: Any) -> None:
         self.num_workers = sum(workers)
         self.workers = list(workers)
         self.mailbox = mailbox
@@ -162,7 +163,7 @@ class RayLink:
             worker -= count
         raise IndexError(worker)
 
-    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+    def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         if self._closed:
             raise RuntimeError("link is closed")
         _, _, held = self._pending.get(worker, (0, 0, {}))
@@ -171,7 +172,7 @@ class RayLink:
         self._target[worker] = version
 
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
         # one object-store put per push carries it all anyway (see flush)
         for worker, own in entries.items():

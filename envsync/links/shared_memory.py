@@ -24,6 +24,7 @@ import torch
 
 from envsync.links.base import Key
 from envsync.links.slots import Field, SlotReader, SlotWriter, Table, pid_alive, plan
+from envsync.state import Leaf
 
 SHM_DIR = "/dev/shm"
 PREFIX = "envsync-"
@@ -87,7 +88,7 @@ class SharedMemoryLink:
 
     def __init__(
         self,
-        leaves: Mapping[Key, torch.Tensor],
+        leaves: Mapping[Key, Leaf],
         num_workers: int,
         *,
         ctx: Any,
@@ -128,11 +129,11 @@ class SharedMemoryLink:
             raise RuntimeError("link is closed")
         return self._writer
 
-    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+    def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         self._live().write(worker, version, entries, undo=undo)
 
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
         self._live().broadcast(version, shared, entries)
 

@@ -30,6 +30,7 @@ import torch
 from envsync.errors import EnvSyncError
 from envsync.links.base import Header, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus
+from envsync.state import Leaf, tensor_of
 
 ERROR_BYTES = 16384
 COUNTERS = (
@@ -83,7 +84,7 @@ class Field:
         return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def plan(leaves: Mapping[Key, torch.Tensor], num_workers: int) -> tuple[list[Field], int]:
+def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int]:
     """Lay out counters, error buffer and leaves, each 64-byte aligned; return fields and size.
 
     Examples:
@@ -102,21 +103,34 @@ def plan(leaves: Mapping[Key, torch.Tensor], num_workers: int) -> tuple[list[Fie
     offset = _align(offset + num_workers * ERROR_BYTES)
     gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
     marks = {(kind, k[1]): torch.zeros((), dtype=torch.int64) for k in gathered for kind in ("asked", "source")}
-    for key, value in {**leaves, **gathered, **marks}.items():
+    for key, leaf in {**leaves, **gathered, **marks}.items():
+        value = tensor_of(leaf)
         field = Field(("leaf", *key), value.dtype, (num_workers, *value.shape), offset)
         fields.append(field)
         offset = _align(offset + field.nbytes)
-    for key, value in leaves.items():  # the broadcast region: one copy for every worker
+    for key, leaf in leaves.items():  # the broadcast region: one copy for every worker
         if key[0] == "env_state":
+            value = tensor_of(leaf)
             field = Field(("broadcast", key[1]), value.dtype, tuple(value.shape), offset)
             fields.append(field)
             offset = _align(offset + field.nbytes)
     return fields, max(offset, _ALIGN)
 
 
+def _numpy(view: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of the same bytes, or ``None`` for a dtype numpy lacks (bfloat16)."""
+    try:
+        return view.numpy()
+    except TypeError:
+        return None
+
+
 class Table:
     """Typed views of the block: numpy counters, the error buffer, and per worker a dict of
-    leaf views made once (indexing per push would cost more than the copy)."""
+    leaf views made once (indexing per push would cost more than the copy), as tensors
+    (``slots``) and as numpy arrays (``arrays``; ``None`` where numpy lacks the dtype): small
+    leaves and marks move through numpy, which costs far less than a torch call when the
+    caches are cold."""
 
     def __init__(self, raw: torch.Tensor, fields: list[Field], num_workers: int) -> None:
         self.raw = raw
@@ -127,7 +141,15 @@ class Table:
         self.error = arrays[("error",)].numpy()
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
+        self.arrays = [{k: _numpy(v) for k, v in slot.items()} for slot in self.slots]
         self.broadcast = {k[1]: v for k, v in arrays.items() if k[0] == "broadcast"}
+
+    def array(self, worker: int, key: Key) -> np.ndarray:
+        """The numpy view of a leaf whose dtype numpy has (every stamp and mark)."""
+        view = self.arrays[worker][key]
+        if view is None:
+            raise TypeError(f"leaf {key} has a dtype numpy lacks")
+        return view
 
     def status(self, worker: int) -> WorkerStatus:
         c = self.counters
@@ -181,19 +203,19 @@ class SlotWriter:
         self._waiters = 0
         self._waiters_lock = threading.Lock()
 
-    def initialise(self, leaves: Mapping[Key, torch.Tensor]) -> None:
+    def initialise(self, leaves: Mapping[Key, Leaf]) -> None:
         """Give every worker the same starting leaves at version 0 (before any worker reads)."""
         self.table.counters["failed"][:] = NO_FAILURE
         for slot in self.table.slots:
             for key, value in leaves.items():
-                slot[key].copy_(value)
+                slot[key].copy_(tensor_of(value))
 
-    def write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], *, undo: int = 0) -> None:
+    def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         self._check(worker, entries)
         with locked(self._locks[worker], "writing worker %d", worker):
             self._write(worker, version, entries, undo)
 
-    def _check(self, worker: int, entries: Mapping[Key, torch.Tensor]) -> None:
+    def _check(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
         """Every leaf is checked before any byte moves: a write never stops half-way."""
         slot = self.table.slots[worker]
         for key, value in entries.items():
@@ -202,17 +224,20 @@ class SlotWriter:
                 held = None if view is None else tuple(view.shape)
                 raise ValueError(f"leaf {key} of shape {tuple(value.shape)} does not fit the slot's {held}")
 
-    def _write(self, worker: int, version: int, entries: Mapping[Key, torch.Tensor], undo: int) -> None:
-        slot = self.table.slots[worker]
+    def _write(self, worker: int, version: int, entries: Mapping[Key, Leaf], undo: int) -> None:
+        table, slot = self.table, self.table.slots[worker]
         for key, value in entries.items():
-            slot[key].copy_(value)
+            if isinstance(value, np.ndarray):
+                table.array(worker, key)[...] = value
+            else:
+                slot[key].copy_(value)
             if key[0] == "env_state":
-                slot[("source", key[1])].fill_(0)  # this worker's own value, not the broadcast
+                table.array(worker, ("source", key[1]))[...] = 0  # this worker's own value, not the broadcast
         self.table.counters["undo"][worker] = undo
         self.table.counters["target"][worker] = version
 
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, torch.Tensor]]
+        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
         """Publish ``version`` to the workers of ``entries`` (their own leaves: config, stamps)
         with the env-state values ``shared`` written once, to the broadcast region, for all.
@@ -235,7 +260,7 @@ class SlotWriter:
             for worker in workers:
                 self._write(worker, version, entries[worker], 0)
                 for name in shared:
-                    self.table.slots[worker][("source", name)].fill_(version)
+                    self.table.array(worker, ("source", name))[...] = version
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
@@ -243,7 +268,7 @@ class SlotWriter:
         with locked(self._locks[worker], "reading back worker %d", worker):
             out = {key: view.clone() for key, view in slot.items()}
             for name, region in self.table.broadcast.items():
-                if int(slot[("source", name)]) > 0:
+                if int(self.table.array(worker, ("source", name))) > 0:
                     out[("env_state", name)] = region.clone()
             return out
 
@@ -252,10 +277,9 @@ class SlotWriter:
 
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask ``worker`` for the current values of ``names`` (answered at a safe point)."""
-        slot = self.table.slots[worker]
         with locked(self._locks[worker], "asking worker %d", worker):
             for name in names:
-                slot[("asked", name)].fill_(request)
+                self.table.array(worker, ("asked", name))[...] = request
             self.table.counters["ask"][worker] = request
 
     def answered(self, worker: int) -> int:
@@ -347,17 +371,21 @@ class SlotReader:
         with locked(self._lock, "worker %d reading", self.worker):
             return Header(
                 version=int(self.targets[self.worker]),
-                config={k[1]: self._slot[k].clone() for k in self._config},
-                stamps={k[1]: int(self._slot[k]) for k in self._stamps},
+                config={k[1]: self._copy(k) for k in self._config},
+                stamps={k[1]: int(self.table.array(self.worker, k)) for k in self._stamps},
                 undo=int(self._c["undo"][self.worker]),
             )
+
+    def _copy(self, key: Key) -> Leaf:
+        view = self.table.arrays[self.worker][key]
+        return view.copy() if view is not None else self._slot[key].clone()
 
     def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
         with locked(self._lock, "worker %d loading", self.worker):
             if int(self.targets[self.worker]) != version:
                 return False
             for name in names:
-                shared = int(self._slot[("source", name)]) > 0
+                shared = int(self.table.array(self.worker, ("source", name))) > 0
                 load(name, self.table.broadcast[name] if shared else self._slot[("env_state", name)])
             return True
 
@@ -366,7 +394,7 @@ class SlotReader:
 
     def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         with locked(self._lock, "worker %d replying", self.worker):
-            names = [k[1] for k in self._asked if int(self._slot[k]) == request]
+            names = [k[1] for k in self._asked if int(self.table.array(self.worker, k)) == request]
             for name, value in read(names).items():
                 self._slot[("reply", name)].copy_(value)
             self._c["answered"][self.worker] = request

@@ -31,7 +31,7 @@ from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.receiver import ApplySpec, EnvStateReceiver
-from envsync.state import FlatConfig, config_kwargs, find_config_method, flat_names
+from envsync.state import FlatConfig, config_kwargs, find_config_method, flat_names, tensor_of
 
 
 def _takes_env_ids(fn: Callable[..., Any]) -> bool:
@@ -51,7 +51,7 @@ class RowApplier:
     """
 
     def __init__(self, env: EnvBase, apply: Any, initial_config: FlatConfig, num_envs: int) -> None:
-        self._current = [dict(initial_config) for _ in range(num_envs)]
+        self._current = [tensors(initial_config) for _ in range(num_envs)]
         self._call: Callable[..., Any] | None = None
         self.by_rows = False
         if isinstance(apply, str):
@@ -72,16 +72,22 @@ class RowApplier:
         else:
             self._call(stacked)
 
-    def apply(self, row: int, config: FlatConfig) -> None:
-        """Give ``row`` the whole ``config``."""
+    def apply(self, row: int, flat: FlatConfig) -> None:
+        """Give ``row`` the whole config ``flat``."""
+        config = tensors(flat)
         if self._call is not None:
             if self.by_rows:
                 self._call({k: v.unsqueeze(0) for k, v in config.items()}, env_ids=torch.tensor([row]))
             else:
                 rows = [dict(c) for c in self._current]
-                rows[row] = dict(config)
+                rows[row] = config
                 self._call({k: torch.stack([r[k] for r in rows]) for k in config})
-        self._current[row] = dict(config)
+        self._current[row] = config
+
+
+def tensors(config: FlatConfig) -> dict[str, torch.Tensor]:
+    """A config's values as tensors (a link reads them back as numpy arrays)."""
+    return {k: tensor_of(v) for k, v in config.items()}
 
 
 def _rows(config: FlatConfig) -> TensorDict:
