@@ -4,12 +4,18 @@ A gymnasium env (envsync's ``DriftEnv`` through ``GymEnv``) in a torchrl
 ``MultiAsyncCollector`` of 1, 4, 10 and 20 workers, built with spawn (torchrl's default, set
 explicitly), ``policy=None``, ``total_frames=-1``. Per worker count:
 
-- envsync: the collector is iterated; every ``2 * window`` batches the loop body calls
+- envsync: the collector is iterated; every ``2 * window`` batches the loop body either
+  switches the difficulty or, as a control, does nothing (alternately). A switch calls
   ``sender.push(config={"difficulty": x}, wait="received")`` and then
   ``sender.wait(version, until="applied")`` (``apply_at="step"``: each worker applies it at
   its next step, while the loop body waits), and checks that ``sender.versions()`` all show
-  the new version. Frames/s over the ``window`` batches before the push and the ``window``
-  batches after it (the push included) give an after/before ratio per switch.
+  the new version. Frames/s over the ``window`` batches before a mark and the ``window``
+  batches after it (the push included) give an after/before ratio per mark; the controls
+  show how much that ratio moves by noise alone.
+- The switches alternate between ``+d`` and ``-d`` (the run starts at ``+d``): DriftEnv's
+  dynamics under ``-d`` mirror those under ``+d``, so episodes last as long and a frame costs
+  the same before and after a switch. (A harder difficulty ends episodes sooner, and resets
+  cost more than steps: switching 0.1 -> 0.2 -> ... would measure the config, not envsync.)
 - a restart, what users do today to switch: ``collector.shutdown()`` + building the same
   collector + its first batch.
 
@@ -40,8 +46,9 @@ NAME = "workload"
 class Args:
     workers: list[int] = field(default_factory=lambda: [1, 4, 10, 20])
     frames_per_batch: int = 500  # one worker's batch: ~0.1-0.2 s of DriftEnv on this machine
-    switches: int = 5  # pushes per worker count
-    window: int = 10  # batches before and after each push (at least the worker count)
+    switches: int = 5  # pushes per worker count (and as many control marks)
+    window: int = 10  # batches before and after each mark (at least the worker count)
+    difficulty: float = 0.5  # the switches alternate between -difficulty and +difficulty
     restarts: int = 2  # restarts per worker count below `many_workers`
     many_workers: int = 10  # from this worker count on, `many_restarts` restarts
     many_restarts: int = 1
@@ -70,41 +77,60 @@ def _build(sender: EnvStateSender, workers: int, args: Args) -> Any:
 
 
 @dataclass
-class Switch:
-    batch: int  # index of the batch after which the loop body pushed
-    start: float  # perf_counter when the push began
+class Mark:
+    batch: int  # index of the batch after which the loop body pushed (or, a control, did nothing)
+    start: float  # perf_counter when the push began (or the control mark)
+
+
+@dataclass
+class Switch(Mark):
     received_s: float
     applied_s: float
     all_applied: bool  # sender.versions() all equal the pushed version afterwards
 
 
 def _iterate(batches: Any, sender: EnvStateSender, workers: int, args: Args, bar: tqdm) -> dict[str, Any]:
-    """Warm up for ``window`` batches, then push every ``2 * window`` batches from the loop body."""
+    """Warm up for ``window`` batches, then every ``2 * window`` batches a mark from the loop
+    body: a switch, then a control, alternately."""
     window = max(args.window, workers)
-    first = 2 * window - 1  # batch index of the first push: a warm-up window, then a "before" window
-    last = first + 2 * window * (args.switches - 1) + window  # the last push's "after" window ends here
+    marks = 2 * args.switches
+    first = 2 * window - 1  # batch index of the first mark: a warm-up window, then a "before" window
+    last = first + 2 * window * (marks - 1) + window  # the last mark's "after" window ends here
     arrivals: list[float] = []
-    switches: list[Switch] = []
+    done: list[Mark] = []
+    sender.push(config={"difficulty": args.difficulty}, wait="applied")  # the warm-up runs at +d
     for i, _batch in enumerate(batches):
         arrivals.append(time.perf_counter())
         if i == last:
             break
-        if i >= first and (i - first) % (2 * window) == 0 and len(switches) < args.switches:
-            difficulty = 0.1 * (len(switches) + 1)
-            start = time.perf_counter()
-            version = sender.push(config={"difficulty": difficulty}, wait="received")
-            received = time.perf_counter()
-            sender.wait(version, until="applied")
-            applied = time.perf_counter()
-            ok = all(v == version for v in sender.versions())
-            switches.append(Switch(i, start, received - start, applied - start, ok))
-            bar.update()
+        if i < first or (i - first) % (2 * window) or len(done) == marks:
+            continue
+        start = time.perf_counter()
+        if len(done) % 2:
+            done.append(Mark(i, start))
+            continue
+        difficulty = args.difficulty * (-1 if len(done) % 4 == 0 else 1)  # -d, +d, -d, ...
+        version = sender.push(config={"difficulty": difficulty}, wait="received")
+        received = time.perf_counter()
+        sender.wait(version, until="applied")
+        applied = time.perf_counter()
+        ok = all(v == version for v in sender.versions())
+        done.append(Switch(i, start, received - start, applied - start, ok))
+        bar.update()
     frames = window * args.frames_per_batch
-    fps = [
-        (frames / (s.start - arrivals[s.batch - window]), frames / (arrivals[s.batch + window] - s.start))
-        for s in switches
-    ]
-    return {"window": window, "switches": switches, "fps": fps}
+
+    def fps(mark: Mark) -> tuple[float, float]:
+        before = frames / (mark.start - arrivals[mark.batch - window])
+        return before, frames / (arrivals[mark.batch + window] - mark.start)
+
+    switches = [m for m in done if isinstance(m, Switch)]
+    controls = [m for m in done if not isinstance(m, Switch)]
+    return {
+        "window": window,
+        "switches": switches,
+        "fps": [fps(s) for s in switches],
+        "control_fps": [fps(c) for c in controls],
+    }
 
 
 def _measure(workers: int, args: Args, bar: tqdm) -> dict[str, Any]:
@@ -140,6 +166,7 @@ def _row(workers: int, cold_s: float, restart_s: list[float], iterated: dict[str
     received = [s.received_s for s in switches]
     applied = [s.applied_s for s in switches]
     ratios = [after / before for before, after in iterated["fps"]]
+    controls = [after / before for before, after in iterated["control_fps"]]
     row: dict[str, Any] = {
         "workers": workers,
         "build_first_batch_ms": cold_s * 1e3,
@@ -154,12 +181,15 @@ def _row(workers: int, cold_s: float, restart_s: list[float], iterated: dict[str
         "fps_after": median([after for _, after in iterated["fps"]]),
         "after_over_before": median(ratios),
         "after_over_before_min": min(ratios),
+        "control_after_over_before": median(controls),
+        "control_after_over_before_min": min(controls),
         "window": iterated["window"],
         "raw_s": {
             "restarts": restart_s,
             "received": received,
             "applied": applied,
             "fps_before_after": iterated["fps"],
+            "control_fps_before_after": iterated["control_fps"],
         },
     }
     row["restart_over_received"] = row["restart_ms"] * 1e3 / row["push_received_us"]
@@ -186,6 +216,8 @@ THROUGHPUT_COLUMNS = [
     ("fps_after", "frames/s after (push included)"),
     ("after_over_before", "after / before (median)"),
     ("after_over_before_min", "after / before (worst)"),
+    ("control_after_over_before", "control: after / before (median)"),
+    ("control_after_over_before_min", "control: after / before (worst)"),
     ("build_first_batch_ms", "first build + first batch (ms)"),
 ]
 
@@ -269,9 +301,10 @@ def run(args: Args) -> dict[str, Any]:
             "envsync: apply_at='step'; from the loop body, push(config={'difficulty': x}, wait='received'), "
             "then wait(version, until='applied'); push->applied counts from the start of the push; "
             "'versions() all new' checks sender.versions() right after",
-            f"{args.switches} pushes per worker count, one every 2 x window batches; frames/s over the window "
-            "before the push and the window after it (the push included); no control marks (noise band: "
-            "see throughput_switch)",
+            f"{args.switches} pushes and {args.switches} control marks (nothing done) per worker count, "
+            "alternately, one every 2 x window batches; frames/s over the window before a mark and the window "
+            f"after it (the push included); the difficulty alternates -{args.difficulty}, +{args.difficulty}, "
+            f"... from +{args.difficulty} (mirror-image dynamics: a frame costs the same under both)",
             f"restart = shutdown() + build the same collector + first batch; {args.restarts} per worker count "
             f"below {args.many_workers} workers, {args.many_restarts} from {args.many_workers} on (spawning "
             "that many workers on this machine takes a while); envsync stays attached across restarts",
