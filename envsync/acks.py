@@ -32,25 +32,31 @@ def wait(sender: Sender, version: int, mode: Until, targets: list[int], timeout:
         pending = list(targets)
         located = {w: sender._fleet.locate(w) for w in pending}
     deadline = time.monotonic() + timeout
-    check_liveness = False
     try:
-        while True:
-            link = _progress(sender, pending, located, version, mode, check_liveness)
-            if link is None:
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _timeout(sender, version, pending, [], mode)
+        # first block (a link returns at once when nothing is owed), then read the counters
+        link = located[pending[0]][0].link if pending else None
+        while link is not None:
             slots = [located[e][1] for e in pending if located[e][0].link is link]
+            woken = _block(link, slots, version, mode, deadline - time.monotonic())
             # liveness (a syscall per worker) only when no acknowledgement came in a slice
-            woken = link.wait_acks(
-                min(_ACK_SLICE, remaining), applied=mode is Until.APPLIED, version=version, slots=slots
-            )
-            check_liveness = not woken
+            link = _progress(sender, pending, located, version, mode, check_liveness=not woken)
+            if link is not None and time.monotonic() >= deadline:
+                raise _timeout(sender, version, pending, [], mode)
     except RuntimeError as err:  # a link closed under us
         if sender._closed:
             raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err
         raise
+
+
+def _block(link: SenderLink, slots: list[int], version: int, mode: Until, remaining: float) -> bool:
+    """Block on ``link`` until ``slots`` acknowledged ``version`` (at most a slice); return
+    whether an acknowledgement came. A link closed meanwhile counts as one: the counters
+    read next tell what happened."""
+    try:
+        timeout = max(min(_ACK_SLICE, remaining), 0.0)
+        return link.wait_acks(timeout, applied=mode is Until.APPLIED, version=version, slots=slots)
+    except RuntimeError:
+        return True
 
 
 def _progress(
@@ -69,6 +75,8 @@ def _progress(
                 sender._prune()
             # a collector that left the fleet (pruned here or by anyone) has no link left
             gone = [w for w in pending if located[w][0] not in sender._fleet.attachments]
+            if gone and sender._closed:
+                raise EnvSyncError(f"the sender was closed while waiting for version {version}")
             still = []
             for index in pending:
                 if index in gone:

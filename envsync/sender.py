@@ -283,15 +283,12 @@ class Sender:
             def update(c: Mapping[str, Leaf], e: int | None) -> Flat:
                 return desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
 
-            if rows is None and not self.spec.reinit.computes_in_main:  # one update for all (never mutated)
-                shared = update(cfg, None)
+            shared = update(cfg, None) if rows is None else None  # what a worker joining later starts from
+            if shared is not None and not self.spec.reinit.computes_in_main:  # one update for all (never mutated)
                 updates = dict.fromkeys(targets, shared)
             else:
                 updates = {e: update(c, e) for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)}
-            default = None
-            if workers is None and envs is None and rows is None:
-                default = update(cfg, None)
-            return updates, default
+            return updates, shared if workers is None and envs is None else None
 
         return self._send(prepare, wait=wait, timeout=timeout)
 
@@ -349,7 +346,7 @@ class Sender:
             updates, default = prepare()
             version = self._publish(updates, default=default)
         if until is not None and updates:
-            self.wait(version, until=until.value, envs=list(updates), timeout=timeout)
+            acks.wait(self, version, until, list(updates), timeout)
         return version
 
     def _with_main_stats(
@@ -376,22 +373,23 @@ class Sender:
     def _publish(self, updates: Mapping[int, Flat], *, default: Flat | None, undo_mark: int = 0) -> int:
         """Write each worker's update under a new version, notifying each worker as soon as
         its slot is written; ``default`` also changes what workers joining later start from.
-        Records what it replaces in ``_undo``."""
+        Then records what it replaced in ``_undo`` (the workers are at work meanwhile)."""
         version = self._version + 1
+        located = {index: self._fleet.locate(index) for index in updates}
+        groups: dict[int, tuple[Attachment, dict[int, Flat]]] = {}
+        for index, (attachment, worker) in located.items():
+            groups.setdefault(id(attachment), (attachment, {}))[1][worker] = updates[index]
+        for attachment, group in groups.values():
+            write_group(attachment.link, version, group, undo_mark)
+            attachment.link.flush(version)
         undo = Undo(version)
         if default is not None:
             undo.default = {k: self._default.get(k) for k in default}  # type: ignore[misc]
             self._set_default(default)
-        groups: dict[int, tuple[Attachment, dict[int, Flat]]] = {}
-        for index, update in updates.items():
-            attachment, worker = self._fleet.locate(index)
-            groups.setdefault(id(attachment), (attachment, {}))[1][worker] = update
+        for index, (attachment, worker) in located.items():
             mirror = attachment.mirrors[worker]
-            undo.workers[index] = desired.replaced(mirror, update)
-            mirror.update(update)
-        for attachment, group in groups.values():
-            write_group(attachment.link, version, group, undo_mark)
-            attachment.link.flush(version)
+            undo.workers[index] = desired.replaced(mirror, updates[index])
+            mirror.update(updates[index])
         self._version = version
         self._undo = undo
         return version

@@ -328,11 +328,12 @@ class SlotWriter:
         wakes); return whether any still owes it. Armed, it first takes back the releases made
         before: the counters it reads under the same lock already show them."""
         c = self.table.counters
-        acked, target = c["applied" if applied else "received"], c["target"]
+        acked, target, failed = c["applied" if applied else "received"], c["target"], c["failed"]
         mode = 2 if applied else 0
         with locked(self._tally, "arming the acknowledgement count"):
             owed = [min(version, int(target[s])) for s in slots]
-            left = [o for s, o in zip(slots, owed, strict=True) if acked[s] < o]
+            # a slot that failed the version will not acknowledge it (its failure woke us)
+            left = [o for s, o in zip(slots, owed, strict=True) if acked[s] < o and failed[s] < o]
             if slots and not left:
                 return False
             if slots:
