@@ -41,8 +41,8 @@ PROBE = Path(__file__).resolve().with_name("mapfn_probe.py")
 @dataclass
 class Args:
     workers: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    pushes: int = 40  # idle pushes, map_fn and gymnasium calls per worker count (interleaved)
-    iter_pushes: int = 12  # pushes while iterating
+    pushes: int = 200  # idle pushes, map_fn and gymnasium calls per worker count (interleaved)
+    iter_pushes: int = 20  # pushes while iterating
     restarts: int = 3  # restarts per start method
     frames_per_batch: int = 200
     start_method: str = "spawn"  # of the collector that takes the pushes
