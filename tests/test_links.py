@@ -100,36 +100,36 @@ def test_an_ack_wakes_a_blocked_sender(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_sender_waiting_on_slots_is_woken_once_by_the_last_of_them(kind: str) -> None:
+def test_a_sender_waiting_on_slots_blocks_only_while_one_owes_the_version(kind: str) -> None:
     link = make(kind, 3)
     try:
         ends = [link.handle().open(w) for w in range(3)]
         for w in range(3):
             link.write(w, 1, {("config", "level"): torch.tensor(2)})
-        # armed for slots 0-2 (none has acknowledged): nothing wakes the sender yet
-        assert not link.wait_acks(0.0, applied=True, version=1, slots=[0, 1, 2])
         ends[0].ack_applied(1)
+        # slot 0's release is taken back (its counter shows it): slots 1 and 2 still owe
+        assert not link.wait_acks(0.0, applied=True, version=1, slots=[1, 2])
         ends[1].ack_applied(1)
-        assert not link.wait_acks(0.0, applied=True)  # two of three: no release
+        assert link.wait_acks(0.0, applied=True)  # slot 1's release wakes a plain wait
+        assert not link.wait_acks(0.0, applied=True, version=1, slots=[2])  # slot 2 still owes
         ends[2].ack_applied(1)
-        assert link.wait_acks(0.0, applied=True)  # the last one released it, once
-        assert not link.wait_acks(0.0, applied=True)
         # nobody owes version 1 any more: the wait returns at once
         assert link.wait_acks(0.0, applied=True, version=1, slots=[0, 1, 2])
-        # a failure always wakes the sender, counted or not
+        # a slot that failed the version owes nothing (its failure woke the sender)
         for w in range(3):
             link.write(w, 2, {("config", "level"): torch.tensor(3)})
-        assert not link.wait_acks(0.0, applied=True, version=2, slots=[0, 1, 2])
+        ends[0].ack_applied(2)
         ends[1].report_failure(2, "boom")
-        assert link.wait_acks(0.0, applied=True)
+        assert link.wait_acks(0.0, applied=True, version=2, slots=[1])
+        assert not link.wait_acks(0.0, applied=True, version=2, slots=[1, 2])
     finally:
         link.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_threads_waiting_on_one_link_are_each_woken(kind: str) -> None:
-    """A second waiter turns the countdown off, so that one release cannot serve two waiters:
-    each acknowledgement then wakes one of them, and both wake."""
+    """Threads waiting together do not take back each other's releases: each
+    acknowledgement wakes one of them, and both wake."""
     link = make(kind, 2)
     writer = link if kind == "local" else link._writer
     try:

@@ -39,10 +39,10 @@ class LocalLink(SlotWriter):
         table = Table(torch.zeros(size, dtype=torch.uint8), fields, num_workers)
         locks = [threading.Lock() for _ in range(num_workers)]
         wakes = [threading.Semaphore(0) for _ in range(num_workers)]
-        super().__init__(table, locks, wakes, (threading.Semaphore(0), threading.Semaphore(0)), threading.Lock())
+        super().__init__(table, locks, wakes, (threading.Semaphore(0), threading.Semaphore(0)))
         self.initialise(leaves)
         self._alive = alive
-        self._ends = LocalHandle(table, locks, wakes, self._acks, self._tally)
+        self._ends = LocalHandle(table, locks, wakes, self._acks)
 
     def alive(self, worker: int) -> bool:
         return self._alive(worker)
@@ -57,14 +57,13 @@ class LocalLink(SlotWriter):
 class LocalHandle:
     """Opens receiver ends on the same table (not picklable: in-process only)."""
 
-    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any, tally: Any) -> None:
+    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
         self._table = table
         self._locks = locks
         self._wakes = wakes
         self._acks = acks
-        self._tally = tally
 
     def open(self, worker: int) -> SlotReader:
         if not 0 <= worker < self._table.num_workers:
             raise IndexError(f"worker {worker} out of range for {self._table.num_workers} workers")
-        return SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks, self._tally)
+        return SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks)

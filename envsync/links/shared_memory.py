@@ -114,13 +114,10 @@ class SharedMemoryLink:
             locks=[ctx.Lock() for _ in range(num_workers)],
             wakes=[ctx.Semaphore(0) for _ in range(num_workers)],
             acks=(ctx.Semaphore(0), ctx.Semaphore(0)),
-            tally=ctx.Lock(),
             owner=os.getpid(),
         )
         handle = self._handle
-        self._writer: SlotWriter | None = SlotWriter(
-            handle.table(), handle.locks, handle.wakes, handle.acks, handle.tally
-        )
+        self._writer: SlotWriter | None = SlotWriter(handle.table(), handle.locks, handle.wakes, handle.acks)
         self._writer.initialise(leaves)
         self._alive = alive
 
@@ -195,8 +192,7 @@ class SharedMemoryLink:
 
 @dataclass
 class SharedMemoryHandle:
-    """What a worker needs to open its end: the path, the layout, the locks and semaphores
-    (``tally``: the lock over the acknowledgement countdown)."""
+    """What a worker needs to open its end: the path, the layout, the locks and semaphores."""
 
     path: str
     fields: list[Field]
@@ -205,7 +201,6 @@ class SharedMemoryHandle:
     locks: list[Any]
     wakes: list[Any]
     acks: tuple[Any, Any]
-    tally: Any
     owner: int
 
     def table(self) -> Table:
@@ -213,7 +208,7 @@ class SharedMemoryHandle:
         return Table(raw, self.fields, self.num_workers)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        named = (*self.locks, *self.wakes, *self.acks, self.tally)
+        named = (*self.locks, *self.wakes, *self.acks)
         if any(getattr(s, "_semlock", None) is None or s._semlock.name is None for s in named):
             return super().__reduce__()  # type: ignore[return-value]  # unnamed: only at process start
         state = (self.path, self.fields, self.size, self.num_workers, self.owner)
@@ -222,16 +217,13 @@ class SharedMemoryHandle:
             [_portable(s) for s in self.locks],
             [_portable(s) for s in self.wakes],
             [_portable(s) for s in self.acks],
-            _portable(self.tally),
         )
 
     def open(self, worker: int) -> SlotReader:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
-        return SlotReader(
-            self.table(), worker, self.locks[worker], self.wakes[worker], self.acks, self.tally, owner=self.owner
-        )
+        return SlotReader(self.table(), worker, self.locks[worker], self.wakes[worker], self.acks, owner=self.owner)
 
 
 def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:
@@ -246,9 +238,7 @@ def _reopen(portable: tuple[type, tuple[Any, ...]]) -> Any:
     return sync
 
 
-def _rebuild_handle(
-    state: tuple[Any, ...], locks: list[Any], wakes: list[Any], acks: list[Any], tally: Any
-) -> SharedMemoryHandle:
+def _rebuild_handle(state: tuple[Any, ...], locks: list[Any], wakes: list[Any], acks: list[Any]) -> SharedMemoryHandle:
     path, fields, size, num_workers, owner = state
     return SharedMemoryHandle(
         path=path,
@@ -258,6 +248,5 @@ def _rebuild_handle(
         locks=[_reopen(s) for s in locks],
         wakes=[_reopen(s) for s in wakes],
         acks=(_reopen(acks[0]), _reopen(acks[1])),
-        tally=_reopen(tally),
         owner=owner,
     )

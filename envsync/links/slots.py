@@ -8,11 +8,11 @@ slot on any CPU (a lock is a full memory barrier), and a write that fails half-w
 undone before the lock is released. Acknowledgements have one writer each (the worker) and
 are single aligned integers: they need no lock.
 
-A waiting sender is woken once, not once per acknowledgement: it *arms* a countdown (the
-table's ``tally``: per mode, a version and how many slots still owe it) under the link's
-*tally lock*, and each worker counts its acknowledgement down under that lock; only the
-last one (or an acknowledgement the countdown does not cover, a failure or a reply)
-releases the acknowledgement semaphore.
+A waiting sender blocks on an acknowledgement semaphore that every acknowledgement releases
+(no lock is shared between workers: on an oversubscribed machine a worker preempted while
+holding one would stall every other). Before it blocks, it takes back the releases made so
+far and reads the counters, which already show those acknowledgements (a worker writes its
+counter before it releases): it blocks only while a slot still owes the version.
 """
 
 from __future__ import annotations
@@ -97,8 +97,6 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
     for name in COUNTERS:
         fields.append(Field((name,), torch.int64, (num_workers,), offset))
         offset = _align(offset + 8 * num_workers)
-    fields.append(Field(("tally",), torch.int64, (4,), offset))
-    offset = _align(offset + 4 * 8)
     fields.append(Field(("error",), torch.uint8, (num_workers, ERROR_BYTES), offset))
     offset = _align(offset + num_workers * ERROR_BYTES)
     gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
@@ -137,7 +135,6 @@ class Table:
         self.num_workers = num_workers
         arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
-        self.tally = arrays[("tally",)].numpy()
         self.error = arrays[("error",)].numpy()
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
@@ -190,16 +187,14 @@ class SlotWriter:
         acks: the semaphores workers release after acknowledging: ``(received, applied)``;
             "applied" (and failures) release the second, so a sender waiting for "applied"
             is not woken by "received" acknowledgements.
-        tally: the lock over the table's acknowledgement countdown.
     """
 
-    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any, tally: Any) -> None:
+    def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
         self.table = table
         self.num_workers = table.num_workers
         self._locks = locks
         self._wakes = wakes
         self._acks = acks
-        self._tally = tally
         self._waiters = 0
         self._waiters_lock = threading.Lock()
 
@@ -303,53 +298,42 @@ class SlotWriter:
         return self.table.error_text(worker)
 
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
-        """Block until an acknowledgement wakes the sender, or ``timeout`` passes. With
-        ``slots``, that still owe ``version`` (up to their target): until the last of them
-        acknowledges it (failures, replies and acknowledgements of other versions still wake
-        it); returns at once when none owes it any more. Another thread of this process
-        waiting on the same link at the same time turns the countdown off: each is then
-        woken by every acknowledgement."""
+        """Block until an acknowledgement wakes the sender, or ``timeout`` passes. With the
+        ``slots`` that still owe ``version`` (up to their target), return at once when none
+        owes it any more. A thread waiting alone on the link first takes back the releases
+        made so far (the counters show them), so that they do not wake it for nothing;
+        threads waiting together leave them to each other."""
         semaphore = self._acks[1 if applied else 0]
         with self._waiters_lock:
             self._waiters += 1
             alone = self._waiters == 1
         try:
-            if not alone:
-                self._arm(semaphore, applied, 0, ())
-            elif slots and not self._arm(semaphore, applied, version, slots):
+            if alone and slots:
+                while semaphore.acquire(False):
+                    pass
+            if slots and not self._owing(applied, version, slots):
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
         finally:
             with self._waiters_lock:
                 self._waiters -= 1
 
-    def _arm(self, semaphore: Any, applied: bool, version: int, slots: Sequence[int]) -> bool:
-        """Set the countdown for ``slots`` still owing ``version`` (none: every acknowledgement
-        wakes); return whether any still owes it. Armed, it first takes back the releases made
-        before: the counters it reads under the same lock already show them."""
+    def _owing(self, applied: bool, version: int, slots: Sequence[int]) -> bool:
+        """Whether any of ``slots`` has yet to acknowledge ``version`` (up to its target); a
+        slot that failed it will not (its failure woke us)."""
         c = self.table.counters
         acked, target, failed = c["applied" if applied else "received"], c["target"], c["failed"]
-        mode = 2 if applied else 0
-        with locked(self._tally, "arming the acknowledgement count"):
-            owed = [min(version, int(target[s])) for s in slots]
-            # a slot that failed the version will not acknowledge it (its failure woke us)
-            left = [o for s, o in zip(slots, owed, strict=True) if acked[s] < o and failed[s] < o]
-            if slots and not left:
-                return False
-            if slots:
-                while semaphore.acquire(False):
-                    pass
-            self.table.tally[mode] = min(left) if left else 0
-            self.table.tally[mode + 1] = len(left)
-        return True
+        for slot in slots:
+            owed = min(version, int(target[slot]))
+            if acked[slot] < owed and failed[slot] < owed:
+                return True
+        return False
 
 
 class SlotReader:
     """One worker's operations on a table (both links use it)."""
 
-    def __init__(
-        self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, tally: Any, *, owner: int = 0
-    ) -> None:
+    def __init__(self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, *, owner: int = 0) -> None:
         self.worker = worker
         self._owner = owner
         self.table = table
@@ -362,7 +346,6 @@ class SlotReader:
         self._lock = lock
         self._wake = wake
         self._acks = acks
-        self._tally = tally
         self._c["pid"][worker] = os.getpid()
 
     def target(self) -> int:
@@ -402,33 +385,15 @@ class SlotReader:
         self._acks[1].release()
 
     def ack_received(self, version: int) -> None:
-        if version > self._c["received"][self.worker]:
-            self._acknowledge(version, applied=False)
+        received = self._c["received"]
+        if version > received[self.worker]:
+            received[self.worker] = version  # the counter first: a sender woken reads it
+            self._acks[0].release()
 
     def ack_applied(self, version: int) -> None:
-        self._acknowledge(version, applied=True)
-
-    def _acknowledge(self, version: int, *, applied: bool) -> None:
-        """Record the acknowledgement (``applied`` implies received) under the tally lock, and
-        wake the sender for each counter that asks to."""
-        with locked(self._tally, "worker %d acknowledging", self.worker):
-            wake_received = version > self._c["received"][self.worker] and self._count("received", version)
-            wake_applied = applied and self._count("applied", version)
-        if wake_received:
-            self._acks[0].release()
-        if wake_applied:
-            self._acks[1].release()
-
-    def _count(self, what: str, version: int) -> bool:
-        """(Under the tally lock.) Record ``what`` and count it down; return whether to wake
-        the sender: it was the last one counted, or the countdown does not cover it."""
-        self._c[what][self.worker] = version
-        mode, tally = (2 if what == "applied" else 0), self.table.tally
-        left = int(tally[mode + 1])
-        if left <= 0 or version < tally[mode]:
-            return True
-        tally[mode + 1] = left - 1
-        return left == 1
+        self._c["applied"][self.worker] = version
+        self._acks[1].release()
+        self.ack_received(version)
 
     def report_failure(self, version: int, text: str) -> None:
         data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
