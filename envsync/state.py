@@ -92,6 +92,12 @@ def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
         )
 
 
+def _check_cast(what: str, path: str, value: Any, cast: Any, like: torch.Tensor, allow_nonfinite: bool) -> None:
+    """A finite number that the template's dtype turns into inf (``1e300`` as float32)."""
+    if not allow_nonfinite and isinstance(value, float) and not math.isfinite(cast):
+        raise ValidationError(f"{what} {path!r} overflows dtype {like.dtype}: {value!r}")
+
+
 def _fit(
     what: str,
     path: str,
@@ -122,10 +128,14 @@ def _fit(
             )
         try:
             if numpy_dtype is not None:
-                return np.asarray(value, dtype=numpy_dtype)
+                with np.errstate(over="ignore"):
+                    fitted = np.asarray(value, dtype=numpy_dtype)
+                _check_cast(what, path, value, fitted.item(), like, allow_nonfinite)
+                return fitted
             tensor = torch.as_tensor(value, dtype=like.dtype)
         except (OverflowError, RuntimeError) as err:
             raise ValidationError(f"{what} {path!r} does not fit dtype {like.dtype}: {value!r}") from err
+        _check_cast(what, path, value, tensor.reshape(-1)[0].item(), like, allow_nonfinite)
         if tensor.shape != like.shape:
             raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}")
         return tensor

@@ -43,6 +43,8 @@ def test_template_fixes_names_shapes_and_dtypes() -> None:
         ({"task": 3}, "unknown config name 'task'"),
         ({"level": {"x": 1}}, "unknown config name 'level.x'"),
         ([("difficulty", 1.0)], "config must be a mapping"),
+        ({"difficulty": 1e300}, "'difficulty' overflows dtype torch.float32"),
+        ({"level": 2**70}, "'level' does not fit dtype torch.int64"),
     ],
 )
 def test_bad_values_are_rejected_with_the_offending_name(values: object, message: str) -> None:
