@@ -133,7 +133,7 @@ def _fit(
                 _check_cast(what, path, value, fitted.item(), like, allow_nonfinite)
                 return fitted
             tensor = torch.as_tensor(value, dtype=like.dtype)
-        except (OverflowError, RuntimeError) as err:
+        except (OverflowError, ValueError, RuntimeError) as err:  # numpy, torch
             raise ValidationError(f"{what} {path!r} does not fit dtype {like.dtype}: {value!r}") from err
         _check_cast(what, path, value, tensor.reshape(-1)[0].item(), like, allow_nonfinite)
         if tensor.shape != like.shape:
