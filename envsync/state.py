@@ -127,14 +127,15 @@ def _fit(
                 f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
             )
         try:
-            if numpy_dtype is not None:
-                with np.errstate(over="ignore"):
-                    fitted = np.asarray(value, dtype=numpy_dtype)
-                _check_cast(what, path, value, fitted.item(), like, allow_nonfinite)
-                return fitted
-            tensor = torch.as_tensor(value, dtype=like.dtype)
-        except (OverflowError, ValueError, RuntimeError) as err:  # numpy, torch
+            with np.errstate(over="ignore"):
+                fitted = np.asarray(value, dtype=numpy_dtype) if numpy_dtype is not None else None
+            tensor = torch.as_tensor(value, dtype=like.dtype) if fitted is None else None
+        except (OverflowError, ValueError, RuntimeError) as err:  # numpy's, torch's
             raise ValidationError(f"{what} {path!r} does not fit dtype {like.dtype}: {value!r}") from err
+        if fitted is not None:
+            _check_cast(what, path, value, fitted.item(), like, allow_nonfinite)
+            return fitted
+        assert tensor is not None
         _check_cast(what, path, value, tensor.reshape(-1)[0].item(), like, allow_nonfinite)
         if tensor.shape != like.shape:
             raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}")
