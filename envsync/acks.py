@@ -1,10 +1,10 @@
 """Waiting for acknowledgements, and raising what the workers report: the sender's
 ``wait``, and the failures a push or a wait must raise (rolling the latest push back).
 
-The workers' counters are read when the wait starts and each time the link wakes it: a
-link wakes the sender once the slots it was given have all acknowledged (or on a failure).
-A blocking wait takes at most a slice, after which the liveness of the workers still
-pending is checked (a syscall per worker, so only when no acknowledgement came).
+A wait blocks on the link first (which returns at once when no slot owes the version) and
+reads the workers' counters each time the link wakes it. A blocking wait takes at most a
+slice, after which the liveness of the workers still pending is checked (a syscall per
+worker, so only when no acknowledgement came).
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ def wait(sender: Sender, version: int, mode: Until, targets: list[int], timeout:
                 raise _timeout(sender, version, pending, [], mode)
     except RuntimeError as err:  # a link closed under us
         if sender._closed:
-            raise EnvSyncError(f"the sender was closed while waiting for version {version}") from err
+            raise _closed(version) from err
         raise
+
+
+def _closed(version: int) -> EnvSyncError:
+    return EnvSyncError(f"the sender was closed while waiting for version {version}")
 
 
 def _block(link: SenderLink, slots: list[int], version: int, mode: Until, remaining: float) -> bool:
@@ -76,7 +80,7 @@ def _progress(
             # a collector that left the fleet (pruned here or by anyone) has no link left
             gone = [w for w in pending if located[w][0] not in sender._fleet.attachments]
             if gone and sender._closed:
-                raise EnvSyncError(f"the sender was closed while waiting for version {version}")
+                raise _closed(version)
             still = []
             for index in pending:
                 if index in gone:

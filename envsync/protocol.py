@@ -91,6 +91,19 @@ def is_done(status: WorkerStatus, version: int, until: Until) -> bool:
     return acked >= owed
 
 
+def owes(status: WorkerStatus, version: int, until: Until) -> bool:
+    """Tell whether a sender waiting for ``version`` must still wait for this worker: it is
+    not done (see :func:`is_done`) and has not failed the version it owes (a failure ends
+    the wait, with the failure raised).
+
+    Examples:
+        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE)
+        >>> owes(s, 3, Until.APPLIED), owes(s._replace(failed=3), 3, Until.APPLIED)
+        (True, False)
+    """
+    return not is_done(status, version, until) and status.failed < min(version, status.target)
+
+
 def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = None) -> int | None:
     """Return the failed version the main process has to raise, if any: one not raised yet,
     or, for a caller waiting for version ``waited``, that version's failure even if another

@@ -27,10 +27,10 @@ and a torch call costs tens of microseconds when the caches are cold, as they ar
 process just woken up. Env-state values are always tensors."""
 
 
-def _numpy_dtype(like: torch.Tensor) -> np.dtype | None:
-    """The numpy dtype of a tensor's, or ``None`` where numpy has none (bfloat16)."""
+def numpy_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of the tensor's bytes, or ``None`` for a dtype numpy lacks (bfloat16)."""
     try:
-        return like.numpy().dtype
+        return tensor.numpy()
     except TypeError:
         return None
 
@@ -92,12 +92,6 @@ def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
         )
 
 
-def _check_cast(what: str, path: str, value: Any, cast: Any, like: torch.Tensor, allow_nonfinite: bool) -> None:
-    """A finite number that the template's dtype turns into inf (``1e300`` as float32)."""
-    if not allow_nonfinite and isinstance(value, float) and not math.isfinite(cast):
-        raise ValidationError(f"{what} {path!r} overflows dtype {like.dtype}: {value!r}")
-
-
 def _fit(
     what: str,
     path: str,
@@ -128,18 +122,18 @@ def _fit(
             )
         try:
             with np.errstate(over="ignore"):
-                fitted = np.asarray(value, dtype=numpy_dtype) if numpy_dtype is not None else None
-            tensor = torch.as_tensor(value, dtype=like.dtype) if fitted is None else None
+                number: Leaf = (
+                    np.asarray(value, dtype=numpy_dtype)
+                    if numpy_dtype is not None
+                    else torch.as_tensor(value, dtype=like.dtype)
+                )
         except (OverflowError, ValueError, RuntimeError) as err:  # numpy's, torch's
             raise ValidationError(f"{what} {path!r} does not fit dtype {like.dtype}: {value!r}") from err
-        if fitted is not None:
-            _check_cast(what, path, value, fitted.item(), like, allow_nonfinite)
-            return fitted
-        assert tensor is not None
-        _check_cast(what, path, value, tensor.reshape(-1)[0].item(), like, allow_nonfinite)
-        if tensor.shape != like.shape:
-            raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}")
-        return tensor
+        if not allow_nonfinite and isinstance(value, float) and not math.isfinite(number.item()):
+            raise ValidationError(f"{what} {path!r} overflows dtype {like.dtype}: {value!r}")  # 1e300 as float32
+        if number.shape != like.shape:
+            raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(number.shape)}")
+        return number
     elif isinstance(value, torch.Tensor):
         widens_to_float = like.is_floating_point() and value.dtype not in (torch.bool,) and not value.is_complex()
         if value.dtype != like.dtype and not widens_to_float:
@@ -180,7 +174,8 @@ class ConfigTemplate:
                 _check_finite("config value", path, tensor)
         self.allow_nonfinite = allow_nonfinite
         self._flat = flat
-        self._numpy = {path: _numpy_dtype(t) if t.ndim == 0 else None for path, t in flat.items()}
+        views = {path: numpy_view(t) if t.ndim == 0 else None for path, t in flat.items()}
+        self._numpy = {path: None if view is None else view.dtype for path, view in views.items()}
         self.values = nest(flat)
 
     @property

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +16,7 @@ from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import EnvBase
 from torchrl.envs.transforms import Transform
 
+from envsync import AckTimeout
 from envsync.envs import make_drift_env
 
 
@@ -86,6 +90,19 @@ def start_method(method: str) -> Iterator[None]:
         yield
     finally:
         mp.set_start_method(previous or "spawn", force=True)
+
+
+def push_to_a_killed_process(sender: Any, process: Any, *, timeout: float) -> tuple[AckTimeout, float]:
+    """SIGKILL ``process`` (a worker, or a ``ParallelEnv``'s sub-process), then push and wait
+    for "applied": return the ``AckTimeout`` the push raised and the seconds it took."""
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(5)
+    start = time.monotonic()
+    try:
+        sender.push(config={"difficulty": 1.0}, wait="applied", timeout=timeout)
+    except AckTimeout as err:
+        return err, time.monotonic() - start
+    raise AssertionError("a push waiting for a killed process returned")
 
 
 def rows(batch: TensorDictBase) -> list[TensorDictBase]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
-import signal
 import time
 from functools import partial
 
@@ -18,6 +17,7 @@ from helpers import (
     make_normed_counter_env,
     picky_apply,
     picky_on_worker_one,
+    push_to_a_killed_process,
     rows,
     start_method,
 )
@@ -157,14 +157,9 @@ def test_a_dead_worker_is_reported_promptly_and_close_still_cleans_up() -> None:
     path = sender._fleet.attachments[0].link.path
     try:
         next(iter(collector))
-        victim = collector.procs[1]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(5)
-        start = time.monotonic()
-        with pytest.raises(AckTimeout) as info:
-            sender.push(config={"difficulty": 1.0}, wait="applied", timeout=30)
-        assert time.monotonic() - start < 2.0
-        assert info.value.dead == [1] and 1 in info.value.workers
+        timeout, took = push_to_a_killed_process(sender, collector.procs[1], timeout=30)
+        assert took < 2.0
+        assert timeout.dead == [1] and 1 in timeout.workers
     finally:
         collector.shutdown(raise_on_error=False)
         sender.close()

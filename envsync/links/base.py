@@ -101,8 +101,8 @@ class SenderLink(Protocol):
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         """Block until some worker acknowledges (``applied``: an apply or a failure; else
         anything), or ``timeout`` passes; return whether an acknowledgement came. Given the
-        ``slots`` that still owe ``version``, a link may wake the sender only once they all
-        acknowledged it (or on a failure), and returns at once when none owes it any more."""
+        ``slots`` waited for, return at once when none of them owes ``version`` any more
+        (see :func:`~envsync.protocol.owes`)."""
 
     def handle(self) -> LinkHandle:
         """What a worker needs to open its end (picklable for the shared-memory link)."""

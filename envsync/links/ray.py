@@ -40,7 +40,7 @@ import torch
 
 from envsync.errors import ValidationError
 from envsync.links.base import Key, SenderLink
-from envsync.protocol import NO_FAILURE, WorkerStatus
+from envsync.protocol import NO_FAILURE, Until, WorkerStatus, owes
 from envsync.state import Leaf
 
 HEARTBEAT = 0.5
@@ -224,16 +224,11 @@ class RayLink:
         if self._closed:
             raise RuntimeError("link is closed")
         with self._changed:
-            if slots and not any(self._owes(s, version, applied) for s in slots):
+            until = Until.APPLIED if applied else Until.RECEIVED
+            if slots and not any(owes(self.status(s), version, until) for s in slots):
                 return True
             seq = self._report_seq
             return self._changed.wait_for(lambda: self._report_seq != seq or self._closed, timeout=max(timeout, 0.0))
-
-    def _owes(self, worker: int, version: int, applied: bool) -> bool:
-        """Whether ``worker`` has yet to acknowledge ``version`` (up to its target; not failed)."""
-        received, done, failed, _ = self._acks[worker]
-        owed = min(version, self._target[worker])
-        return (done if applied else received) < owed and failed < owed
 
     def handle(self) -> RelayHandle:
         return RelayHandle(mailbox=self.mailbox, workers=self.workers)

@@ -29,8 +29,8 @@ import torch
 
 from envsync.errors import EnvSyncError
 from envsync.links.base import Header, Key
-from envsync.protocol import NO_FAILURE, WorkerStatus
-from envsync.state import Leaf, tensor_of
+from envsync.protocol import NO_FAILURE, Until, WorkerStatus, owes
+from envsync.state import Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
 COUNTERS = (
@@ -115,14 +115,6 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
     return fields, max(offset, _ALIGN)
 
 
-def _numpy(view: torch.Tensor) -> np.ndarray | None:
-    """A numpy view of the same bytes, or ``None`` for a dtype numpy lacks (bfloat16)."""
-    try:
-        return view.numpy()
-    except TypeError:
-        return None
-
-
 class Table:
     """Typed views of the block: numpy counters, the error buffer, and per worker a dict of
     leaf views made once (indexing per push would cost more than the copy), as tensors
@@ -138,7 +130,7 @@ class Table:
         self.error = arrays[("error",)].numpy()
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
-        self.arrays = [{k: _numpy(v) for k, v in slot.items()} for slot in self.slots]
+        self.arrays = [{k: numpy_view(v) for k, v in slot.items()} for slot in self.slots]
         self.broadcast = {k[1]: v for k, v in arrays.items() if k[0] == "broadcast"}
 
     def array(self, worker: int, key: Key) -> np.ndarray:
@@ -292,7 +284,7 @@ class SlotWriter:
         return self.table.status(worker)
 
     def failed(self) -> list[int]:
-        return [int(f) for f in self.table.counters["failed"].tolist()]
+        return list(self.table.counters["failed"].tolist())
 
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
@@ -311,23 +303,13 @@ class SlotWriter:
             if alone and slots:
                 while semaphore.acquire(False):
                     pass
-            if slots and not self._owing(applied, version, slots):
+            until = Until.APPLIED if applied else Until.RECEIVED
+            if slots and not any(owes(self.table.status(s), version, until) for s in slots):
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
         finally:
             with self._waiters_lock:
                 self._waiters -= 1
-
-    def _owing(self, applied: bool, version: int, slots: Sequence[int]) -> bool:
-        """Whether any of ``slots`` has yet to acknowledge ``version`` (up to its target); a
-        slot that failed it will not (its failure woke us)."""
-        c = self.table.counters
-        acked, target, failed = c["applied" if applied else "received"], c["target"], c["failed"]
-        for slot in slots:
-            owed = min(version, int(target[slot]))
-            if acked[slot] < owed and failed[slot] < owed:
-                return True
-        return False
 
 
 class SlotReader:
