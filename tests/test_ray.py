@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -224,6 +225,33 @@ def test_killed_actor_is_reported_dead_promptly(cluster: Any) -> None:
             sender.push(config={"difficulty": 0.4}, wait="applied", timeout=30)
         assert time.monotonic() - start < 5.0
         assert info.value.dead == [2, 3]
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def actor_pid(actor: Any) -> int:
+    return int(ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
+
+
+@pytest.mark.timeout(90)
+def test_a_stalled_actor_is_late_not_dead_and_catches_up(cluster: Any) -> None:
+    # a loaded machine can hold a relay's reports back for seconds: silence alone must not
+    # make live workers dead (the actor is frozen here, as a starved process would be)
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build(sender, MultiSyncCollector)
+    pid = actor_pid(collector.remote_collectors[1])
+    try:
+        sender.push(config={"difficulty": 0.2}, wait="applied", timeout=30)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(AckTimeout) as info:
+                sender.push(config={"difficulty": 0.4}, wait="received", timeout=4.0)
+            assert info.value.dead == [] and info.value.workers == [2, 3]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        sender.wait(info.value.version, until="applied", timeout=30)
+        assert sender.versions() == [info.value.version] * 4
     finally:
         collector.shutdown()
         sender.close()

@@ -17,9 +17,12 @@ pending):
   traceback, and a heartbeat, to the mailbox.
 
 The main process reads acknowledgements through one polling thread into a local table, so
-``status``, ``alive`` and ``wait_acks`` cost what they cost on one machine. A collector
-whose relay has not reported for :data:`STALE_AFTER` seconds (its actor was killed, or its
-node lost) counts as dead.
+``status``, ``alive`` and ``wait_acks`` cost what they cost on one machine. Death is
+concluded only from evidence: a relay reports its own dead worker processes, and once a
+collector's relay has been silent for :data:`QUIET_AFTER` seconds the link asks Ray about
+its actor (a ping, which Ray fails at once for a killed actor or a lost node). Silence alone
+is no proof: a loaded machine can delay reports by seconds, and a push then waits for them
+(up to its timeout) instead of calling live workers dead.
 
 Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
 ``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``.
@@ -45,8 +48,8 @@ from envsync.state import Leaf
 
 HEARTBEAT = 0.5
 """Seconds between a relay's reports when nothing changes."""
-STALE_AFTER = 3.0
-"""Seconds without a report after which a remote collector counts as dead."""
+QUIET_AFTER = 1.5
+"""Seconds without a report after which the link asks Ray whether a collector's actor died."""
 _POLL = 0.5
 
 Payload = dict[int, tuple[int, int, dict[Key, Leaf]]]
@@ -114,6 +117,11 @@ class Mailbox:
         return self._report_seq, table, dict(self._errors)
 
 
+def _pong(actor: Any) -> int:
+    """The ping a silent collector's actor answers (run on the actor by ``__ray_call__``)."""
+    return 0
+
+
 def start_mailbox(num_collectors: int) -> Any:
     """Start a :class:`Mailbox` actor on this process's node (no CPU, little memory)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -132,13 +140,17 @@ class RayLink:
         leaves: one worker's starting leaves; every worker gets them with the first flush.
         workers: how many workers each remote collector has (in collector order).
         mailbox: the :class:`Mailbox` actor handle.
+        actors: the remote collectors' actor handles (in collector order), pinged when
+            their relay falls silent; without them silence never counts as death.
 
     Examples:
         >>> RayLink.__name__
         'RayLink'
     """
 
-    def __init__(self, leaves: Mapping[Key, Leaf], workers: Sequence[int], mailbox: Any) -> None:
+    def __init__(
+        self, leaves: Mapping[Key, Leaf], workers: Sequence[int], mailbox: Any, actors: Sequence[Any] = ()
+    ) -> None:
         self.num_workers = sum(workers)
         self.workers = list(workers)
         self.mailbox = mailbox
@@ -150,6 +162,10 @@ class RayLink:
         self._acks: list[Acks] = [(0, 0, NO_FAILURE, True)] * self.num_workers
         self._errors: dict[int, str] = {}
         self._seen = [time.monotonic()] * len(self.workers)
+        self._actors = list(actors)
+        self._pings: dict[int, Any] = {}
+        self._lost = [False] * len(self.workers)
+        self._ping_lock = threading.Lock()
         self._report_seq = 0
         self._changed = threading.Condition()
         self._closed = False
@@ -217,8 +233,38 @@ class RayLink:
         return self._errors.get(worker, "")
 
     def alive(self, worker: int) -> bool:
+        """Whether ``worker`` can still answer: its relay did not report its process dead,
+        and Ray did not fail a ping to its collector's actor (sent once the relay falls
+        silent for :data:`QUIET_AFTER` seconds; an unanswered ping is no evidence)."""
         collector, _ = self._collector_of(worker)
-        return time.monotonic() - self._seen[collector] < STALE_AFTER and self._acks[worker][3]
+        if not self._acks[worker][3]:
+            return False
+        if time.monotonic() - self._seen[collector] < QUIET_AFTER:
+            return not self._lost[collector]
+        return not self._actor_died(collector)
+
+    def _actor_died(self, collector: int) -> bool:
+        """Ping the actor of a silent collector (one ping at a time); True once Ray says it
+        died. A live actor answers when its current task ends."""
+        if collector >= len(self._actors):
+            return False
+        with self._ping_lock:
+            if self._lost[collector]:
+                return True
+            ping = self._pings.get(collector)
+            if ping is None:
+                ping = self._pings[collector] = self._actors[collector].__ray_call__.remote(_pong)
+            ready, _ = ray.wait([ping], timeout=0)
+            if not ready:
+                return False
+            del self._pings[collector]
+            try:
+                ray.get(ping)
+            except ray.exceptions.ActorDiedError:
+                self._lost[collector] = True
+            except ray.exceptions.RayError:
+                pass  # unavailable for now (a restart, a network hiccup): ask again later
+            return self._lost[collector]
 
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         if self._closed:

@@ -161,7 +161,7 @@ class RayEnvScheme(EnvSchemeBase):
         mailbox = start_mailbox(len(actors))
 
         def make(leaves: Flat) -> SenderLink:
-            return RayLink(leaves, counts, mailbox)
+            return RayLink(leaves, counts, mailbox, actors)
 
         try:
             attachment = sender.attach(
