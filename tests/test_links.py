@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -217,6 +218,33 @@ def test_files_no_live_link_holds_are_swept_and_live_ones_kept() -> None:
         assert live.path not in sweep_stale(SHM_DIR) and os.path.exists(live.path)
     finally:
         live.close()
+
+
+def test_a_killed_owners_file_and_semaphores_are_swept_while_its_forked_child_lives() -> None:
+    # as when Ray kills an actor: no exit handler runs, its resource tracker dies with it, and
+    # a worker it forked outlives it for a while
+    code = (
+        "import multiprocessing as mp, torch, os, signal, time;"
+        "from multiprocessing import resource_tracker;"
+        "from envsync.links.shared_memory import SharedMemoryLink;"
+        "link = SharedMemoryLink({('config', 'x'): torch.zeros(1)}, 2, ctx=mp.get_context('spawn'));"
+        "h = link.handle(); names = [s._semlock.name for s in (*h.locks, *h.wakes, *h.acks)];"
+        "child = os.fork()\n"
+        "if child == 0: time.sleep(60); os._exit(0)\n"
+        "os.kill(resource_tracker._resource_tracker._pid, signal.SIGKILL);"
+        "print(link.path, child, *names, flush=True); os._exit(0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    path, child, names = out[0], int(out[1]), out[2:]
+    semaphores = [f"{SHM_DIR}/sem.{n.lstrip('/')}" for n in names]
+    try:
+        assert len(semaphores) == 6 and all(os.path.exists(p) for p in [path, *semaphores])
+        assert os.path.exists(f"/proc/{child}")
+        removed = sweep_stale(SHM_DIR)
+        assert path in removed and set(semaphores) <= set(removed)
+        assert not any(os.path.exists(p) for p in [path, *semaphores])
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("kind", KINDS)

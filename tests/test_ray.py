@@ -102,6 +102,11 @@ def orphaned_files() -> list[str]:
     return out
 
 
+def semaphores() -> set[str]:
+    """The named semaphores in /dev/shm now (torchrl's fork queues unlink theirs at once)."""
+    return {name for name in os.listdir(SHM_DIR) if name.startswith("sem.")}
+
+
 def observed(batch: TensorDictBase) -> dict[int, set[float]]:
     """Per fleet env index, the difficulties seen in the batch's next observations."""
     flat = batch.reshape(-1)
@@ -215,6 +220,7 @@ def test_remote_apply_error_raises_and_rolls_back(cluster: Any) -> None:
 
 @pytest.mark.timeout(90)
 def test_killed_actor_is_reported_dead_promptly(cluster: Any) -> None:
+    before = semaphores()
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = build(sender, MultiSyncCollector)
     try:
@@ -228,6 +234,7 @@ def test_killed_actor_is_reported_dead_promptly(cluster: Any) -> None:
     finally:
         collector.shutdown()
         sender.close()
+    assert orphaned_files() == [] and semaphores() - before == set()
 
 
 def actor_pid(actor: Any) -> int:
@@ -260,6 +267,7 @@ def test_a_stalled_actor_is_late_not_dead_and_catches_up(cluster: Any) -> None:
 @pytest.mark.timeout(120)
 def test_lost_node_is_reported_dead_and_shutdown_leaves_nothing(cluster: Any) -> None:
     node = cluster.add_node(num_cpus=1, object_store_memory=STORE, resources={"n2": 1})
+    before = semaphores()
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = build(sender, MultiSyncCollector, nodes=("n0", "n2"))
     try:
@@ -274,6 +282,7 @@ def test_lost_node_is_reported_dead_and_shutdown_leaves_nothing(cluster: Any) ->
         collector.shutdown()
         sender.close()
     deadline = time.monotonic() + 10
-    while (alive_actors() or orphaned_files()) and time.monotonic() < deadline:
+    while (alive_actors() or orphaned_files() or semaphores() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert alive_actors() == [] and orphaned_files() == []
+    # killed actors unlink nothing themselves: their link files and semaphores are swept
+    assert alive_actors() == [] and orphaned_files() == [] and semaphores() - before == set()

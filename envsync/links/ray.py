@@ -122,6 +122,18 @@ def _pong(actor: Any) -> int:
     return 0
 
 
+def _died(ping: Any) -> bool:
+    """Whether an answered ping says its actor died (unavailable for now is not dead: a
+    restart, a network hiccup)."""
+    try:
+        ray.get(ping)
+    except ray.exceptions.ActorDiedError:
+        return True
+    except ray.exceptions.RayError:
+        pass
+    return False
+
+
 def start_mailbox(num_collectors: int) -> Any:
     """Start a :class:`Mailbox` actor on this process's node (no CPU, little memory)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -258,12 +270,7 @@ class RayLink:
             if not ready:
                 return False
             del self._pings[collector]
-            try:
-                ray.get(ping)
-            except ray.exceptions.ActorDiedError:
-                self._lost[collector] = True
-            except ray.exceptions.RayError:
-                pass  # unavailable for now (a restart, a network hiccup): ask again later
+            self._lost[collector] = _died(ping)
             return self._lost[collector]
 
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
@@ -278,6 +285,19 @@ class RayLink:
 
     def handle(self) -> RelayHandle:
         return RelayHandle(mailbox=self.mailbox, workers=self.workers)
+
+    def await_killed_actors(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) until Ray reports every remote collector's actor
+        dead, once they were killed (``ray.kill`` returns at once; an actor may answer a
+        ping meanwhile)."""
+        deadline = time.monotonic() + timeout
+        pending = list(self._actors)
+        while pending and time.monotonic() < deadline:
+            pings = {actor.__ray_call__.remote(_pong): actor for actor in pending}
+            ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=max(deadline - time.monotonic(), 0))
+            pending = [actor for ref, actor in pings.items() if ref not in ready or not _died(ref)]
+            if pending:
+                time.sleep(0.05)
 
     def close(self) -> None:
         if self._closed:

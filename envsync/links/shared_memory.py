@@ -6,7 +6,11 @@ them by name, so it can also reach a process started after the link (the sub-pro
 
 The owner holds a shared ``flock`` on the file for as long as the link is open, so a file
 whose owner is gone is recognised by its lock, not by a pid (pids are reused, and other
-PID namespaces may share /dev/shm): the next link created removes it.
+PID namespaces may share /dev/shm): the next link created removes it. A forked child closes
+its copy of the owner's descriptor, so a worker that outlives a killed owner does not keep
+the lock. The file ends with the names of the link's semaphores (after the table), so that
+a sweep removes them too: multiprocessing unlinks them only when their creator exits
+cleanly, and a Ray actor is killed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,21 @@ from envsync.state import Leaf
 
 SHM_DIR = "/dev/shm"
 PREFIX = "envsync-"
+_TRAILER = 8
+"""Bytes of the length that ends a link file (its semaphore names come before it)."""
+
+_OWNED: set[int] = set()
+"""The descriptors (each holding a link file's lock) of the links this process owns."""
+
+
+def _close_owned_in_child() -> None:
+    for fd in _OWNED:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _OWNED.clear()
+
+
+os.register_at_fork(after_in_child=_close_owned_in_child)
 
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
@@ -48,18 +67,40 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            semaphores = [os.path.join(directory, f"sem.{n.lstrip('/')}") for n in _semaphore_names(fd)]
         except BlockingIOError:
             continue  # a live owner holds it
         finally:
             os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(path)
+        for stale in [*semaphores, path]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+                removed.append(stale)
     return removed
+
+
+def _semaphore_names(fd: int) -> list[str]:
+    """The semaphore names a link file ends with (none for a file too short to hold them)."""
+    end = os.fstat(fd).st_size
+    if end < _TRAILER:
+        return []
+    length = int.from_bytes(os.pread(fd, _TRAILER, end - _TRAILER), "little")
+    if not 0 < length <= end - _TRAILER:
+        return []
+    text = os.pread(fd, length, end - _TRAILER - length).decode(errors="replace")
+    return [n for n in text.split("\n") if n.startswith("/") and "/" not in n[1:]]
+
+
+def _names_trailer(syncs: Sequence[Any]) -> bytes:
+    """The trailer naming ``syncs``' semaphores (named ones only)."""
+    names = [n for n in (getattr(getattr(s, "_semlock", None), "name", None) for s in syncs) if n]
+    blob = "\n".join(names).encode()
+    return blob + len(blob).to_bytes(_TRAILER, "little")
 
 
 def _release(path: str, fd: int, owner: int) -> None:
     if os.getpid() == owner:
+        _OWNED.discard(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         with contextlib.suppress(OSError):
@@ -101,19 +142,25 @@ class SharedMemoryLink:
         self.path = os.path.join(SHM_DIR, f"{PREFIX}{token}")
         # locked under a name no sweep looks at, then renamed: a sweep never sees it unlocked
         hidden = os.path.join(SHM_DIR, f".{PREFIX}{token}")
+        locks = [ctx.Lock() for _ in range(num_workers)]
+        wakes = [ctx.Semaphore(0) for _ in range(num_workers)]
+        acks = (ctx.Semaphore(0), ctx.Semaphore(0))
+        trailer = _names_trailer([*locks, *wakes, *acks])
         fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, size)
+        os.ftruncate(fd, size + len(trailer))
+        os.pwrite(fd, trailer, size)
         os.rename(hidden, self.path)
+        _OWNED.add(fd)
         self._finalizer = weakref.finalize(self, _release, self.path, fd, os.getpid())
         self._handle: SharedMemoryHandle | None = SharedMemoryHandle(
             path=self.path,
             fields=fields,
             size=size,
             num_workers=num_workers,
-            locks=[ctx.Lock() for _ in range(num_workers)],
-            wakes=[ctx.Semaphore(0) for _ in range(num_workers)],
-            acks=(ctx.Semaphore(0), ctx.Semaphore(0)),
+            locks=locks,
+            wakes=wakes,
+            acks=acks,
             owner=os.getpid(),
         )
         handle = self._handle

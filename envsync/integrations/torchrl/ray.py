@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,7 @@ class RayEnvScheme(EnvSchemeBase):
         self._attachment: Attachment | None = None
         self._relay: Relay | None = None
         self._counts: list[int] = []
+        self._files: list[str] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -156,7 +158,9 @@ class RayEnvScheme(EnvSchemeBase):
         self.context = context
         self._owner_pid = os.getpid()
         actors = list(remote_collectors if remote_collectors is not None else context.remote_collectors)
-        self._counts = counts = ray.get([actor.__ray_call__.remote(_count_workers) for actor in actors])
+        nodes = ray.get([actor.__ray_call__.remote(_node_info) for actor in actors])
+        self._counts = counts = [count for count, _ in nodes]
+        self._files = [path for _, path in nodes if path]
         collector_ref = weakref.ref(context)
         mailbox = start_mailbox(len(actors))
 
@@ -216,9 +220,12 @@ class RayEnvScheme(EnvSchemeBase):
         if self._relay is not None:
             self._relay.stop()
         if self._attachment is not None and self._sender is not None:
+            link = self.link
             self._sender.detach(self._attachment)
             self._attachment = None
-            sweep_stale()  # the actors on this node were killed before they could clean up
+            if link is not None:
+                link.await_killed_actors(timeout=5.0)  # torchrl has just killed them (ray.kill returns at once)
+            _sweep_node_files(self._files, timeout=5.0)
 
 
 class RayPolicyScheme(InertWithoutModule, RayWeightSyncScheme):
@@ -229,8 +236,28 @@ class RayPolicyScheme(InertWithoutModule, RayWeightSyncScheme):
 
 
 def _count_workers(collector: Any) -> int:
-    """How many envsync workers a collector has (run inside each actor by ``__ray_call__``)."""
+    """How many envsync workers a collector has."""
     return 1 if isinstance(collector, Collector) else int(collector.num_workers)
+
+
+def _node_info(collector: Any) -> tuple[int, str]:
+    """A remote collector's worker count and its link's file, if any (run inside each actor
+    by ``__ray_call__``)."""
+    node = getattr(collector, "_weight_sync_schemes", None) or {}
+    link = getattr(node.get("env"), "link", None)
+    return _count_workers(collector), str(getattr(link, "path", ""))
+
+
+def _sweep_node_files(paths: list[str], timeout: float) -> None:
+    """Sweep the killed actors' link files (with their semaphores) on this machine, waiting
+    at most ``timeout`` for their last processes to let go; files on other machines are
+    not here, and the next link made there sweeps them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sweep_stale()
+        if not any(os.path.exists(p) for p in paths) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _ray_detached(collector_ref: weakref.ReferenceType[Any]) -> bool:
