@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,10 @@ BENCHMARKS: list[Any] = [
     bench_sync_stats,
     bench_batched,
 ]
+if shutil.which("callgrind_control") is not None:  # valgrind: instructions per frame, ~3.5 min (~1 min quick)
+    import bench_hot_path_instructions
+
+    BENCHMARKS.insert(BENCHMARKS.index(bench_hot_path) + 1, bench_hot_path_instructions)
 if importlib.util.find_spec("ray") is not None:  # the ray extra: a local two-node cluster, ~30 s quick
     import bench_ray
 

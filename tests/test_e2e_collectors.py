@@ -40,3 +40,34 @@ def test_frames_after_applied_push_run_the_new_config(kind: str, method: str) ->
     finally:
         collector.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_tags_stay_out_of_the_buffer_while_steps_are_stacked_and_keep_their_storage() -> None:
+    # torchrl looks every buffer key up in every step it stacks; the steps never carry the
+    # tags, so the rollout runs with them set aside and gets the very same tensors back
+    from torchrl.collectors import Collector
+
+    from envsync.integrations.torchrl.adapter import TAG_KEYS, tags_set_aside
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(make_drift_env), None, frames_per_batch=20, total_frames=-1, weight_sync_schemes=sender.schemes()
+    )
+    try:
+        batches = iter(collector)
+        next(batches)
+        buffer = collector._final_rollout
+        tags = {key: buffer.get(key) for key in TAG_KEYS}
+        with tags_set_aside(collector):
+            assert not [key for key in TAG_KEYS if buffer.get(key, None) is not None]
+        assert all(buffer.get(key) is tensor for key, tensor in tags.items())
+        version = sender.push(config={"difficulty": 0.5}, wait=None)
+        batch = next(batches)
+        check_truthful(batch, {0: 0.0, version: 0.5}, index=1)
+        assert bool((batch["next", "env_version"] == version).all())
+        assert all(buffer.get(key) is tensor for key, tensor in tags.items())  # filled in place
+        assert bool((tags[("next", "env_version")] == version).all())
+    finally:
+        collector.shutdown()
+        sender.close()

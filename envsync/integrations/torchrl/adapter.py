@@ -182,6 +182,46 @@ class EnvHooks:
         truncate_at(batch.get("next"), (..., -1))
 
 
+TAG_KEYS: tuple[Any, ...] = (VERSION_KEY, INDEX_KEY, ("next", VERSION_KEY), ("next", INDEX_KEY))
+
+
+@contextmanager
+def tags_set_aside(collector: Any) -> Iterator[None]:
+    """Take the tags out of ``collector``'s rollout buffer while its rollout runs, then put
+    the same tensors back (same storage: a worker's buffer is shared with the main process).
+
+    torchrl stacks the steps into that buffer key by key, looking every buffer key up in
+    every step; the steps never carry the tags (they are written once per rollout), so
+    left in the buffer they would cost four lookups a frame.
+    """
+    buffer = getattr(collector, "_final_rollout", None)
+    if not isinstance(buffer, TensorDictBase):
+        yield
+        return
+    held = {key: value for key in TAG_KEYS if (value := buffer.get(key, None)) is not None}
+    if not held:  # before the first rollout is tagged
+        yield
+        return
+    with _unlocked(buffer):
+        for key in held:
+            buffer.del_(key)
+    try:
+        yield
+    finally:
+        with _unlocked(buffer):
+            for key, value in held.items():
+                buffer.set(key, value)
+
+
+@contextmanager
+def _unlocked(batch: TensorDictBase) -> Iterator[None]:
+    if batch.is_locked:
+        with batch.unlock_():
+            yield
+    else:
+        yield
+
+
 def _set(batch: TensorDictBase, key: Any, value: torch.Tensor) -> None:
     if batch.is_locked:
         with batch.unlock_():
@@ -302,7 +342,8 @@ def _wrap_rollout(collector: Any, hooks: EnvHooks, receiver_ref: weakref.Referen
         truncated = False
         with receiver.busy():
             hooks.begin()
-            batch = rollout(collector_ref())
+            with tags_set_aside(collector_ref()):
+                batch = rollout(collector_ref())
             if batch is not None:
                 hooks.tag(batch)
                 truncated = receiver.truncate_now()
@@ -332,7 +373,8 @@ def wrap_collector(collector: Any, group: Any, hooks: Any, first_env: int) -> No
         truncating: list[int] = []
         with group.busy():
             hooks.begin()
-            batch = rollout(collector_ref())
+            with tags_set_aside(collector_ref()):
+                batch = rollout(collector_ref())
             if batch is not None:
                 hooks.tag(batch, first_env)
                 truncating = group.truncating()
