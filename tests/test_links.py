@@ -222,7 +222,7 @@ def test_files_no_live_link_holds_are_swept_and_live_ones_kept() -> None:
 
 def test_a_killed_owners_file_and_semaphores_are_swept_while_its_forked_child_lives() -> None:
     # as when Ray kills an actor: no exit handler runs, its resource tracker dies with it, and
-    # a worker it forked outlives it for a while
+    # a worker it forked outlives it for a while (its output closed: run() waits for EOF)
     code = (
         "import multiprocessing as mp, torch, os, signal, time;"
         "from multiprocessing import resource_tracker;"
@@ -230,7 +230,7 @@ def test_a_killed_owners_file_and_semaphores_are_swept_while_its_forked_child_li
         "link = SharedMemoryLink({('config', 'x'): torch.zeros(1)}, 2, ctx=mp.get_context('spawn'));"
         "h = link.handle(); names = [s._semlock.name for s in (*h.locks, *h.wakes, *h.acks)];"
         "child = os.fork()\n"
-        "if child == 0: time.sleep(60); os._exit(0)\n"
+        "if child == 0: os.close(1); os.close(2); time.sleep(60); os._exit(0)\n"
         "os.kill(resource_tracker._resource_tracker._pid, signal.SIGKILL);"
         "print(link.path, child, *names, flush=True); os._exit(0)"
     )
