@@ -13,6 +13,7 @@ Call order of one push (sender side)::
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import NamedTuple
 
 NO_FAILURE = -1
@@ -102,6 +103,19 @@ def owes(status: WorkerStatus, version: int, until: Until) -> bool:
         (True, False)
     """
     return not is_done(status, version, until) and status.failed < min(version, status.target)
+
+
+def any_owes(statuses: Iterable[WorkerStatus], version: int, applied: bool) -> bool:
+    """Tell whether a sender waiting for ``version`` (``applied``, else received) must still
+    wait for any of these workers (see :func:`owes`); the links' ``wait_acks`` ask it.
+
+    Examples:
+        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE)
+        >>> any_owes([s], 3, applied=True), any_owes([s], 3, applied=False)
+        (True, False)
+    """
+    until = Until.APPLIED if applied else Until.RECEIVED
+    return any(owes(status, version, until) for status in statuses)
 
 
 def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = None) -> int | None:

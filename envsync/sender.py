@@ -283,12 +283,15 @@ class Sender:
             def update(c: Mapping[str, Leaf], e: int | None) -> Flat:
                 return desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
 
-            shared = update(cfg, None) if rows is None else None  # what a worker joining later starts from
-            if shared is not None and not self.spec.reinit.computes_in_main:  # one update for all (never mutated)
+            fleet_wide = workers is None and envs is None
+            one_for_all = rows is None and not self.spec.reinit.computes_in_main  # never mutated
+            # the shared update is also what a worker joining later starts from (fleet-wide)
+            shared = update(cfg, None) if rows is None and (fleet_wide or one_for_all) else None
+            if one_for_all and shared is not None:
                 updates = dict.fromkeys(targets, shared)
             else:
                 updates = {e: update(c, e) for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)}
-            return updates, shared if workers is None and envs is None else None
+            return updates, shared if fleet_wide else None
 
         return self._send(prepare, wait=wait, timeout=timeout)
 

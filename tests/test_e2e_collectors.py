@@ -8,6 +8,7 @@ from helpers import check_truthful, start_method, tags_non_decreasing
 
 from envsync import EnvStateSender
 from envsync.envs import make_drift_env
+from envsync.integrations.torchrl.adapter import TAG_KEYS, tags_set_aside
 
 MATRIX = [("single", "spawn"), ("sync", "spawn"), ("async", "spawn"), ("sync", "fork"), ("async", "fork")]
 
@@ -46,14 +47,8 @@ def test_frames_after_applied_push_run_the_new_config(kind: str, method: str) ->
 def test_tags_stay_out_of_the_buffer_while_steps_are_stacked_and_keep_their_storage() -> None:
     # torchrl looks every buffer key up in every step it stacks; the steps never carry the
     # tags, so the rollout runs with them set aside and gets the very same tensors back
-    from torchrl.collectors import Collector
-
-    from envsync.integrations.torchrl.adapter import TAG_KEYS, tags_set_aside
-
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    collector = Collector(
-        sender.env_fn(make_drift_env), None, frames_per_batch=20, total_frames=-1, weight_sync_schemes=sender.schemes()
-    )
+    collector = build("single", sender, make_drift_env, frames_per_batch=20)
     try:
         batches = iter(collector)
         next(batches)

@@ -43,7 +43,7 @@ import torch
 
 from envsync.errors import ValidationError
 from envsync.links.base import Key, SenderLink
-from envsync.protocol import NO_FAILURE, Until, WorkerStatus, owes
+from envsync.protocol import NO_FAILURE, WorkerStatus, any_owes
 from envsync.state import Leaf
 
 HEARTBEAT = 0.5
@@ -249,11 +249,9 @@ class RayLink:
         and Ray did not fail a ping to its collector's actor (sent once the relay falls
         silent for :data:`QUIET_AFTER` seconds; an unanswered ping is no evidence)."""
         collector, _ = self._collector_of(worker)
-        if not self._acks[worker][3]:
+        if not self._acks[worker][3] or self._lost[collector]:
             return False
-        if time.monotonic() - self._seen[collector] < QUIET_AFTER:
-            return not self._lost[collector]
-        return not self._actor_died(collector)
+        return time.monotonic() - self._seen[collector] < QUIET_AFTER or not self._actor_died(collector)
 
     def _actor_died(self, collector: int) -> bool:
         """Ping the actor of a silent collector (one ping at a time); True once Ray says it
@@ -261,8 +259,6 @@ class RayLink:
         if collector >= len(self._actors):
             return False
         with self._ping_lock:
-            if self._lost[collector]:
-                return True
             ping = self._pings.get(collector)
             if ping is None:
                 ping = self._pings[collector] = self._actors[collector].__ray_call__.remote(_pong)
@@ -277,27 +273,13 @@ class RayLink:
         if self._closed:
             raise RuntimeError("link is closed")
         with self._changed:
-            until = Until.APPLIED if applied else Until.RECEIVED
-            if slots and not any(owes(self.status(s), version, until) for s in slots):
+            if slots and not any_owes((self.status(s) for s in slots), version, applied):
                 return True
             seq = self._report_seq
             return self._changed.wait_for(lambda: self._report_seq != seq or self._closed, timeout=max(timeout, 0.0))
 
     def handle(self) -> RelayHandle:
         return RelayHandle(mailbox=self.mailbox, workers=self.workers)
-
-    def await_killed_actors(self, timeout: float) -> None:
-        """Wait (at most ``timeout`` seconds) until Ray reports every remote collector's actor
-        dead, once they were killed (``ray.kill`` returns at once; an actor may answer a
-        ping meanwhile)."""
-        deadline = time.monotonic() + timeout
-        pending = list(self._actors)
-        while pending and time.monotonic() < deadline:
-            pings = {actor.__ray_call__.remote(_pong): actor for actor in pending}
-            ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=max(deadline - time.monotonic(), 0))
-            pending = [actor for ref, actor in pings.items() if ref not in ready or not _died(ref)]
-            if pending:
-                time.sleep(0.05)
 
     def close(self) -> None:
         if self._closed:
@@ -408,7 +390,8 @@ class Relay:
         last = 0.0
         while not self._stopped:
             self.link.wait_acks(0.02, applied=False)
-            self.link.wait_acks(0.0, applied=True)  # drained: statuses are compared below
+            while self.link.wait_acks(0.0, applied=True):  # drained: statuses are compared below
+                pass
             now = time.monotonic()
             if self._changed() or now - last >= HEARTBEAT:
                 with contextlib.suppress(Exception):

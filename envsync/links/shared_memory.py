@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +80,18 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
+def sweep_until_gone(paths: Sequence[str], timeout: float) -> None:
+    """Sweep until none of ``paths`` (files of owners just killed) is left on this machine,
+    waiting at most ``timeout`` seconds for their last processes to let go. A path on another
+    machine is not here: the next link made there sweeps it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sweep_stale()
+        if not any(os.path.exists(p) for p in paths) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+
+
 def _semaphore_names(fd: int) -> list[str]:
     """The semaphore names a link file ends with (none for a file too short to hold them)."""
     end = os.fstat(fd).st_size
@@ -91,10 +104,14 @@ def _semaphore_names(fd: int) -> list[str]:
     return [n for n in text.split("\n") if n.startswith("/") and "/" not in n[1:]]
 
 
+def _semaphore_name(sync: Any) -> str | None:
+    """The name of a multiprocessing lock's or semaphore's semaphore (``None``: unnamed)."""
+    return getattr(getattr(sync, "_semlock", None), "name", None)
+
+
 def _names_trailer(syncs: Sequence[Any]) -> bytes:
     """The trailer naming ``syncs``' semaphores (named ones only)."""
-    names = [n for n in (getattr(getattr(s, "_semlock", None), "name", None) for s in syncs) if n]
-    blob = "\n".join(names).encode()
+    blob = "\n".join(n for n in map(_semaphore_name, syncs) if n).encode()
     return blob + len(blob).to_bytes(_TRAILER, "little")
 
 
@@ -255,8 +272,7 @@ class SharedMemoryHandle:
         return Table(raw, self.fields, self.num_workers)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        named = (*self.locks, *self.wakes, *self.acks)
-        if any(getattr(s, "_semlock", None) is None or s._semlock.name is None for s in named):
+        if any(_semaphore_name(s) is None for s in (*self.locks, *self.wakes, *self.acks)):
             return super().__reduce__()  # type: ignore[return-value]  # unnamed: only at process start
         state = (self.path, self.fields, self.size, self.num_workers, self.owner)
         return _rebuild_handle, (

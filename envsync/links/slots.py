@@ -29,7 +29,7 @@ import torch
 
 from envsync.errors import EnvSyncError
 from envsync.links.base import Header, Key
-from envsync.protocol import NO_FAILURE, Until, WorkerStatus, owes
+from envsync.protocol import NO_FAILURE, WorkerStatus, any_owes
 from envsync.state import Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
@@ -303,8 +303,7 @@ class SlotWriter:
             if alone and slots:
                 while semaphore.acquire(False):
                     pass
-            until = Until.APPLIED if applied else Until.RECEIVED
-            if slots and not any(owes(self.table.status(s), version, until) for s in slots):
+            if slots and not any_owes((self.table.status(s) for s in slots), version, applied):
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
         finally:

@@ -223,10 +223,7 @@ def _unlocked(batch: TensorDictBase) -> Iterator[None]:
 
 
 def _set(batch: TensorDictBase, key: Any, value: torch.Tensor) -> None:
-    if batch.is_locked:
-        with batch.unlock_():
-            batch.set(key, value)
-    else:
+    with _unlocked(batch):
         batch.set(key, value)
 
 

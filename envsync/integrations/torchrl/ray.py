@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -44,7 +43,7 @@ from envsync.integrations.torchrl.scheme import (
 from envsync.links.base import Flat, LinkHandle, SenderLink
 from envsync.links.local import LocalLink
 from envsync.links.ray import RayLink, Relay, RelayHandle, start_mailbox
-from envsync.links.shared_memory import sweep_stale
+from envsync.links.shared_memory import sweep_until_gone
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
@@ -220,12 +219,11 @@ class RayEnvScheme(EnvSchemeBase):
         if self._relay is not None:
             self._relay.stop()
         if self._attachment is not None and self._sender is not None:
-            link = self.link
             self._sender.detach(self._attachment)
             self._attachment = None
-            if link is not None:
-                link.await_killed_actors(timeout=5.0)  # torchrl has just killed them (ray.kill returns at once)
-            _sweep_node_files(self._files, timeout=5.0)
+            # torchrl has just killed the actors (ray.kill returns at once), so nothing in
+            # them cleaned up: sweep their files here once their processes let go
+            sweep_until_gone(self._files, timeout=5.0)
 
 
 class RayPolicyScheme(InertWithoutModule, RayWeightSyncScheme):
@@ -246,18 +244,6 @@ def _node_info(collector: Any) -> tuple[int, str]:
     node = getattr(collector, "_weight_sync_schemes", None) or {}
     link = getattr(node.get("env"), "link", None)
     return _count_workers(collector), str(getattr(link, "path", ""))
-
-
-def _sweep_node_files(paths: list[str], timeout: float) -> None:
-    """Sweep the killed actors' link files (with their semaphores) on this machine, waiting
-    at most ``timeout`` for their last processes to let go; files on other machines are
-    not here, and the next link made there sweeps them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        sweep_stale()
-        if not any(os.path.exists(p) for p in paths) or time.monotonic() >= deadline:
-            return
-        time.sleep(0.05)
 
 
 def _ray_detached(collector_ref: weakref.ReferenceType[Any]) -> bool:
