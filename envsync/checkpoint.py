@@ -16,6 +16,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from envsync import desired, gather
 from envsync.errors import ValidationError
+from envsync.gather import applied_versions
 from envsync.state import Leaf, flat_names
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
         env_state = {k: v.clone() for k, v in desired.pushed_env_state(sender._default).items()}
         out: dict[str, Any] = {"version": sender.version, "config": config, "env_state": env_state}
         if sender._stats is not None:
-            out["stats"] = sender._stats.state_dict(indices)
+            out["stats"] = sender._stats.state_dict(indices, applied_versions(sender, indices))
     if gather and indices:
         out["worker_env_state"] = sender.gather(None)
     return out

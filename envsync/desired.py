@@ -2,8 +2,9 @@
 the default (what a worker joining later starts from), what each attached worker was last
 sent, and what the latest push replaced (so a failed push can be rolled back).
 
-Leaves are kept by reference, never copied: every push brings fresh tensors and the sender
-never writes into a tensor it has published, so an old reference keeps its old value.
+Leaves are kept by reference: every push brings fresh tensors (the templates' ``fit``
+copies what the caller gave) and the sender never writes into a tensor it has published,
+so an old reference keeps its old value.
 """
 
 from __future__ import annotations

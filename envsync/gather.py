@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 
 from envsync import stats
-from envsync.errors import AckTimeout, ValidationError
+from envsync.errors import AckTimeout, ValidationError, WorkerApplyError
+from envsync.protocol import ApplyAt
 from envsync.reinit import STATS, Selector
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
 
 _ACK_SLICE = 0.05
+_MAX_GATHERS = 3  # a worker applies a pending merge at most once: a second read is clear
 
 
 def select(known: Sequence[str], requested: Sequence[str] | None) -> list[str]:
@@ -42,8 +45,20 @@ def select(known: Sequence[str], requested: Sequence[str] | None) -> list[str]:
     return chosen
 
 
+@dataclass
+class Pending:
+    """The latest merge pushed: its version, the statistics, and what each worker held when
+    it was gathered (a worker's baseline until it applies the merge)."""
+
+    version: int
+    merged: dict[str, torch.Tensor]
+    gathered: dict[int, dict[str, torch.Tensor]]
+
+
 class StatsBook:
-    """Per fleet index, the statistics each worker was last loaded with; and the latest merge.
+    """Per fleet index, the statistics a worker's own are counted up to (its *baseline*); the
+    latest merge; and the merge pushed last, until every worker's status tells whether it
+    applied it (a push may time out, fail, or wait for each env's reset).
 
     Args:
         start: the statistics a worker starts with before any sync (the template's).
@@ -52,26 +67,64 @@ class StatsBook:
     def __init__(self, start: Mapping[str, torch.Tensor]) -> None:
         self.merged = {k: torch.zeros_like(v) for k, v in start.items()}  # nothing seen yet
         self._given: dict[int, dict[str, torch.Tensor]] = {}
+        self.pending: Pending | None = None
+        self._published = False  # whether a merge was ever pushed (a rollback republishes it)
+
+    def unclear(self, before: Mapping[int, int], after: Mapping[int, int]) -> list[int]:
+        """The workers that may have applied the pending merge while they answered a gather
+        (their applied version crossed it between the two reads): gather them again."""
+        p = self.pending
+        return [] if p is None else [w for w in p.gathered if before.get(w, 0) < p.version <= after.get(w, 0)]
+
+    def baselines(self, applied: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor]]:
+        """What each worker's statistics are counted up to, given its ``applied`` version: a
+        worker that applied the pending merge holds it plus what it saw since; one that did
+        not (yet: in "reset" mode it may still, until a newer merge supersedes it) still
+        holds its own, as gathered for that merge."""
+        given = dict(self._given)
+        p = self.pending
+        if p is not None:
+            for worker, own in p.gathered.items():
+                if worker in applied:
+                    given[worker] = p.merged if applied[worker] >= p.version else own
+        return given
 
     def round(
-        self, current: Mapping[int, Mapping[str, torch.Tensor]], decay: Mapping[str, float]
+        self,
+        current: Mapping[int, Mapping[str, torch.Tensor]],
+        applied: Mapping[int, int],
+        decay: Mapping[str, float],
     ) -> dict[str, torch.Tensor]:
         """Merge the workers' ``current`` statistics of the names in ``current`` (``decay``
-        per moments prefix)."""
+        per moments prefix), each counted from its baseline (see :meth:`baselines`)."""
         names = sorted(next(iter(current.values())))
         base = {k: self.merged[k] for k in names}
-        given = {w: {k: self._given[w][k] for k in names} for w in current if w in self._given}
+        baselines = self.baselines(applied)
+        given = {w: {k: baselines[w][k] for k in names} for w in current if w in baselines}
         return stats.sync_round(base, given, current, decay)
 
-    def record(self, merged: Mapping[str, torch.Tensor], workers: Sequence[int]) -> None:
-        """``workers`` now hold ``merged`` (and so will workers that join later)."""
+    def pushed(self, version: int, merged: Mapping[str, torch.Tensor], current: Mapping[int, dict]) -> None:
+        """``merged`` went out as ``version`` (applied or not yet; a worker joining later
+        starts from it, and it supersedes the merge pending before); ``current`` is what
+        each worker held when gathered."""
         self.merged.update(merged)
-        for worker in workers:
-            self._given.setdefault(worker, dict(self.merged)).update(merged)
+        self.pending = Pending(version, dict(self.merged), {w: dict(v) for w, v in current.items()})
+        self._published = True
 
-    def state_dict(self, workers: Sequence[int]) -> dict[str, Any]:
-        """The last merge, and what each of ``workers`` (fleet order) was given."""
-        return {"merged": dict(self.merged), "given": [dict(self._given.get(w, self.merged)) for w in workers]}
+    def failed(self, rollback: int, current: Mapping[int, dict]) -> None:
+        """A merge failed on some worker and was rolled back by version ``rollback``: it
+        gives every worker the previous merge again, or, with none pushed before, each
+        worker keeps (or gets back) its own statistics."""
+        if self._published:
+            self.pending = Pending(rollback, dict(self.merged), {w: dict(v) for w, v in current.items()})
+        else:
+            self._given.update({w: dict(v) for w, v in current.items()})
+
+    def state_dict(self, workers: Sequence[int], applied: Mapping[int, int]) -> dict[str, Any]:
+        """The last merge, and each of ``workers``' baseline (fleet order) by their
+        ``applied`` versions (a resumed worker starts from its checkpointed state)."""
+        given = self.baselines(applied)
+        return {"merged": dict(self.merged), "given": [dict(given.get(w, self.merged)) for w in workers]}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> StatsBook:
@@ -140,6 +193,15 @@ def _answered(sender: Sender, index: int) -> int:
     return attachment.link.answered(worker)
 
 
+def applied_versions(sender: Sender, targets: Sequence[int]) -> dict[int, int]:
+    """The version each of ``targets`` (fleet env indices) has applied."""
+    out = {}
+    for index in targets:
+        attachment, slot = sender._fleet.locate(index)
+        out[index] = attachment.link.status(slot).applied
+    return out
+
+
 def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
     """Implementation of :meth:`Sender.sync_stats`."""
     template = sender.env_state_template()
@@ -156,12 +218,41 @@ def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
             )
     prefixes = {k.rsplit(".", 1)[0] for k in names}
     by_prefix = {p: decays[int(p.split(".")[1])] for p in prefixes}
-    gathered = gather(sender, names, None, timeout)
-    targets = sender._fleet.targets(None)
-    current = {w: {k: gathered[i].get(tuple(k.split("."))) for k in names} for i, w in enumerate(targets)}
     if sender._stats is None:
         sender._stats = StatsBook({k: template.flat[k] for k in names})
-    merged = sender._stats.round(current, by_prefix)
-    version = sender.push(env_state=merged, wait="applied", timeout=timeout)
-    sender._stats.record(merged, targets)
+    book = sender._stats
+    current, applied = _gather_settled(sender, book, names, timeout)
+    merged = book.round(current, applied, by_prefix)
+    # statistics are not an episode's config: in "reset" mode they wait for each env's next
+    # reset like any version (a push waits until received); elsewhere they apply at once
+    until = "received" if sender.spec.apply_at is ApplyAt.RESET else "applied"
+    try:
+        version = sender.push(env_state=merged, wait=until, timeout=timeout)
+    except WorkerApplyError:
+        book.failed(sender.version, current)
+        raise
+    except AckTimeout:
+        book.pushed(sender.version, merged, current)
+        raise
+    book.pushed(version, merged, current)
     return version
+
+
+def _gather_settled(
+    sender: Sender, book: StatsBook, names: list[str], timeout: float
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, int]]:
+    """Every worker's current statistics, each read while the worker's applied version was
+    known (before and after the read agree on the pending merge); and those versions."""
+    targets = sender._fleet.targets(None)
+    current: dict[int, dict[str, torch.Tensor]] = {}
+    ask = list(targets)
+    for _ in range(_MAX_GATHERS):
+        before = applied_versions(sender, ask)
+        gathered = gather(sender, names, ask, timeout)
+        after = applied_versions(sender, ask)
+        for i, w in enumerate(ask):
+            current[w] = {k: gathered[i].get(tuple(k.split("."))) for k in names}
+        ask = book.unclear(before, after)
+        if not ask:
+            return current, applied_versions(sender, targets) | after
+    raise AckTimeout(sender.version, ask, dead=[], until="gathered")

@@ -19,14 +19,15 @@ import os
 import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDictBase
 
+from envsync.exclusion import Exclusion
 from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import ReinitSpec
@@ -73,8 +74,16 @@ class EnvAdapter(Protocol):
         """The env's live ``state_dict()`` tensors by key (written in place), and its running
         statistics (``stats.*``: fresh exports, loaded back by :meth:`commit`)."""
 
-    def commit(self, written: dict[str, torch.Tensor]) -> None:
-        """Load entries written into :meth:`state_tensors` that are not live (``stats.*``)."""
+    def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
+        """A gather read ``entries`` while ``target`` was the latest version published: the
+        statistics of a version published later (a merge of what was read) are loaded on top
+        of what the env saw after this read."""
+
+    def commit(self, written: dict[str, torch.Tensor], *, version: int, restore: bool = False) -> None:
+        """Load entries of ``version`` written into :meth:`state_tensors` that are not live
+        (``stats.*``): statistics on top of what the env saw since the latest read before
+        ``version`` was published (see :meth:`note_read`), unless ``restore`` (the env's own
+        earlier values, put back)."""
 
     @property
     def has_reinit(self) -> bool:
@@ -101,6 +110,8 @@ class EnvStateReceiver:
             (the group marks it), and calls ``before_idle_apply`` first.
         before_idle_apply: called before an idle apply of a sub-env (its hooks then note, at
             the next step, the version it runs under).
+        exclusion: the env's exclusion (:mod:`envsync.exclusion`), shared with the hooks
+            that step and reset it; a fresh one when not given.
 
     Examples:
         >>> EnvStateReceiver.__name__
@@ -116,13 +127,14 @@ class EnvStateReceiver:
         initial_config: TensorDictBase | None,
         sub_env: bool = False,
         before_idle_apply: Callable[[], None] = lambda: None,
+        exclusion: Exclusion | None = None,
     ) -> None:
         self.link = link
         self.spec = spec
         self.adapter = adapter
-        self._lock = threading.RLock()
-        self._busy = 0
-        self.applying = False
+        self.exclusion = exclusion if exclusion is not None else Exclusion()
+        self._lock = self.exclusion.lock
+        self.applying = False  # read only by the thread that holds the exclusion
         self.version = 0
         self.seen = 0
         self._failed = NO_FAILURE
@@ -171,19 +183,9 @@ class EnvStateReceiver:
             self.seen = target
             self.link.ack_received(target)
 
-    @contextmanager
-    def busy(self) -> Iterator[None]:
+    def busy(self) -> AbstractContextManager[None]:
         """Mark the collector as driving the env: the listener keeps off meanwhile."""
-        with self._lock:
-            self._busy += 1
-            self.link.set_busy(True)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy -= 1
-                if not self._busy:
-                    self.link.set_busy(False)
+        return self.exclusion.driving(self.link.set_busy)
 
     def before_reset(self) -> None:
         """Safe point before the env resets: every mode applies a pending version here."""
@@ -212,7 +214,7 @@ class EnvStateReceiver:
         """Called by the listener thread when woken by the sender (or every half second)."""
         with self._lock:
             self._notice(self.link.target())
-            if not self._busy:
+            if not self.exclusion.driven:
                 self.apply_if_idle()
                 self.serve()
 
@@ -227,7 +229,9 @@ class EnvStateReceiver:
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         live = self.adapter.state_tensors() if names else {}
-        return {name: live[name] for name in names}
+        out = {name: live[name] for name in names}
+        self.adapter.note_read(out, self.link.target())
+        return out
 
     def apply_if_idle(self) -> None:
         """With the collector idle: ``"step"`` and ``"truncate"`` apply at once (a sub-env:
@@ -311,7 +315,7 @@ class EnvStateReceiver:
         if done and keep:
             self._kept = keep
             self._snapshot_version = version
-        self.adapter.commit({name: live[name] for name in loaded})
+        self.adapter.commit({name: live[name] for name in loaded}, version=version)
         return done
 
     def _undo(self, undo: int) -> None:
@@ -321,7 +325,7 @@ class EnvStateReceiver:
             for name in self._kept:
                 live[name].data.copy_(self._snapshot[name])
                 self._stamps[name] = 0
-            self.adapter.commit({name: live[name] for name in self._kept})
+            self.adapter.commit({name: live[name] for name in self._kept}, version=undo, restore=True)
             self._snapshot_version = 0
 
     def _restore(self, loaded: list[str]) -> str:
@@ -333,7 +337,7 @@ class EnvStateReceiver:
             restored = [name for name in loaded if name in self._kept]
             for name in restored:
                 live[name].data.copy_(self._snapshot[name])
-            self.adapter.commit({name: live[name] for name in restored})
+            self.adapter.commit({name: live[name] for name in restored}, version=self.version, restore=True)
         except Exception:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""

@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torchrl.envs.transforms import Compose, Transform
 
+from envsync import stats
 from envsync.errors import ValidationError
 from envsync.state import env_state_dict
 
@@ -297,7 +298,7 @@ def stats_indices(env: Any, spec: ReinitSpec, selector: Selector) -> dict[int, f
     """The chain indices of the transforms ``selector`` matches whose handler can export and
     load statistics, with each one's forgetting factor (``handler.decay``; 1 without one)."""
     return {
-        index: float(handler.decay(transform)) if callable(getattr(handler, "decay", None)) else 1.0
+        index: _decay(handler, transform)
         for index, transform, handler in _stats_handlers(env, spec)
         if _matches(selector, index, transform)
     }
@@ -323,6 +324,26 @@ def load_stats(env: Any, spec: ReinitSpec, values: dict[str, torch.Tensor]) -> N
         mine = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
         if mine:
             handler.load(transform, {**handler.export(transform), **mine})
+
+
+def on_top_of_own(
+    env: Any, spec: ReinitSpec, pushed: dict[str, torch.Tensor], read: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``pushed`` statistics (a merge computed from ``read``, what a gather read from this
+    env) plus what the env's transforms have seen since that read, aged by their decay: a
+    merge applied later than it was gathered (at the next reset, say) loses nothing the env
+    saw meanwhile. Without a read of every pushed entry, ``pushed`` as it is."""
+    if not read or any(k not in read for k in pushed):
+        return pushed
+    now = stats_entries(env, spec)
+    decays = {index: _decay(handler, transform) for index, transform, handler in _stats_handlers(env, spec)}
+    by_prefix = {k.rsplit(".", 1)[0]: decays.get(int(k.split(".")[1]), 1.0) for k in pushed}
+    own = {k: read[k] for k in pushed}
+    return stats.sync_round(pushed, {0: own}, {0: {k: now[k] for k in pushed}}, by_prefix)
+
+
+def _decay(handler: Any, transform: Transform) -> float:
+    return float(handler.decay(transform)) if callable(getattr(handler, "decay", None)) else 1.0
 
 
 def _state_prefixes(env: Any) -> list[str]:

@@ -99,12 +99,10 @@ def _fit(
     like: torch.Tensor,
     allow_nonfinite: bool,
     *,
-    copy: bool = True,
     numpy_dtype: np.dtype | None = None,
 ) -> Leaf:
-    """Check one pushed value against its template tensor; return it as a fresh tensor (or,
-    with ``copy=False``, the caller's own tensor when it already has the template's dtype).
-    A plain number for a 0-d template with ``numpy_dtype`` becomes a 0-d numpy array."""
+    """Check one pushed value against its template tensor; return it as a fresh tensor (a
+    copy, never the caller's own). A plain number for a 0-d template with ``numpy_dtype`` becomes a 0-d numpy array."""
     if isinstance(value, Mapping | TensorDictBase):
         raise ValidationError(f"{what} {path!r} is a value in the template, not a mapping")
     if isinstance(value, bool | int | float):
@@ -139,7 +137,7 @@ def _fit(
         if value.dtype != like.dtype and not widens_to_float:
             raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {value.dtype}")
         tensor = value.detach().to(device="cpu", dtype=like.dtype)
-        if copy and tensor.data_ptr() == value.data_ptr():
+        if tensor.data_ptr() == value.data_ptr():
             tensor = tensor.clone()
     else:
         raise ValidationError(f"{what} {path!r} must be a number or a tensor, got {type(value).__name__}")
@@ -297,8 +295,9 @@ class EnvStateTemplate:
         for key, value in flat.items():
             if key not in self._flat:
                 raise ValidationError(f"env_state key {key!r} is not in the env's state_dict; known: {self.keys}")
-            # no copy: the link copies the caller's tensor straight into the workers' slots
-            fitted[key] = tensor_of(_fit("env_state", key, value, self._flat[key], self.allow_nonfinite, copy=False))
+            # copied once here: the sender's records (what later workers start from, what a
+            # rollback restores, the checkpoint) must not change when the caller's tensor does
+            fitted[key] = tensor_of(_fit("env_state", key, value, self._flat[key], self.allow_nonfinite))
         return fitted
 
     @property

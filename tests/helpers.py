@@ -389,3 +389,58 @@ def make_parallel_normed(n: int = 2) -> Any:
 
     fns = [partial(make_normed_counter_env, label=i) for i in range(n)]
     return ParallelEnv(n, fns, mp_start_method=mp.get_start_method())
+
+
+class SlowCounterEnv(CounterEnv):
+    """A CounterEnv whose config method takes ``delay`` seconds, changing the difficulty
+    first: an apply that overlaps a step shows as a frame of the new difficulty under the
+    old tag."""
+
+    def set_difficulty(self, difficulty: float, delay: float = 0.0) -> None:  # type: ignore[override]
+        self.difficulty = float(difficulty)
+        if delay:
+            time.sleep(delay)
+
+
+def make_slow_counter_env(label: int = 0) -> SlowCounterEnv:
+    return SlowCounterEnv(label=label)
+
+
+def make_slow_batched(kind: str = "serial", n: int = 2, first_label: int = 0) -> Any:
+    """A ``SerialEnv``/``ParallelEnv`` of ``n`` SlowCounterEnvs labelled ``first_label + i``."""
+    from functools import partial
+
+    from torchrl.envs import ParallelEnv, SerialEnv
+
+    fns = [partial(make_slow_counter_env, label=first_label + i) for i in range(n)]
+    if kind == "serial":
+        return SerialEnv(n, fns)
+    return ParallelEnv(n, fns, mp_start_method=mp.get_start_method())
+
+
+class SlowOffsetNoiseEnv(OffsetNoiseEnv):
+    """An OffsetNoiseEnv whose config method takes ``delay`` seconds, with episodes truncated
+    after ``horizon`` steps (0: never)."""
+
+    def __init__(self, label: int = 0, horizon: int = 0) -> None:
+        super().__init__(label)
+        self.horizon = horizon
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        out = super()._step(tensordict)
+        if self.horizon and self.count >= self.horizon:
+            out["done"] = out["truncated"] = torch.ones(1, dtype=torch.bool)
+        return out
+
+    def set_difficulty(self, difficulty: float, delay: float = 0.0) -> None:  # type: ignore[override]
+        self.difficulty = float(difficulty)
+        if delay:
+            time.sleep(delay)
+
+
+def make_slow_vecnorm_env(label: int = 0, horizon: int = 0) -> Any:
+    """A SlowOffsetNoiseEnv normalised by a VecNormV2 that keeps the raw observation."""
+    from torchrl.envs import Compose, TransformedEnv, VecNormV2
+
+    norm = VecNormV2(in_keys=["observation"], out_keys=["observation_norm"], decay=1.0)
+    return TransformedEnv(SlowOffsetNoiseEnv(label, horizon), Compose(norm))

@@ -33,7 +33,10 @@ class EnvAdapter:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return env_state_dict(self.env, keep_vars=True)
 
-    def commit(self, written: dict[str, torch.Tensor]) -> None:
+    def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
+        return None
+
+    def commit(self, written: dict[str, torch.Tensor], *, version: int, restore: bool = False) -> None:
         return None
 
     def reinit(self, version: int) -> None:

@@ -26,6 +26,7 @@ from torchrl.envs import EnvBase
 
 from envsync import reinit
 from envsync.errors import ValidationError
+from envsync.exclusion import Exclusion
 from envsync.links.base import LinkHandle
 from envsync.receiver import ApplySpec, EnvStateReceiver
 from envsync.state import FlatConfig, config_applier, env_state_dict
@@ -88,6 +89,8 @@ class EnvHooks:
         self._worker = 0
         self._step = env._step
         self._reset = env._reset
+        self.exclusion = Exclusion()
+        self._lock = self.exclusion.lock
 
     @classmethod
     def install(cls, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase | None) -> EnvHooks:
@@ -117,17 +120,20 @@ class EnvHooks:
         self._settled = False
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        frame = self.frame
-        self.frame = frame + 1
-        receiver = self.receiver
-        # compared with the target this path handled, not the receiver's `seen`: the idle
-        # listener's periodic wake notices (and acknowledges) targets too, even while busy
-        if receiver is None or (self._settled and self._targets[self._worker] == self._handled):
-            return self._step(tensordict)
-        return self._slow_step(receiver, frame, tensordict)
+        # the env's exclusion for the whole step: no apply from a listener overlaps it, and
+        # the fast path's test sees every version an apply made before the step began
+        with self._lock:
+            frame = self.frame
+            self.frame = frame + 1
+            receiver = self.receiver
+            # compared with the target this path handled, not the receiver's `seen`: the idle
+            # listener's periodic wake notices (and acknowledges) targets too, even while busy
+            if receiver is None or (self._settled and self._targets[self._worker] == self._handled):
+                return self._step(tensordict)
+            return self._slow_step(receiver, frame, tensordict)
 
     def _slow_step(self, receiver: EnvStateReceiver, frame: int, tensordict: TensorDictBase) -> TensorDictBase:
-        if receiver.applying:
+        if receiver.applying:  # a step of the apply itself (a re-init that rolls out)
             return self._step(tensordict)
         self._handled = int(self._targets[self._worker])
         receiver.before_step()
@@ -143,16 +149,17 @@ class EnvHooks:
         return out
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
-        receiver = self.receiver
-        if receiver is None:
-            return self._reset(tensordict, **kwargs)
-        receiver.before_reset()
-        out = self._reset(tensordict, **kwargs)
-        self.obs_version = receiver.version
-        _mark(self._root, self.frame, self.obs_version)
-        self._settled = False
-        receiver.link.note_versions(None, self.obs_version)
-        return out
+        with self._lock:
+            receiver = self.receiver
+            if receiver is None:
+                return self._reset(tensordict, **kwargs)
+            receiver.before_reset()
+            out = self._reset(tensordict, **kwargs)
+            self.obs_version = receiver.version
+            _mark(self._root, self.frame, self.obs_version)
+            self._settled = False
+            receiver.link.note_versions(None, self.obs_version)
+            return out
 
     def begin(self) -> None:
         """A rollout starts: frames count from 0; tags carry over from the last state."""
@@ -273,6 +280,9 @@ class CollectorAdapter:
         steps = reinit.plan(env, spec.reinit)
         self.has_reinit = bool(steps)
         self._reinit = reinit.runner(steps)
+        # (the target when read, the statistics a gather read), latest last: the bases a
+        # merge pushed later is loaded on top of
+        self._bases: list[tuple[int, dict[str, torch.Tensor]]] = []
 
     def _live_env(self) -> EnvBase:
         env = self._env()
@@ -287,10 +297,22 @@ class CollectorAdapter:
         env = self._live_env()
         return {**env_state_dict(env, keep_vars=True), **reinit.stats_entries(env, self._spec.reinit)}
 
-    def commit(self, written: dict[str, torch.Tensor]) -> None:
-        stats = {k: v for k, v in written.items() if k.startswith(f"{reinit.STATS}.")}
+    def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
+        stats = {k: v.clone() for k, v in entries.items() if k.startswith(f"{reinit.STATS}.")}
         if stats:
-            reinit.load_stats(self._live_env(), self._spec.reinit, stats)
+            self._bases = [*self._bases[-2:], (target, stats)]
+
+    def commit(self, written: dict[str, torch.Tensor], *, version: int, restore: bool = False) -> None:
+        stats = {k: v for k, v in written.items() if k.startswith(f"{reinit.STATS}.")}
+        if not stats:
+            return
+        env = self._live_env()
+        if not restore:  # a merge of what a gather read before `version` was published
+            base = next((read for target, read in reversed(self._bases) if target < version), {})
+            stats = reinit.on_top_of_own(env, self._spec.reinit, stats, base)
+        reinit.load_stats(env, self._spec.reinit, stats)
+        # earlier reads no longer describe what the env holds: later merges go on top of this
+        self._bases = [(version, reinit.stats_entries(env, self._spec.reinit))]
 
     def reinit(self, version: int) -> None:
         self._reinit(self._live_env(), version)
@@ -394,6 +416,7 @@ def serve_env(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_
         initial_config=hooks.initial_config,
         sub_env=collector is None,
         before_idle_apply=hooks.unsettle,
+        exclusion=hooks.exclusion,
     )
     hooks.bind(receiver, env_index)
     return receiver

@@ -18,11 +18,10 @@ batched step only while some sub-env is unsettled, and writes ``env_version`` an
 from __future__ import annotations
 
 import functools
-import threading
 import traceback
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,6 +31,7 @@ from torchrl.envs import EnvBase, ParallelEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
 
 from envsync.errors import EnvSyncError, ValidationError
+from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.adapter import (
     INDEX_KEY,
     VERSION_KEY,
@@ -348,8 +348,8 @@ class EnvGroup:
         self._targets, self._applied, self._failures = (counters[k][window] for k in ("target", "applied", "failed"))
         self._ran, self._obs = counters["ran"][window], counters["obs"][window]
         self._seen = b""
-        self._lock = threading.RLock()
-        self._busy = 0
+        self.exclusion = Exclusion()  # the group's: its listeners against its collector's rollouts
+        self._lock = self.exclusion.lock
         self._closed = False
 
     def unchanged(self) -> bool:
@@ -372,21 +372,14 @@ class EnvGroup:
         t, a, f = self._targets.copy(), self._applied.copy(), self._failures.copy()
         return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
 
-    @contextmanager
-    def busy(self) -> Iterator[None]:
-        """Mark the collector as driving the batched env: the listeners keep off meanwhile."""
-        with self._lock:
-            self._busy += 1
-            for end in self.ends:
-                end.set_busy(True)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy -= 1
-                if not self._busy:
-                    for end in self.ends:
-                        end.set_busy(False)
+    def busy(self) -> AbstractContextManager[None]:
+        """Mark the collector as driving the batched env: the listeners keep off meanwhile,
+        and so do a ``ParallelEnv``'s sub-envs' own listeners (told through their slots)."""
+        return self.exclusion.driving(self._mark_busy)
+
+    def _mark_busy(self, busy: bool) -> None:
+        for end in self.ends:
+            end.set_busy(busy)
 
     def apply_if_idle(self, only: list[int] | None = None) -> None:
         """With the collector idle: ``"step"`` versions apply at once in their leaves;
@@ -419,7 +412,7 @@ class EnvGroup:
         with self._lock:
             end = self.ends[index]
             end.ack_received(end.target())
-            if not self._busy:
+            if not self.exclusion.driven:
                 self.apply_if_idle()
 
     def start(self) -> None:

@@ -1,0 +1,71 @@
+"""One exclusion per env: an apply never overlaps a step or reset of the same env, whatever
+thread applies (the collector's own, a worker's idle listener, a ``ParallelEnv`` sub-process's
+listener), so a frame's tag always names the config its observation came from.
+
+The sub-envs' config method changes the difficulty first and then takes 0, 2 or 50 ms: a step
+that ran during an apply would show the new difficulty under the old tag.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from helpers import make_slow_batched, rows, start_method
+from torchrl.collectors import Collector, MultiAsyncCollector
+
+from envsync import EnvStateSender
+
+pytestmark = pytest.mark.timeout(240)
+
+# name -> (collector class, workers, batched kind, sub-envs per worker)
+SETUPS = {
+    "single-parallel": (Collector, 1, "parallel", 2),
+    "single-serial": (Collector, 1, "serial", 2),
+    "async-2x-parallel": (MultiAsyncCollector, 2, "parallel", 2),
+}
+DELAYS = (0.0, 0.002, 0.05)
+
+
+@pytest.fixture(scope="module", params=list(SETUPS))
+def stepping(request: pytest.FixtureRequest) -> Iterator[tuple[EnvStateSender, Iterator[Any], dict[int, float]]]:
+    cls, workers, kind, n = SETUPS[request.param]
+    sender = EnvStateSender(config={"difficulty": 0.0, "delay": 0.0}, apply="set_difficulty", apply_at="step")
+    factories = [sender.env_fn(functools.partial(make_slow_batched, kind, n, w * n)) for w in range(workers)]
+    with start_method("fork"):
+        collector = cls(
+            factories[0] if cls is Collector else factories,
+            None,
+            frames_per_batch=40,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
+    yield sender, iter(collector), {0: 0.0}  # the difficulty of every version pushed
+    collector.shutdown()
+    sender.close()
+
+
+def mistagged(batch: Any, difficulty: dict[int, float]) -> int:
+    """How many frames show another difficulty than the version their tag names."""
+    bad = 0
+    for row in rows(batch):
+        for tag, obs in (("env_version", "observation"), (("next", "env_version"), ("next", "observation"))):
+            for version, value in zip(row[tag].tolist(), row[obs][:, 0].tolist(), strict=True):
+                bad += abs(difficulty[version] - value) > 1e-6
+    return bad
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_no_frame_is_mistagged_while_pushes_land_mid_rollout(stepping: Any, delay: float) -> None:
+    sender, it, difficulty = stepping
+    bad = frames = 0
+    for _ in range(12):
+        value = float(sender.version + 1 + 1000 * delay)
+        version = sender.push(config={"difficulty": value, "delay": delay}, wait="received")
+        difficulty[version] = value
+        batch = next(it)
+        frames += batch.numel()
+        bad += mistagged(batch, difficulty)
+    assert frames and bad == 0, f"{bad} of {2 * frames} tags name another config than the frame's"
