@@ -16,7 +16,7 @@ import torch
 from helpers import make_counter_env
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import AckTimeout, EnvStateSender, WorkerApplyError
+from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import PREFIX, SHM_DIR
 
@@ -303,6 +303,19 @@ def local_collector(sender: EnvStateSender) -> Collector:
     )
 
 
+def two_remote_collectors(factories: list[Any], kwargs: dict[str, Any]) -> Any:
+    """A RayCollector of a ``Collector`` on each node, from ``kwargs`` made earlier."""
+    return RayCollector(
+        factories,
+        None,
+        collector_class=Collector,
+        frames_per_batch=20,
+        total_frames=10**9,
+        remote_configs=[{"num_cpus": 0.25, "memory": 150 * 2**20, "resources": {n: 0.01}} for n in ("n0", "n1")],
+        **kwargs,
+    )
+
+
 @pytest.mark.timeout(120)
 def test_ray_attaches_after_a_departed_local_collector(cluster: Any) -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
@@ -345,17 +358,10 @@ def test_ray_keeps_its_indices_when_the_last_local_collector_leaves_before_it_st
     local = local_collector(sender)
     local.shutdown()
     local = local_collector(sender)
+    factories = [sender.env_fn(short_episodes)] * 2
     kwargs = sender.ray_kwargs(start_method="fork")
     local.shutdown()
-    collector = RayCollector(
-        [sender.env_fn(short_episodes)] * 2,
-        None,
-        collector_class=Collector,
-        frames_per_batch=20,
-        total_frames=10**9,
-        remote_configs=[{"num_cpus": 0.25, "memory": 150 * 2**20, "resources": {n: 0.01}} for n in ("n0", "n1")],
-        **kwargs,
-    )
+    collector = two_remote_collectors(factories, kwargs)
     try:
         assert [(m.index, m.first_env) for m in sender.fleet()] == [(1, 1), (2, 2)]
         version = sender.push(config={"difficulty": 0.5}, workers=[2], wait="applied", timeout=30)
@@ -369,6 +375,25 @@ def test_ray_keeps_its_indices_when_the_last_local_collector_leaves_before_it_st
         assert seen == {1: {0.0}, 2: {0.5}}
     finally:
         collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_collector_attached_after_ray_kwargs_makes_the_ray_collector_refused(cluster: Any) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    factories = [sender.env_fn(short_episodes)] * 2
+    kwargs = sender.ray_kwargs(start_method="fork")
+    local = local_collector(sender)  # takes fleet index 0, which the remote workers carry
+    try:
+        with pytest.raises(ValidationError, match=r"numbered from 0.*call ray_kwargs\(\) right before"):
+            two_remote_collectors(factories, kwargs)
+        assert [m.index for m in sender.fleet()] == [0]
+        deadline = time.monotonic() + 10
+        while alive_actors() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive_actors() == []  # the remote collectors and the mailbox were killed
+    finally:
+        local.shutdown()
         sender.close()
 
 
