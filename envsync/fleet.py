@@ -75,12 +75,30 @@ class Fleet:
         self._next_worker = 0
         self._next_collector = 0
 
-    def add(self, attachment: Attachment, start: Flat) -> None:
-        """Number the attachment's workers and envs after every earlier one; mirror ``start``."""
+    def add(self, attachment: Attachment, start: Flat, first_env: int | None = None) -> None:
+        """Number the attachment's workers and envs after every earlier one; mirror ``start``.
+
+        ``first_env`` asks for the index of its first env: an integration whose workers are
+        numbered before they attach (a ``RayCollector``'s, from :meth:`next_env`) gets the
+        numbers they carry, even if a collector left in between. Envs skipped that way count
+        as unbatched workers, so worker indices stay unique too.
+
+        Raises:
+            ValidationError: ``first_env`` is below :meth:`next_env` (a collector attached
+                in between holds, or held, those indices).
+        """
         if not self.attachments:
             self._next_offset = 0
             self._next_worker = 0
             self._next_collector = 0
+        if first_env is not None:
+            if first_env < self._next_offset:
+                raise ValidationError(
+                    f"the collector's envs were numbered from {first_env}, but a collector attached since "
+                    f"took indices up to {self._next_offset - 1}"
+                )
+            self._next_worker += first_env - self._next_offset
+            self._next_offset = first_env
         attachment.offset = self._next_offset
         attachment.worker_offset = self._next_worker
         attachment.index = self._next_collector
@@ -89,6 +107,10 @@ class Fleet:
         self._next_worker += attachment.num_workers
         self._next_collector += len(attachment.collectors or [attachment.num_workers])
         self.attachments.append(attachment)
+
+    def next_env(self) -> int:
+        """The index the next attachment's first env gets (0 once no collector is left)."""
+        return self._next_offset if self.attachments else 0
 
     def prune(self) -> list[Attachment]:
         """Drop the attachments whose collector shut down; return them."""

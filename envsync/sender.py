@@ -151,6 +151,7 @@ class Sender:
         on_close: Callable[[], None] = lambda: None,
         envs_per_worker: int = 1,
         collectors: Sequence[int] | None = None,
+        first_env: int | None = None,
     ) -> Attachment:
         """Attach a collector's ``num_workers`` workers, of ``envs_per_worker`` envs each,
         after the fleet's others.
@@ -158,10 +159,12 @@ class Sender:
         ``make_link`` builds the link (one slot per env) from the leaves every env starts
         from; then each env is given the latest version (and its own checkpointed row, if
         any). ``collectors`` splits the workers among several collectors behind one link
-        (their worker counts, in order), as :meth:`fleet` describes them.
+        (their worker counts, in order), as :meth:`fleet` describes them. ``first_env``: the
+        index its workers were numbered from before attaching (see :meth:`next_env_index`).
 
         Raises:
-            ValidationError: a loaded per-env checkpoint has another number of envs.
+            ValidationError: a loaded per-env checkpoint has another number of envs, or
+                ``first_env`` was given to a collector attached since.
         """
         if collectors is not None and envs_per_worker != 1:
             raise ValidationError("batched envs are not supported behind a RayCollector yet")
@@ -180,7 +183,7 @@ class Sender:
             if link.num_workers != num_envs:
                 raise ValidationError(f"the link has {link.num_workers} slots for {num_envs} envs")
             attachment = Attachment(link, detached, on_close, envs_per_worker, collectors)
-            self._fleet.add(attachment, start)
+            self._fleet.add(attachment, start, first_env)
             for slot in range(num_envs):
                 entries = rows[slot] if rows is not None else {}
                 attachment.link.write(slot, self._version, entries)
@@ -188,6 +191,13 @@ class Sender:
             attachment.link.flush(self._version)
             self._rows = None
             return attachment
+
+    def next_env_index(self) -> int:
+        """The fleet index the next attached collector's first env gets (for integrations
+        that number remote workers before they attach, then pass it as ``first_env``)."""
+        with self._lock:
+            self._prune()
+            return self._fleet.next_env()
 
     def _start_leaves(self) -> Flat:
         template = self.env_state_template().flat if (self._probe is not None or self._declared) else {}

@@ -14,15 +14,18 @@ from typing import Any
 import pytest
 import torch
 from helpers import make_counter_env
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
-from envsync import AckTimeout, EnvStateSender, WorkerApplyError
+from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError
+from envsync.links.local import LocalLink
 from envsync.links.shared_memory import PREFIX, SHM_DIR
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
+
+from envsync.links.ray import RelayHandle, start_mailbox  # noqa: E402
 
 TESTS = str(Path(__file__).resolve().parent)
 STORE = 80 * 2**20
@@ -291,3 +294,169 @@ def test_lost_node_is_reported_dead_and_shutdown_leaves_nothing(cluster: Any) ->
         time.sleep(0.2)
     # killed actors unlink nothing themselves: their link files and semaphores are swept
     assert alive_actors() == [] and orphaned_files() == [] and semaphores() - before == set()
+
+
+def local_collector(sender: EnvStateSender) -> Collector:
+    """A collector in this process, attached to ``sender`` beside the Ray ones."""
+    return Collector(
+        sender.env_fn(short_episodes), None, frames_per_batch=10, total_frames=-1, weight_sync_schemes=sender.schemes()
+    )
+
+
+def two_remote_collectors(factories: list[Any], kwargs: dict[str, Any]) -> Any:
+    """A RayCollector of a ``Collector`` on each node, from ``kwargs`` made earlier."""
+    return RayCollector(
+        factories,
+        None,
+        collector_class=Collector,
+        frames_per_batch=20,
+        total_frames=10**9,
+        remote_configs=[{"num_cpus": 0.25, "memory": 150 * 2**20, "resources": {n: 0.01}} for n in ("n0", "n1")],
+        **kwargs,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_ray_attaches_after_a_departed_local_collector(cluster: Any) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    stays = local_collector(sender)
+    leaves = local_collector(sender)
+    leaves.shutdown()  # fleet index 1 leaves; it is not reused while index 0 lives
+    collector = build(sender, MultiSyncCollector)
+    try:
+        fleet = [(m.index, m.collector, m.worker, m.first_env) for m in sender.fleet()]
+        assert fleet == [(0, 0, 0, 0), (2, 2, 0, 2), (3, 2, 1, 3), (4, 3, 0, 4), (5, 3, 1, 5)]
+        version = sender.push(config={"difficulty": 0.5}, wait="applied", timeout=30)
+        assert sender.versions() == [version] * 5
+        only = sender.push(config={"difficulty": 0.7}, workers=[3], wait="applied", timeout=30)
+        # remote collector 1 holds fleet workers 4 and 5
+        collector.update_policy_weights_(weights=TensorDict(config={"difficulty": 0.9}), model_id="env", worker_ids=[1])
+        last = sender.version
+        sender.wait(last, until="applied", timeout=30)
+        assert sender.versions() == [version, version, only, last, last]
+        seen: dict[int, set[float]] = {}
+        for i, batch in enumerate(collector):
+            for index, values in observed(batch).items():
+                seen.setdefault(index, set()).update(values)
+            if i >= 3 and len(seen) == 4:
+                break
+        assert seen == {2: {0.5}, 3: {0.7}, 4: {0.9}, 5: {0.9}}
+        local = next(iter(stays))
+        assert set(local["env_index"].tolist()) == {0} and set(local["next", "observation"][:, 0].tolist()) == {0.5}
+    finally:
+        collector.shutdown()
+        stays.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_ray_keeps_its_indices_when_the_last_local_collector_leaves_before_it_starts(cluster: Any) -> None:
+    # ray_kwargs() numbers the remote workers before the RayCollector attaches; a collector
+    # leaving in between (here the only one, after which numbering would restart at 0) must
+    # not make those numbers wrong
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    local = local_collector(sender)
+    local.shutdown()
+    local = local_collector(sender)
+    factories = [sender.env_fn(short_episodes)] * 2
+    kwargs = sender.ray_kwargs(start_method="fork")
+    local.shutdown()
+    collector = two_remote_collectors(factories, kwargs)
+    try:
+        assert [(m.index, m.first_env) for m in sender.fleet()] == [(1, 1), (2, 2)]
+        version = sender.push(config={"difficulty": 0.5}, workers=[2], wait="applied", timeout=30)
+        assert sender.versions() == [0, version]
+        seen: dict[int, set[float]] = {}
+        for i, batch in enumerate(collector):
+            for index, values in observed(batch).items():
+                seen.setdefault(index, set()).update(values)
+            if i >= 2 and len(seen) == 2:
+                break
+        assert seen == {1: {0.0}, 2: {0.5}}
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_collector_attached_after_ray_kwargs_makes_the_ray_collector_refused(cluster: Any) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    factories = [sender.env_fn(short_episodes)] * 2
+    kwargs = sender.ray_kwargs(start_method="fork")
+    local = local_collector(sender)  # takes fleet index 0, which the remote workers carry
+    try:
+        with pytest.raises(ValidationError, match=r"numbered from 0.*call ray_kwargs\(\) right before"):
+            two_remote_collectors(factories, kwargs)
+        assert [m.index for m in sender.fleet()] == [0]
+        deadline = time.monotonic() + 10
+        while alive_actors() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive_actors() == []  # the remote collectors and the mailbox were killed
+    finally:
+        local.shutdown()
+        sender.close()
+
+
+def post(mailbox: Any, seq: int, ref: Any) -> None:
+    ray.get(mailbox.post.remote(seq, [ref]), timeout=30)
+
+
+def fetch(mailbox: Any, collector: int, after: int) -> list[tuple[int, Any]]:
+    return [(seq, ref) for seq, (ref,) in ray.get(mailbox.fetch.remote(collector, after, 0.0), timeout=30)]
+
+
+@pytest.mark.timeout(60)
+def test_mailbox_hands_out_posts_in_order_and_once(cluster: Any) -> None:
+    # an async actor runs its tasks in any order and a retried task runs twice: the mailbox,
+    # not Ray, keeps the posts in sequence
+    mailbox = start_mailbox(2)
+    try:
+        for seq in (3, 1, 1, 5, 2, 3):
+            post(mailbox, seq, f"push {seq}")
+        assert fetch(mailbox, 0, 0) == [(1, "push 1"), (2, "push 2"), (3, "push 3")]  # 5 waits for 4
+        waiting = mailbox.fetch.remote(1, 3, 20.0)
+        post(mailbox, 4, "push 4")
+        assert [seq for seq, _ in ray.get(waiting, timeout=30)] == [4, 5]
+        post(mailbox, 2, "push 2, retried")  # after every relay asked past it, too
+        post(mailbox, 6, "push 6")
+        assert fetch(mailbox, 0, 2) == [(3, "push 3"), (4, "push 4"), (5, "push 5"), (6, "push 6")]
+        assert fetch(mailbox, 1, 5) == [(6, "push 6")]
+    finally:
+        ray.kill(mailbox)
+
+
+class RecordingLink(LocalLink):
+    """An in-process node link that remembers the version of every write a relay makes."""
+
+    def __init__(self, leaves: Any, num_workers: int) -> None:
+        super().__init__(leaves, num_workers)
+        self.written: list[int] = []
+
+    def write(self, worker: int, version: int, entries: Any, *, undo: int = 0) -> None:
+        self.written.append(version)
+        super().write(worker, version, entries, undo=undo)
+
+
+@pytest.mark.timeout(60)
+def test_relay_writes_each_push_once_in_order(cluster: Any) -> None:
+    key = ("config", "difficulty")
+    mailbox = start_mailbox(1)
+    node = RecordingLink({key: torch.zeros(())}, 1)
+    relay = RelayHandle(mailbox=mailbox, workers=[1]).relay(0, node)
+    payloads = {v: ray.put({0: (v, 0, {key: torch.tensor(float(v))})}) for v in (1, 2, 3)}
+    try:
+        for seq in (2, 1, 1):
+            post(mailbox, seq, payloads[seq])
+        relay.start()
+        assert node.written == [1, 2]
+        post(mailbox, 3, payloads[3])
+        post(mailbox, 2, payloads[2])
+        deadline = time.monotonic() + 10
+        while len(node.written) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # two more long polls: nothing comes twice
+        assert node.written == [1, 2, 3]
+        assert float(node.handle().open(0).read_header().config["difficulty"]) == 3.0
+    finally:
+        relay.stop()
+        ray.kill(mailbox)

@@ -3,8 +3,9 @@
 The main process holds a :class:`RayLink` to every worker of every remote collector (the
 fleet is numbered collector by collector, then by worker). Per push it buffers each
 worker's leaves (``write``), puts ``{worker: (version, undo, leaves)}`` into Ray's object
-store *once* (``flush``) and posts the reference to a small :class:`Mailbox` actor that
-lives on the main process's node.
+store *once* (``flush``) and posts the reference, numbered, to a small :class:`Mailbox` actor
+that lives on the main process's node; relays get the posts in that order, once each
+(:class:`Posts`).
 
 In each remote collector's actor a :class:`Relay` runs two daemon threads (not actor
 methods: a non-async actor runs one task at a time, and the collector keeps a ``next()``
@@ -58,6 +59,46 @@ Acks = tuple[int, int, int, bool]
 """One worker's report: ``(received, applied, failed, alive)``."""
 
 
+class Posts:
+    """Posts in sequence order, each once, however Ray delivers them.
+
+    An async actor does not run its tasks in the order they were sent, and a retried task
+    runs twice: a post is kept once per sequence number, and one that comes early waits until
+    every number before it has come (a relay skipping one would miss that push's writes, and
+    one applying them late would undo newer ones).
+
+    Examples:
+        >>> posts = Posts()
+        >>> posts.add(2, ["b"]), posts.add(1, ["a"]), posts.add(1, ["a"])
+        (False, True, False)
+        >>> posts.after(0)
+        [(1, ['a']), (2, ['b'])]
+    """
+
+    def __init__(self) -> None:
+        self.last = 0
+        self._ready: list[tuple[int, list[Any]]] = []
+        self._early: dict[int, list[Any]] = {}
+
+    def add(self, seq: int, ref: list[Any]) -> bool:
+        """Keep post ``seq`` unless it came before; True when posts became ready."""
+        if seq <= self.last or seq in self._early:
+            return False
+        self._early[seq] = ref
+        while self.last + 1 in self._early:
+            self.last += 1
+            self._ready.append((self.last, self._early.pop(self.last)))
+        return self.last >= seq
+
+    def after(self, seq: int) -> list[tuple[int, list[Any]]]:
+        """The ready posts after ``seq``, in order."""
+        return [p for p in self._ready if p[0] > seq]
+
+    def drop_through(self, seq: int) -> None:
+        """Forget the ready posts up to ``seq`` (every relay has them)."""
+        self._ready = self.after(seq)
+
+
 class Mailbox:
     """The rendezvous actor: posts go down to relays, reports come up to the main process.
 
@@ -66,7 +107,7 @@ class Mailbox:
     """
 
     def __init__(self, num_collectors: int) -> None:
-        self._posts: list[tuple[int, list[Any]]] = []
+        self._posts = Posts()
         self._consumed = [0] * num_collectors
         self._posted = asyncio.Event()
         self._reports: dict[int, tuple[float, list[Acks]]] = {}
@@ -75,21 +116,21 @@ class Mailbox:
         self._reported = asyncio.Event()
 
     def post(self, seq: int, ref: list[Any]) -> None:
-        """Add a push (the reference is wrapped in a list so Ray does not resolve it)."""
-        self._posts.append((seq, ref))
-        self._posted.set()
-        self._posted = asyncio.Event()
+        """Add push ``seq`` (the reference is wrapped in a list so Ray does not resolve it);
+        see :class:`Posts` for the order relays get them in."""
+        if self._posts.add(seq, ref):
+            self._posted.set()
+            self._posted = asyncio.Event()
 
     async def fetch(self, collector: int, after: int, timeout: float) -> list[tuple[int, list[Any]]]:
-        """The posts after ``after`` (waiting up to ``timeout`` for one); older ones are dropped
-        once every collector has asked past them."""
+        """The posts after ``after``, in order (waiting up to ``timeout`` for one); older ones
+        are dropped once every collector has asked past them."""
         self._consumed[collector] = after
-        floor = min(self._consumed)
-        self._posts = [p for p in self._posts if p[0] > floor]
-        if not any(seq > after for seq, _ in self._posts) and timeout > 0:
+        self._posts.drop_through(min(self._consumed))
+        if self._posts.last <= after and timeout > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._posted.wait(), timeout)
-        return [p for p in self._posts if p[0] > after]
+        return self._posts.after(after)
 
     def report(self, collector: int, statuses: list[Acks], errors: dict[int, str]) -> None:
         """A relay's acknowledgements per worker: ``(received, applied, failed, alive)``."""
@@ -367,6 +408,8 @@ class Relay:
 
     def _deliver(self, posts: list[tuple[int, list[Any]]]) -> None:
         for seq, (ref,) in posts:
+            if seq != self._after + 1:  # a fetch answered twice, or out of turn
+                continue
             payload: Payload = ray.get(ref)
             version = 0
             for worker in range(self.first, self.first + self.count):

@@ -162,24 +162,29 @@ class RayEnvScheme(EnvSchemeBase):
         self._files = [path for _, path in nodes if path]
         collector_ref = weakref.ref(context)
         mailbox = start_mailbox(len(actors))
+        made: list[RayLink] = []
 
         def make(leaves: Flat) -> SenderLink:
-            return RayLink(leaves, counts, mailbox, actors)
+            made.append(RayLink(leaves, counts, mailbox, actors))
+            return made[-1]
 
         try:
+            # the remote workers tag their frames with the indices ray_kwargs() gave them
             attachment = sender.attach(
-                sum(counts), make, detached=lambda: _ray_detached(collector_ref), collectors=counts
+                sum(counts),
+                make,
+                detached=lambda: _ray_detached(collector_ref),
+                collectors=counts,
+                first_env=self._offset,
             )
-            if attachment.offset != self._offset:
-                sender.detach(attachment)
-                raise ValidationError(
-                    f"the sender's fleet changed between ray_kwargs() (first index {self._offset}) and the "
-                    f"RayCollector's start (first index {attachment.offset}): call ray_kwargs() right before"
-                )
-        except BaseException:
+        except BaseException as err:
+            for made_link in made:
+                made_link.close()
             ray.kill(mailbox)
             for actor in actors:
                 ray.kill(actor)
+            if isinstance(err, ValidationError) and sender.next_env_index() > self._offset:
+                raise ValidationError(f"{err}; call ray_kwargs() right before building the RayCollector") from err
             raise
         link: Any = attachment.link
         link.flush(sender.version)  # every worker's starting state, in one put
@@ -210,8 +215,11 @@ class RayEnvScheme(EnvSchemeBase):
         config, env_state = env_weights(weights)
         workers = None
         if worker_ids is not None:
+            if self._attachment is None:
+                raise ValidationError("worker_ids= needs the RayCollector attached; it was shut down")
             chosen = [worker_ids] if isinstance(worker_ids, int) else worker_ids
-            starts = [self._offset + sum(self._counts[:c]) for c in range(len(self._counts))]
+            first = self._attachment.worker_offset
+            starts = [first + sum(self._counts[:c]) for c in range(len(self._counts))]
             workers = [starts[c] + w for c in chosen for w in range(self._counts[c])]
         sender.push(config=config, env_state=env_state, workers=workers)
 
@@ -272,8 +280,7 @@ def make_ray_kwargs(
         raise ValidationError("collector_kwargs['weight_sync_schemes'] already has an 'env' scheme")
     if sender.envs_per_worker() != 1:
         raise ValidationError("batched envs are not supported behind a RayCollector yet: give it unbatched envs")
-    members = sender.fleet()
-    offset = max(m.first_env + m.envs for m in members) if members else 0  # the next env index
+    offset = sender.next_env_index()  # the RayCollector attaches there (RayEnvScheme)
     inner["env"] = NodeScheme(_start_leaves(sender), sender.version, offset, start_method)
     inner.setdefault("policy", PolicySyncScheme())
     kwargs["weight_sync_schemes"] = inner
