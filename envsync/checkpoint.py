@@ -3,8 +3,9 @@
 
 A checkpoint holds the version, the desired config of every env (one row per env when
 attached; an unbatched worker drives one env), the pushed ``env_state`` (which includes
-statistics computed in main or merged), the ``sync_stats`` bookkeeping and, with
-``gather=True``, every worker's own entries.
+statistics computed in main or merged), each env's own pushed entries (``env_state_rows``:
+pushed with ``workers=``/``envs=``, or computed in main for its own config), the
+``sync_stats`` bookkeeping and, with ``gather=True``, every worker's own entries.
 """
 
 from __future__ import annotations
@@ -32,11 +33,37 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
         config = TensorDict.stack(rows) if rows else sender.desired_config()
         env_state = {k: v.clone() for k, v in desired.pushed_env_state(sender._default).items()}
         out: dict[str, Any] = {"version": sender.version, "config": config, "env_state": env_state}
+        own = [_own_entries(sender._mirror(e), sender._default) for e in indices]
+        if any(own):
+            out["env_state_rows"] = own
         if sender._stats is not None:
             out["stats"] = sender._stats.state_dict(indices, applied_versions(sender, indices))
     if gather and indices:
         out["worker_env_state"] = sender.gather(None)
     return out
+
+
+def _own_entries(mirror: Mapping[Any, Any], default: Mapping[Any, Any]) -> dict[str, Any]:
+    """The env-state entries pushed to one env that are not the default's (pushed with
+    ``workers=``/``envs=``, or computed in main for its own config)."""
+    pushed = desired.pushed_env_state(mirror)
+    return {k: v.clone() for k, v in pushed.items() if default.get(("env_state", k)) is not mirror[("env_state", k)]}
+
+
+def _own_rows(state: Mapping[str, Any], count: int) -> list[dict[str, Any]] | None:
+    """Each env's own entries: those pushed to it alone, then what was gathered from it."""
+    pushed = state.get("env_state_rows")
+    gathered = state.get("worker_env_state")
+    if pushed is None and gathered is None:
+        return None
+    rows = [dict(r) for r in pushed] if pushed is not None else [{} for _ in range(count)]
+    if gathered is not None:
+        read = [flat_names(r) for r in gathered.unbind(0)]
+        if len(read) != len(rows):
+            raise ValidationError(f"the checkpoint has {len(rows)} env state rows and {len(read)} gathered ones")
+        for row, entries in zip(rows, read, strict=True):
+            row.update(entries)
+    return rows
 
 
 def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
@@ -48,8 +75,7 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
         config = TensorDict(config)
     rows = [sender.template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
     env_state = state.get("env_state") or None
-    worker_state = state.get("worker_env_state")
-    own = None if worker_state is None else [flat_names(r) for r in worker_state.unbind(0)]
+    own = _own_rows(state, len(rows))
     if own is not None and len(own) != len(rows):
         raise ValidationError(f"the checkpoint has {len(rows)} worker configs and {len(own)} worker env states")
     with sender._lock:
@@ -58,9 +84,7 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
             sender._stats = gather.StatsBook.from_state_dict(state["stats"])
         if sender.num_envs is None:
             return _keep_for_attach(sender, int(state["version"]), rows, env_state, own)
-    if len(rows) == 1:
-        return sender.push(config=rows[0], env_state=env_state, wait=None)
-    if len(rows) != sender.num_envs:
+    if len(rows) != sender.num_envs and (len(rows) != 1 or own is not None):
         what = "workers" if sender.num_envs == sender.num_workers else "envs"
         raise ValidationError(
             f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {sender.num_envs} {what}"
@@ -68,8 +92,11 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
     if env_state:
         sender.push(env_state=env_state, wait=None)
     indices = sender._fleet.indices()
-    for index, entries in zip(indices, own or [], strict=False):
-        sender.push(env_state=entries, envs=[index], wait=None)
+    for index, entries in zip(indices, own or [], strict=True):
+        if entries:
+            sender.push(env_state=entries, envs=[index], wait=None)
+    if len(rows) == 1:
+        return sender.push(config=rows[0], wait=None)
     return sender._push_rows(dict(zip(indices, rows, strict=True)), by_env=True, wait=None, timeout=30.0)
 
 

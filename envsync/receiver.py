@@ -251,7 +251,9 @@ class EnvStateReceiver:
                 self._apply_latest(reset_after=False)
 
     def _apply_latest(self, *, reset_after: bool) -> bool:
-        """Apply the latest desired state; on failure restore the previous one and report."""
+        """Apply the latest desired state; on failure restore the previous one and report.
+        Outpaced by the sender (a newer version each time it loads), it acknowledges
+        nothing, restores the previous config, and stays pending for its next safe point."""
         self.applying = True
         previous = self.version
         version = self.link.target()
@@ -270,6 +272,11 @@ class EnvStateReceiver:
                 keep_all = reset_after or self.adapter.has_reinit
                 if self._load(version, names, loaded, keep_all=keep_all):
                     break
+            else:  # nothing of the env state was loaded (a load checks the version first)
+                trouble = self._restore([])
+                if trouble:
+                    raise RuntimeError(f"outpaced by the sender, the previous config did not come back:{trouble}")
+                return False
             self.adapter.reinit(version)
             if reset_after:
                 self.version = version  # the reset's observation comes from this version

@@ -167,3 +167,46 @@ def test_a_listener_wake_while_busy_does_not_hide_a_step_version_from_the_next_s
         assert receiver.version == version
         assert float(out["next", "observation"][0]) == 3.0
     sender.close()
+
+
+class RacingAdapter(EnvAdapter):
+    """An adapter whose config method lets the sender publish a newer version each time, as a
+    sender pushing faster than this env can load would (``races`` times)."""
+
+    def __init__(self, env: Any, apply: Any, sender: EnvStateSender, races: int) -> None:
+        super().__init__(env, apply)
+        self.sender = sender
+        self.races = races
+        self.last = 0.0  # the latest loc published
+
+    def apply_config(self, config: FlatConfig) -> None:
+        super().apply_config(config)
+        if self.races:
+            self.races -= 1
+            self.last = float(self.races)
+            self.sender.push(env_state={"transforms.0.loc": torch.full((3,), self.last)}, wait=None)
+
+
+def test_an_outpaced_receiver_acknowledges_nothing_it_did_not_load_and_loads_it_later() -> None:
+    with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") as sender:
+        env = make_normed_counter_env(label=0)
+        sender.env_fn(make_normed_counter_env)
+        attachment = sender.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: False)
+        adapter = RacingAdapter(env, sender.spec.apply, sender, races=100)
+        receiver = EnvStateReceiver(
+            link=attachment.link.handle().open(0),
+            spec=sender.spec,
+            adapter=adapter,
+            initial_config=sender.desired_config(),
+        )
+        receiver.start(listen=False)
+        sender.push(config={"difficulty": 5.0}, env_state={"transforms.0.loc": torch.full((3,), 7.0)}, wait=None)
+        receiver.before_step()  # every load finds a newer version: it gives up
+        assert receiver.version == 0 and sender.versions() == [0]
+        assert env.base_env.difficulty == 0.0  # the previous config is back
+        assert env.transform.loc.tolist() != [7.0] * 3
+        adapter.races = 0
+        receiver.before_step()  # the next safe point applies the latest, entries included
+        assert sender.versions() == [sender.version] and receiver.version == sender.version
+        assert env.base_env.difficulty == 5.0
+        assert env.transform.loc.tolist() == [adapter.last] * 3  # the latest value raced in

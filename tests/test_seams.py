@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import build
-from helpers import make_slow_vecnorm_env, rows, start_method
+from helpers import make_normed_counter_env, make_slow_vecnorm_env, rows, start_method
 
-from envsync import AckTimeout, EnvStateSender
+from envsync import AckTimeout, EnvStateSender, ValidationError, reinit
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -95,6 +95,107 @@ def test_a_sync_that_times_out_counts_nothing_twice_in_the_next() -> None:
         merged_count, merged_mean = merged_stats(sender)
         assert merged_count == count, "the timed-out sync's observations were counted again"
         torch.testing.assert_close(merged_mean, mean, rtol=1e-5, atol=1e-5)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def loc_key(sender: EnvStateSender) -> str:
+    """The env-state key of the ObservationNorm's ``loc``."""
+    return next(k for k in sender.env_state_template().keys if k.endswith("loc"))
+
+
+def test_recompute_in_main_is_refused_for_a_built_env_and_never_touches_the_collectors_env() -> None:
+    policy = {"ObservationNorm": reinit.recompute(num_iter=8, where="main")}
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step", reinit=policy)
+    with pytest.raises(ValidationError, match="built TransformedEnv"):
+        sender.env_fn(make_normed_counter_env())
+    collector = build("single", sender, make_normed_counter_env, frames_per_batch=10)
+    try:
+        batches = iter(collector)
+        before = next(batches)
+        sender.push(config={"difficulty": 3.0}, wait="applied")  # statistics on the sender's own env
+        after = next(batches)
+        # the collector's env went on with its episode: no reset or rollout from the push
+        assert after["observation"][0, 2] == before["next", "observation"][-1, 2]
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def test_pushed_tensors_are_copied_at_the_push() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    first = build("single", sender, make_normed_counter_env, frames_per_batch=10)
+    key = loc_key(sender)
+    loc = torch.full((3,), 2.0)
+    try:
+        sender.push(env_state={key: loc}, wait="applied")
+        loc.fill_(99.0)  # the caller reuses its tensor
+        assert sender.state_dict()["env_state"][key].tolist() == [2.0] * 3
+        with start_method("fork"):
+            late = build("sync", sender, [make_normed_counter_env], frames_per_batch=10)  # joins later
+        try:
+            gathered = sender.gather([key], workers=[1])
+            assert gathered[0].get(tuple(key.split("."))).tolist() == [2.0] * 3
+        finally:
+            late.shutdown()
+    finally:
+        first.shutdown()
+        sender.close()
+
+
+def checkpoint_with_own_entries() -> tuple[dict[str, Any], str]:
+    """A MultiSyncCollector of 2 workers where only worker 1 was pushed its own ``loc``."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, [make_normed_counter_env] * 2, frames_per_batch=10)
+    try:
+        key = loc_key(sender)
+        sender.push(env_state={key: torch.full((3,), 5.0)}, workers=[1], wait="applied")
+        return sender.state_dict(), key
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.parametrize("order", ["load-then-build", "build-then-load"])
+def test_a_checkpoint_keeps_what_one_worker_was_pushed(order: str) -> None:
+    state, key = checkpoint_with_own_entries()
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    if order == "load-then-build":
+        sender.load_state_dict(state)
+    with start_method("fork"):
+        collector = build("sync", sender, [make_normed_counter_env] * 2, frames_per_batch=10)
+    try:
+        if order == "build-then-load":
+            sender.wait(sender.load_state_dict(state), until="applied")
+        locs = sender.gather([key]).get(tuple(key.split(".")))
+        assert locs[0].tolist() == [0.0] * 3 and locs[1].tolist() == [5.0] * 3
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def test_loading_gathered_state_into_an_attached_single_worker_keeps_its_statistics() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build("single", sender, make_slow_vecnorm_env, frames_per_batch=20)
+    try:
+        batches = iter(collector)
+        next(batches)
+        next(batches)
+        state = sender.state_dict(gather=True)
+    finally:
+        collector.shutdown()
+        sender.close()
+    saved = state["worker_env_state"]
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build("single", sender, make_slow_vecnorm_env, frames_per_batch=20)  # built first
+    try:
+        sender.wait(sender.load_state_dict(state), until="applied")
+        now = sender.gather(None)
+        assert sorted(now.keys(True, True)) == sorted(saved.keys(True, True))
+        for key in saved.keys(True, True):
+            torch.testing.assert_close(now.get(key), saved.get(key))
     finally:
         collector.shutdown()
         sender.close()

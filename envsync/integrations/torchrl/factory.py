@@ -97,6 +97,14 @@ def wrap_env_fn(sender: Sender, fn: Callable[..., EnvBase] | EnvBase) -> Any:
     """Implementation of :meth:`envsync.EnvStateSender.env_fn`."""
     initial = sender.template.values.clone()
     if isinstance(fn, EnvBase):
+        if sender.spec.reinit.computes_in_main:
+            # the probe would be the collector's own env: a push would run the new config on
+            # it, mid-episode and under the old tag, and reset it from the user's thread
+            raise ValidationError(
+                "reinit.recompute(where='main') computes statistics on an env of the sender's own, and "
+                f"env_fn was given a built {type(fn).__name__} (the collector's own env): pass a factory "
+                "instead (env_fn(make_env)), or use recompute(where='worker')"
+            )
         env = prepare_env(fn, sender.spec, initial)
         sender.use_probe(Probe(make=lambda: env, owned=False, split=split))
         return env
