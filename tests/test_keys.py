@@ -120,6 +120,28 @@ def test_a_checkpoint_holds_torchrls_keys(lone_norm_sync: Any) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_vecnorm_v2_workers_take_one_extra_state_entry_and_sync_through_the_derived_view() -> None:
+    """In forked workers, one ``_extra_state`` entry loads alone into each VecNormV2's live
+    statistics (they count on from it); ``sync_stats`` merges through the ``stats.*`` view,
+    and the merge shows in the workers' own ``_extra_state``."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, [partial(lone_vecnorm_env, i) for i in range(2)], frames_per_batch=20)
+    try:
+        batches = iter(collector)
+        next(batches)
+        sender.push(env_state={"_extra_state": {"count.-|-.observation": torch.tensor(500)}}, wait="applied")
+        assert sender.gather(["_extra_state"])[COUNT].tolist() == [500, 500]
+        next(batches)
+        assert sender.gather([COUNT])[COUNT].tolist() == [510, 510]  # 10 steps each since
+        sender.sync_stats("VecNormV2")
+        assert sender.gather([COUNT])[COUNT].tolist() == [1020, 1020]  # every observation counted once
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
 def test_vecnorm_v2_extra_state_pushes_in_place_gathers_and_resumes() -> None:
     """A lone VecNormV2 on a single Collector: its ``_extra_state`` entries are pushed whole
     (an edited ``state_dict()``) and one at a time, land in the transform's live statistics
