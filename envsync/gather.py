@@ -16,6 +16,7 @@ from envsync import stats
 from envsync.errors import AckTimeout, ValidationError, WorkerApplyError
 from envsync.protocol import ApplyAt
 from envsync.reinit import STATS, Selector
+from envsync.state import state_name
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
@@ -24,20 +25,24 @@ _ACK_SLICE = 0.05
 _MAX_GATHERS = 3  # a worker applies a pending merge at most once: a second read is clear
 
 
-def select(known: Sequence[str], requested: Sequence[str] | None) -> list[str]:
+def select(known: Sequence[str], requested: Sequence[str | tuple[str, ...]] | None) -> list[str]:
     """The entries of ``known`` that ``requested`` names: whole keys or dotted prefixes
-    (``"transforms.0"``); ``None`` names every entry.
+    (``"transforms.0"``, ``"_extra_state"``), a tuple key as its parts joined; ``None``
+    names every entry.
 
     Examples:
         >>> select(["transforms.0.loc", "transforms.0.scale", "transforms.1.loc"], ["transforms.0"])
         ['transforms.0.loc', 'transforms.0.scale']
+        >>> select(["initialized", "_extra_state.loc.-|-.obs"], [("_extra_state", "loc.-|-.obs")])
+        ['_extra_state.loc.-|-.obs']
     """
     if requested is None:
         return list(known)
     if isinstance(requested, str):
         requested = [requested]
     chosen: list[str] = []
-    for want in requested:
+    for entry in requested:
+        want = state_name(entry) if isinstance(entry, tuple) else entry
         hits = [k for k in known if k == want or k.startswith(f"{want}.")]
         if not hits:
             raise ValidationError(f"env_state {want!r} names no entry of the env; known: {list(known)}")
@@ -136,12 +141,13 @@ class StatsBook:
 
 
 def gather(
-    sender: Sender, env_state: Sequence[str] | None, workers: Sequence[int] | None, timeout: float
+    sender: Sender, env_state: Sequence[str | tuple[str, ...]] | None, workers: Sequence[int] | None, timeout: float
 ) -> TensorDict:
     """Implementation of :meth:`Sender.gather`."""
     if any(a.envs_per_worker > 1 for a in sender._fleet.attachments):
         raise ValidationError("gather and sync_stats do not reach the sub-envs of batched envs yet")
-    names = select(sender.env_state_template().keys, env_state)
+    template = sender.env_state_template()
+    names = select(template.keys, env_state)
     with sender._lock:
         sender._check_open()
         sender._prune()
@@ -159,7 +165,7 @@ def gather(
     for index in targets:
         attachment, worker = sender._fleet.locate(index)
         reply = attachment.link.read_reply(worker, names)
-        rows.append(TensorDict({tuple(k.split(".")): v for k, v in reply.items()}))
+        rows.append(template.nest(reply))
     return TensorDict.stack(rows) if rows else TensorDict()
 
 

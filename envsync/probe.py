@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
 from envsync.reinit import compute_in_main, plan, stats_entries, stats_indices
-from envsync.state import EnvStateTemplate, apply_config, env_state_dict
+from envsync.state import EnvStateTemplate, apply_config
 
 if TYPE_CHECKING:
     from envsync.receiver import ApplySpec
@@ -78,8 +78,8 @@ class Probe:
             return EnvStateTemplate({}, allow_nonfinite=allow_nonfinite)
         if self.owned or env is not self.env:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
-        entries = {**env_state_dict(env), **stats_entries(env, spec.reinit)}
-        return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
+        derived = stats_entries(env, spec.reinit)
+        return EnvStateTemplate.from_env(env, derived=derived, allow_nonfinite=allow_nonfinite)
 
     def stats_indices(self, spec: ApplySpec, selector: Any) -> dict[int, float]:
         """The transforms ``selector`` picks that keep mergeable statistics: index -> decay."""

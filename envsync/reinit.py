@@ -281,8 +281,10 @@ def compute_in_main(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
 
 
 STATS = "stats"
-"""The env-state namespace of running statistics: ``stats.<transform index>.<name>``, the
-moments a handler's ``export`` gives (not ``state_dict`` entries: ``sync_stats`` moves them)."""
+"""The env-state namespace of a *derived* view of running statistics:
+``stats.<transform index>.<name>``, the moments (count, mean, m2) a handler's ``export`` gives,
+by the transform's index in :func:`chain`. They are not ``state_dict`` entries (those keep
+torchrl's keys: ``_extra_state.*`` for a ``VecNormV2``); ``sync_stats`` merges through them."""
 
 
 def _stats_handlers(env: Any, spec: ReinitSpec) -> list[tuple[int, Transform, Any]]:
@@ -347,8 +349,9 @@ def _decay(handler: Any, transform: Transform) -> float:
 
 
 def _state_prefixes(env: Any) -> list[str]:
-    """The state_dict key prefix of each transform of :func:`chain`, in the same order."""
+    """The state_dict key prefix of each transform of :func:`chain`, in the same order (a
+    lone transform's keys are the env's: torchrl gives them no prefix)."""
     if not isinstance(env.transform, Compose):
-        return ["transforms.0."]
+        return [""]
     names = {id(module): name for name, module in env.transform.named_modules()}
     return [f"{names[id(t)]}." for t in chain(env)]

@@ -44,9 +44,10 @@ class Sender:
         reinit: re-initialisation policies for stateful transforms (see ``envsync.reinit``).
         apply_at: ``"reset"`` (default), ``"step"`` or ``"truncate"``.
         allow_nonfinite: accept NaN and inf config values.
-        env_state_template: the env-state entries a push may carry (like
-            ``env.state_dict()``); given, no env is ever built in the main process to learn
-            them (use it when envs must not be initialised before workers fork).
+        env_state_template: the env-state entries a push may carry: ``env.state_dict()`` of
+            the env your factory builds, or the part of it you push (torchrl's keys); given,
+            no env is ever built in the main process to learn them (use it when envs must
+            not be initialised before workers fork).
         envs_per_worker: how many envs each worker's (batched) env holds; counted on the
             probe env when not given, and taken as 1 with an ``env_state_template`` (which
             builds no env in main to count them).
@@ -68,7 +69,7 @@ class Sender:
         reinit: Mapping[Selector, Policy] | None = None,
         apply_at: str = "reset",
         allow_nonfinite: bool = False,
-        env_state_template: Mapping[str, torch.Tensor] | None = None,
+        env_state_template: Mapping[Any, Any] | TensorDictBase | None = None,
         envs_per_worker: int | None = None,
     ) -> None:
         try:
@@ -430,19 +431,25 @@ class Sender:
     # ---- reading back (envsync.gather decides what, the links move the bytes) ----------------
 
     def gather(
-        self, env_state: Sequence[str] | None = None, *, workers: Sequence[int] | None = None, timeout: float = 30.0
+        self,
+        env_state: Sequence[str | tuple[str, ...]] | None = None,
+        *,
+        workers: Sequence[int] | None = None,
+        timeout: float = 30.0,
     ) -> TensorDict:
         """Read env-state entries back from workers, at a safe point (a rollout's end, or at
         once while idle), through the link: tensors only.
 
         Args:
-            env_state: entries of the env's ``state_dict()`` (or ``stats.*`` moments), whole
-                keys or dotted prefixes such as ``"transforms.0"`` (default: every entry).
+            env_state: entries of the env's ``state_dict()`` by torchrl's keys (or the
+                derived ``stats.*`` moments): whole keys, tuple keys, or dotted prefixes
+                such as ``"transforms.0"`` or ``"_extra_state"`` (default: every entry).
             workers: fleet indices (default: every worker).
             timeout: seconds to wait for the answers.
 
         Returns:
-            A ``TensorDict`` with a leading dim over the targeted workers, nested by key.
+            A ``TensorDict`` with a leading dim over the targeted workers, shaped like
+            ``env.state_dict()`` (``"loc"``; ``"_extra_state"`` holding its entries).
 
         Raises:
             ValidationError: an entry the env does not have, or no collector attached.

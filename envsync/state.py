@@ -2,7 +2,10 @@
 
 The *config* is a fixed set of named numbers or tensors (nested mappings allowed) whose names,
 shapes and dtypes are set by the template. The *env state* is a subset of an env's
-``state_dict()`` (transform buffers such as ``ObservationNorm.loc``), with the same keys.
+``state_dict()`` (transform buffers such as ``ObservationNorm.loc``), with torchrl's keys:
+:func:`state_leaves` decides, in one place, how those keys and their nested entries (a
+transform's extra state, such as ``VecNormV2``'s ``_extra_state``) become envsync's flat names,
+and :meth:`EnvStateTemplate.nest` shapes flat names back like ``env.state_dict()``.
 """
 
 from __future__ import annotations
@@ -48,11 +51,9 @@ def _leaf_tensor(path: str, value: Any) -> torch.Tensor:
     raise ValidationError(f"config value {path!r} must be a number or a tensor, got {type(value).__name__}")
 
 
-def _flatten(values: Any, *, what: str, expected: str, dotted_keys: bool = False, prefix: str = "") -> dict[str, Any]:
-    """Flatten nested mappings (or a TensorDict) into dot-joined paths to their leaves.
-
-    Config names may not hold dots; state_dict keys do (``transforms.0.loc``): ``dotted_keys``.
-    """
+def _flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested mappings (or a TensorDict) of config names (no dots) into dot-joined
+    paths to their leaves."""
     if isinstance(values, TensorDictBase):
         return {
             ".".join(k) if isinstance(k, tuple) else k: v
@@ -62,11 +63,11 @@ def _flatten(values: Any, *, what: str, expected: str, dotted_keys: bool = False
         raise ValidationError(f"{what} must be {expected}, got {type(values).__name__}")
     flat: dict[str, Any] = {}
     for name, value in values.items():
-        if not dotted_keys and (not isinstance(name, str) or not name or "." in name):
+        if not isinstance(name, str) or not name or "." in name:
             raise ValidationError(f"{what} name {name!r} must be a non-empty string without '.'")
         path = f"{prefix}{name}"
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, what=what, expected=expected, dotted_keys=dotted_keys, prefix=f"{path}."))
+            flat.update(_flatten(value, what=what, expected=expected, prefix=f"{path}."))
         else:
             flat[path] = value
     return flat
@@ -247,52 +248,124 @@ class ConfigTemplate:
         return self._flat
 
 
+StatePath = tuple[str, ...]
+"""Where an env-state leaf sits in an ``env.state_dict()``: its key as torch writes it
+(``"loc"``, ``"transforms.1.loc"``), then one part per nested mapping below it (a transform's
+extra state: ``("_extra_state", "loc.-|-.observation")`` for a ``VecNormV2``)."""
+
+
+def state_name(path: StatePath) -> str:
+    """The flat name envsync gives the leaf at ``path``: its parts joined by ``"."``, which is
+    also how torch joins the keys of nested modules (``"transforms.1._extra_state.<...>"``)."""
+    return ".".join(path)
+
+
+def state_leaves(state: Mapping[Any, Any] | TensorDictBase) -> dict[StatePath, Any]:
+    """The leaves of a mapping shaped like ``env.state_dict()``, by path.
+
+    A key is kept whole (torch's dotted keys are one part), a tuple key gives its parts, and
+    every nested mapping or ``TensorDict`` (a transform's extra state) adds one part; so
+    ``{"_extra_state": {"k": t}}``, ``{("_extra_state", "k"): t}`` and
+    ``{"_extra_state.k": t}`` all reach the leaf named ``"_extra_state.k"``.
+
+    Examples:
+        >>> sorted(state_leaves({"loc": 1, "_extra_state": {"count.-|-.obs": 2}, ("a", "b"): 3}))
+        [('_extra_state', 'count.-|-.obs'), ('a', 'b'), ('loc',)]
+
+    Raises:
+        ValidationError: not a mapping, or a key that is not a string or a tuple of strings.
+    """
+    if isinstance(state, TensorDictBase):
+        return {k if isinstance(k, tuple) else (k,): v for k, v in state.items(include_nested=True, leaves_only=True)}
+    if not isinstance(state, Mapping):
+        raise ValidationError(f"env_state must be a mapping like env.state_dict(), got {type(state).__name__}")
+    leaves: dict[StatePath, Any] = {}
+    for key, value in state.items():
+        path = key if isinstance(key, tuple) else (key,)
+        if not path or not all(isinstance(part, str) and part for part in path):
+            raise ValidationError(f"env_state key {key!r} must be a non-empty string or a tuple of them")
+        if isinstance(value, Mapping | TensorDictBase):
+            leaves.update({(*path, *inner): leaf for inner, leaf in state_leaves(value).items()})
+        else:
+            leaves[path] = value
+    return leaves
+
+
+def _is_state_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not torch.nn.parameter.is_lazy(value)
+
+
 class EnvStateTemplate:
     """The keys, shapes and dtypes of an env's ``state_dict()`` that a push may carry.
 
+    Keys are torchrl's own (see :func:`state_leaves`): a lone ``ObservationNorm`` gives
+    ``loc``, ``scale``, ``standard_normal``; a ``Compose`` gives ``transforms.<i>.<name>``;
+    a ``VecNormV2`` gives ``initialized`` and its ``_extra_state`` entries.
+
     Args:
-        state_dict: an env's ``state_dict()``; lazy (uninitialised) buffers are left out.
+        state_dict: an env's ``state_dict()`` (nested entries allowed); lazy (uninitialised)
+            buffers and non-tensor values are left out.
         allow_nonfinite: accept NaN and inf values.
 
     Examples:
-        >>> tpl = EnvStateTemplate({"transforms.0.loc": torch.zeros(3)})
-        >>> tpl.validate({"transforms.0.loc": torch.ones(3)})["transforms", "0", "loc"]
+        >>> tpl = EnvStateTemplate({"loc": torch.zeros(3), "_extra_state": {"count.-|-.obs": torch.tensor(0)}})
+        >>> tpl.keys
+        ['_extra_state.count.-|-.obs', 'loc']
+        >>> tpl.validate({"loc": torch.ones(3)})["loc"]
         tensor([1., 1., 1.])
+        >>> tpl.validate({"_extra_state": {"count.-|-.obs": torch.tensor(5)}})["_extra_state", "count.-|-.obs"]
+        tensor(5)
     """
 
-    def __init__(self, state_dict: Mapping[str, torch.Tensor], *, allow_nonfinite: bool = False) -> None:
-        self._flat = {
-            k: v.detach().to("cpu").clone()
-            for k, v in state_dict.items()
-            if isinstance(v, torch.Tensor) and not torch.nn.parameter.is_lazy(v)
-        }
+    def __init__(self, state_dict: Mapping[Any, Any] | TensorDictBase, *, allow_nonfinite: bool = False) -> None:
+        leaves = {path: v for path, v in state_leaves(state_dict).items() if _is_state_tensor(v)}
+        self._paths = {state_name(path): path for path in leaves}
+        self._flat = {state_name(path): v.detach().to("cpu").clone() for path, v in leaves.items()}
         self.allow_nonfinite = allow_nonfinite
-        self.values = nest(self._flat)
+        self.values = self.nest(self._flat)
+
+    @classmethod
+    def from_env(
+        cls, env: Any, *, derived: Mapping[str, torch.Tensor] | None = None, allow_nonfinite: bool = False
+    ) -> EnvStateTemplate:
+        """The template of ``env.state_dict()``, plus ``derived`` entries (views that are not
+        ``state_dict`` entries, such as ``stats.<index>.<name>``), nested by their dots.
+
+        Examples:
+            >>> from torchrl.envs import ObservationNorm, TransformedEnv
+            >>> from envsync.envs import make_drift_env
+            >>> env = TransformedEnv(make_drift_env(), ObservationNorm(loc=0.0, scale=1.0, in_keys=["observation"]))
+            >>> EnvStateTemplate.from_env(env, derived={"stats.0.n": torch.tensor(1.0)}).keys
+            ['loc', 'scale', 'standard_normal', 'stats.0.n']
+        """
+        views = {tuple(k.split(".")): v for k, v in (derived or {}).items()}
+        return cls({**env.state_dict(keep_vars=True), **views}, allow_nonfinite=allow_nonfinite)
 
     @property
     def keys(self) -> list[str]:
-        """The state_dict keys a push may carry, sorted."""
+        """The state_dict keys a push may carry (nested entries dot-joined), sorted."""
         return sorted(self._flat)
 
-    def validate(self, values: Mapping[str, Any] | TensorDictBase) -> TensorDict:
+    def validate(self, values: Mapping[Any, Any] | TensorDictBase) -> TensorDict:
         """Check a (partial) env state against the template.
 
         Args:
-            values: a mapping shaped like ``env.state_dict()`` (flat dotted keys) or nested.
+            values: a mapping shaped like ``env.state_dict()``: its keys, nested entries as
+                nested mappings, tuple keys or dot-joined keys (a ``TensorDict`` too).
 
         Returns:
-            The values as a nested :class:`TensorDict`.
+            The values as a :class:`TensorDict` shaped like ``env.state_dict()`` (see :meth:`nest`).
 
         Raises:
             ValidationError: a key the env does not have, wrong shape or dtype, non-finite value.
         """
-        return nest(self.fit(values))
+        return self.nest(self.fit(values))
 
-    def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, torch.Tensor]:
-        """Like :meth:`validate`, but flat: state_dict keys to fresh tensors."""
-        flat = _flatten(values, what="env_state", expected="a mapping like env.state_dict()", dotted_keys=True)
+    def fit(self, values: Mapping[Any, Any] | TensorDictBase) -> dict[str, torch.Tensor]:
+        """Like :meth:`validate`, but flat: envsync's names (:func:`state_name`) to tensors."""
         fitted = {}
-        for key, value in flat.items():
+        for path, value in state_leaves(values).items():
+            key = state_name(path)
             if key not in self._flat:
                 raise ValidationError(f"env_state key {key!r} is not in the env's state_dict; known: {self.keys}")
             # copied once here: the sender's records (what later workers start from, what a
@@ -300,9 +373,14 @@ class EnvStateTemplate:
             fitted[key] = tensor_of(_fit("env_state", key, value, self._flat[key], self.allow_nonfinite))
         return fitted
 
+    def nest(self, flat: Mapping[str, torch.Tensor]) -> TensorDict:
+        """Entries by flat name, shaped like ``env.state_dict()``: a key of it stays one key
+        (``"transforms.0.loc"``), a nested entry sits under its key (``"_extra_state"``)."""
+        return TensorDict({self._paths[k]: v for k, v in flat.items()}, batch_size=[])
+
     @property
     def flat(self) -> dict[str, torch.Tensor]:
-        """The template's values by state_dict key (do not write into them)."""
+        """The template's values by flat name (do not write into them)."""
         return self._flat
 
 
@@ -391,19 +469,18 @@ def flat_names(values: TensorDictBase) -> dict[str, torch.Tensor]:
 
 
 def env_state_dict(env: Any, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-    """The env's ``state_dict()`` as envsync names it: a transform chain always counts as a
-    ``Compose``, so a lone transform's entries read ``transforms.0.<name>`` (as they do once
-    a second transform is appended), and ``reinit`` indices match the keys.
+    """The tensors of ``env.state_dict()`` by envsync's flat name (torchrl's keys, nested
+    entries dot-joined: :func:`state_leaves`); lazy buffers left out. With ``keep_vars`` they
+    are the env's own tensors, extra state included (``VecNormV2``'s ``_extra_state`` holds
+    its live statistics): copying into them in place loads a single entry, where torchrl's
+    ``load_state_dict`` takes only a whole extra state and re-points the transform at it.
 
     Examples:
         >>> from torchrl.envs import ObservationNorm, TransformedEnv
         >>> from envsync.envs import make_drift_env
         >>> norm = ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"])
         >>> sorted(env_state_dict(TransformedEnv(make_drift_env(), norm)))
-        ['transforms.0.loc', 'transforms.0.scale', 'transforms.0.standard_normal']
+        ['loc', 'scale', 'standard_normal']
     """
-    state = dict(env.state_dict(keep_vars=keep_vars))
-    transform = getattr(env, "transform", None)
-    if transform is not None and not hasattr(transform, "transforms"):
-        return {f"transforms.0.{k}": v for k, v in state.items()}
-    return state
+    leaves = state_leaves(env.state_dict(keep_vars=True))  # keep_vars=False detaches lazy buffers: raises
+    return {state_name(p): v if keep_vars else v.detach() for p, v in leaves.items() if _is_state_tensor(v)}

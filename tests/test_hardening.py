@@ -96,7 +96,7 @@ def test_4_a_rollback_puts_back_each_workers_live_statistics() -> None:
         live = [torch.tensor([float(i + 1)] * 3) for i in range(2)]
         collector.map_fn("env.transform.loc.copy_", [(t,) for t in live])  # live stats differ per worker
         with pytest.raises(WorkerApplyError, match="worker 1 failed") as info:
-            bad = {"transforms.0.loc": torch.full((3,), 9.0)}
+            bad = {"loc": torch.full((3,), 9.0)}
             sender.push(config={"difficulty": -1.0}, env_state=bad, wait="applied")
         sender.wait(info.value.rollback, until="applied")
         after = collector.get_distant_attr("env.transform.loc")
@@ -172,13 +172,13 @@ def test_9_a_declared_env_state_template_builds_no_env_in_the_main_process() -> 
         config={"difficulty": 0.0},
         apply="set_difficulty",
         apply_at="step",
-        env_state_template={"transforms.0.loc": torch.zeros(3), "transforms.0.scale": torch.ones(3)},
+        env_state_template={"loc": torch.zeros(3), "scale": torch.ones(3)},
     )
     factory = partial(built_in_main_refused, main_pid=os.getpid())
     with start_method("fork"):
         collector = build("sync", sender, [factory] * 2)
     try:
-        version = sender.push(env_state={"transforms.0.loc": torch.full((3,), 2.0)}, wait="applied")
+        version = sender.push(env_state={"loc": torch.full((3,), 2.0)}, wait="applied")
         assert sender.versions() == [version] * 2
         assert [t.tolist() for t in collector.get_distant_attr("env.transform.loc")] == [[2.0] * 3] * 2
         with pytest.raises(ValidationError, match="'transforms.1.loc' is not in the env's state_dict"):

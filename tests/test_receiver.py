@@ -103,15 +103,15 @@ def test_a_failure_restores_config_and_env_state_and_rolls_the_fleet_back() -> N
     for receiver, values in zip(receivers, live, strict=True):
         receiver.adapter.env.transform.loc.copy_(values)  # type: ignore[attr-defined]
     with pytest.raises(WorkerApplyError, match="label one refuses") as info:
-        sender.push(config={"difficulty": -1.0}, env_state={"transforms.0.loc": torch.full((3,), 9.0)}, wait="applied")
+        sender.push(config={"difficulty": -1.0}, env_state={"loc": torch.full((3,), 9.0)}, wait="applied")
     assert info.value.worker == 1 and info.value.rollback == 2
     sender.wait(2, until="applied", timeout=5)
     for receiver, values in zip(receivers, live, strict=True):
         env = receiver.adapter.env  # type: ignore[attr-defined]
         assert env.transform.loc.tolist() == values.tolist() and env.base_env.difficulty == 0.0
-    again = sender.push(env_state={"transforms.0.loc": torch.full((3,), 4.0)}, wait="applied", timeout=5)
+    again = sender.push(env_state={"loc": torch.full((3,), 4.0)}, wait="applied", timeout=5)
     with pytest.raises(WorkerApplyError):
-        sender.push(config={"difficulty": -2.0}, env_state={"transforms.0.loc": torch.full((3,), 5.0)}, wait="applied")
+        sender.push(config={"difficulty": -2.0}, env_state={"loc": torch.full((3,), 5.0)}, wait="applied")
     sender.wait(again + 2, until="applied", timeout=5)
     assert [r.adapter.env.transform.loc.tolist() for r in receivers] == [[4.0] * 3] * 2  # type: ignore[attr-defined]
     sender.close()
@@ -129,10 +129,10 @@ def test_a_receiver_that_starts_late_catches_up_and_resets() -> None:
 def test_only_what_nothing_else_can_restore_is_kept() -> None:
     with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") as sender:
         (receiver,) = fleet(sender, workers=1)
-        sender.push(env_state={"transforms.0.loc": torch.ones(3)}, wait="applied", timeout=5)
-        assert receiver._kept == {"transforms.0.loc"}  # first push: only this worker knows the old values
+        sender.push(env_state={"loc": torch.ones(3)}, wait="applied", timeout=5)
+        assert receiver._kept == {"loc"}  # first push: only this worker knows the old values
         first = receiver._snapshot_version
-        sender.push(env_state={"transforms.0.loc": torch.full((3,), 2.0)}, wait="applied", timeout=5)
+        sender.push(env_state={"loc": torch.full((3,), 2.0)}, wait="applied", timeout=5)
         assert receiver._snapshot_version == first  # no copy kept: the sender can republish
 
 

@@ -81,10 +81,10 @@ def test_env_state_loads_in_place_and_reads_back() -> None:
     env.append_transform(ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"]))
     template = EnvStateTemplate(env.state_dict())
     storage = env.transform[0].loc.data_ptr()
-    state = template.validate({"transforms.0.loc": torch.tensor([1.0, 2.0])})
+    state = template.fit({"transforms.0.loc": torch.tensor([1.0, 2.0])})
     live = env_state_dict(env, keep_vars=True)
-    for key, value in state.items(include_nested=True, leaves_only=True):
-        live[".".join(key)].data.copy_(value)
+    for key, value in state.items():
+        live[key].data.copy_(value)
     assert env.transform[0].loc.tolist() == [1.0, 2.0] and env.transform[0].loc.data_ptr() == storage
     assert env_state_dict(env)["transforms.0.loc"].tolist() == [1.0, 2.0]
     with pytest.raises(ValidationError, match="'transforms.5.loc' is not in the env's state_dict"):
@@ -100,7 +100,7 @@ def test_env_state_accepts_flat_nested_and_tensordict_forms() -> None:
     ]
     for form in forms:
         out = template.validate(form)  # type: ignore[arg-type]
-        assert list(out.keys(include_nested=True, leaves_only=True)) == [("transforms", "0", "loc")]
+        assert list(out.keys()) == ["transforms.0.loc"]  # shaped like the state_dict it came from
     with pytest.raises(ValidationError, match="env_state must be a mapping"):
         template.validate([1, 2])  # type: ignore[arg-type]
 
