@@ -184,7 +184,7 @@ class RacingAdapter(EnvAdapter):
         if self.races:
             self.races -= 1
             self.last = float(self.races)
-            self.sender.push(env_state={"transforms.0.loc": torch.full((3,), self.last)}, wait=None)
+            self.sender.push(env_state={"loc": torch.full((3,), self.last)}, wait=None)
 
 
 def test_an_outpaced_receiver_acknowledges_nothing_it_did_not_load_and_loads_it_later() -> None:
@@ -200,7 +200,7 @@ def test_an_outpaced_receiver_acknowledges_nothing_it_did_not_load_and_loads_it_
             initial_config=sender.desired_config(),
         )
         receiver.start(listen=False)
-        sender.push(config={"difficulty": 5.0}, env_state={"transforms.0.loc": torch.full((3,), 7.0)}, wait=None)
+        sender.push(config={"difficulty": 5.0}, env_state={"loc": torch.full((3,), 7.0)}, wait=None)
         receiver.before_step()  # every load finds a newer version: it gives up
         assert receiver.version == 0 and sender.versions() == [0]
         assert env.base_env.difficulty == 0.0  # the previous config is back
