@@ -199,3 +199,12 @@ def test_loading_gathered_state_into_an_attached_single_worker_keeps_its_statist
     finally:
         collector.shutdown()
         sender.close()
+
+
+def test_a_transformed_env_rewrapped_for_max_frames_per_traj_is_refused_with_the_reason() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    try:
+        with pytest.raises(ValidationError, match="add StepCounter"):
+            build("single", sender, make_normed_counter_env, frames_per_batch=10, max_frames_per_traj=4)
+    finally:
+        sender.close()

@@ -32,6 +32,7 @@ from envsync.receiver import ApplySpec, EnvStateReceiver
 from envsync.state import FlatConfig, config_applier, env_state_dict
 
 VERSION_KEY = "env_version"
+_UNDER_HOOKS = "_envsync_under_hooks"  # marks the base env of a hooked TransformedEnv
 INDEX_KEY = "env_index"
 _GUARDED = ("reset", "set_seed", "state_dict", "load_state_dict", "shutdown", "cascade_execute", "get_distant_attr")
 
@@ -102,6 +103,9 @@ class EnvHooks:
         env.__dict__["_envsync_hooks"] = hooks
         env._step = hooks.step
         env._reset = hooks.reset
+        base = getattr(env, "base_env", None)
+        if base is not None:  # a TransformedEnv: a collector that re-wraps it drops the hooks
+            base.__dict__[_UNDER_HOOKS] = True
         return hooks
 
     def bind(self, receiver: EnvStateReceiver, env_index: int) -> None:
@@ -252,11 +256,20 @@ def _truncate(next_tensordict: TensorDictBase) -> None:
 def find_hooks(env: Any) -> tuple[EnvBase, EnvHooks]:
     """The hooked env inside a collector's env (torchrl may wrap it further) and its hooks."""
     wrapped = env
+    rewrapped = False
     while wrapped is not None:
         hooks = getattr(wrapped, "__dict__", {}).get("_envsync_hooks")
         if isinstance(hooks, EnvHooks):
             return wrapped, hooks
+        rewrapped = rewrapped or bool(getattr(wrapped, "__dict__", {}).get(_UNDER_HOOKS))
         wrapped = getattr(wrapped, "base_env", None)
+    if rewrapped:
+        raise ValidationError(
+            "the collector re-built your TransformedEnv around its base env (torchrl does that for "
+            "max_frames_per_traj > 0: TransformedEnv(env, StepCounter(...)) unwraps env), which drops "
+            "envsync's hooks: add StepCounter(max_steps=N) to your env's transforms instead of "
+            "passing max_frames_per_traj"
+        )
     raise ValidationError(
         "the collector's env was not built by an envsync factory: build the collector with "
         f"create_env_fn=sender.env_fn(make_env); its env is {type(env).__name__}"
