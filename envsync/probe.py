@@ -8,7 +8,7 @@ of ``recompute(where="main")`` policies.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
 from envsync.reinit import compute_in_main, plan, stats_entries, stats_indices
-from envsync.state import EnvStateTemplate, apply_config, env_state_dict
+from envsync.state import EnvStateTemplate, Leaf, apply_config, env_state_dict, tensor_of
 
 if TYPE_CHECKING:
     from envsync.receiver import ApplySpec
@@ -63,8 +63,9 @@ class Probe:
         """Check the env against the sender's settings; return its env-state template.
 
         Raises:
-            ValidationError: a mode that truncates without a ``"truncated"`` key, or a
-                ``reinit`` selector that matches nothing or a policy a transform lacks.
+            ValidationError: a mode that truncates without a ``"truncated"`` key, a
+                ``reinit`` selector that matches nothing or a policy a transform lacks, or
+                settings a built-in apply refuses (``rebuild()`` with ``apply_at="step"``).
         """
         env = self.leaf()
         if spec.truncates and "truncated" not in env.done_keys:
@@ -74,12 +75,32 @@ class Probe:
                 "add a StepCounter or use GymEnv"
             )
         plan(env, spec.reinit)
+        check_attach = getattr(spec.apply, "check_attach", None)  # a built-in apply's own demands
+        if check_attach is not None:
+            check_attach(env, spec)
         if not self.split(self.get())[2]:
             return EnvStateTemplate({}, allow_nonfinite=allow_nonfinite)
         if self.owned or env is not self.env:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
         entries = {**env_state_dict(env), **stats_entries(env, spec.reinit)}
         return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
+
+    def check_configs(self, spec: ApplySpec, configs: Iterable[Mapping[str, Leaf]]) -> None:
+        """Let the apply refuse, before a push is published, each distinct whole config an
+        env would run (``rebuild()``: one whose rebuilt env would change the specs).
+
+        Raises:
+            ValidationError: the apply's ``check_config`` refused one.
+        """
+        check = getattr(spec.apply, "check_config", None)
+        if check is None:
+            return
+        seen: set[bytes] = set()
+        for config in configs:
+            key = b"".join(k.encode() + tensor_of(config[k]).numpy().tobytes() for k in sorted(config))
+            if key not in seen:
+                seen.add(key)
+                check(self.leaf(), config)
 
     def stats_indices(self, spec: ApplySpec, selector: Any) -> dict[int, float]:
         """The transforms ``selector`` picks that keep mergeable statistics: index -> decay."""

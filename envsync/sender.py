@@ -347,10 +347,20 @@ class Sender:
             self._prune()
             self._raise_failures()
             updates, default = prepare()
+            self._check_configs(updates, default)
             version = self._publish(updates, default=default)
         if until is not None and updates:
             acks.wait(self, version, until, list(updates), timeout)
         return version
+
+    def _check_configs(self, updates: Mapping[int, Flat], default: Flat | None) -> None:
+        """Let the apply refuse, on the probe env, the whole config each update leads to."""
+        if self._probe is None or not hasattr(self.spec.apply, "check_config"):
+            return
+        pairs = [(self._mirror(index), update) for index, update in updates.items()]
+        pairs += [(self._default, default)] if default is not None else []
+        configs = [{**desired.section(old, "config"), **desired.section(new, "config")} for old, new in pairs]
+        self._probe.check_configs(self.spec, configs)
 
     def _with_main_stats(
         self,
