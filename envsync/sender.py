@@ -38,9 +38,10 @@ class Sender:
 
     Args:
         config: the config template: names to numbers or tensors, nested mappings allowed.
-        apply: how a worker applies config: a method name looked up on the env (then its
-            base env, then the unwrapped gymnasium env), a callable ``fn(env, config)``, or
-            ``None``.
+        apply: how a worker applies config: a built-in from :mod:`envsync.apply`
+            (``attributes()``, ``rebuild()``), a method name looked up along the env's
+            wrapper chain (the env, its base envs, the gymnasium env and its wrappers, the
+            unwrapped env), a callable ``fn(env, config)``, or ``None``.
         reinit: re-initialisation policies for stateful transforms (see ``envsync.reinit``).
         apply_at: ``"reset"`` (default), ``"step"`` or ``"truncate"``.
         allow_nonfinite: accept NaN and inf config values.
