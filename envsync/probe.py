@@ -63,9 +63,8 @@ class Probe:
         """Check the env against the sender's settings; return its env-state template.
 
         Raises:
-            ValidationError: a mode that truncates without a ``"truncated"`` key, a
-                ``reinit`` selector that matches nothing or a policy a transform lacks, or
-                settings a built-in apply refuses (``rebuild()`` with ``apply_at="step"``).
+            ValidationError: a mode that truncates without a ``"truncated"`` key, or a
+                ``reinit`` selector that matches nothing or a policy a transform lacks.
         """
         env = self.leaf()
         if spec.truncates and "truncated" not in env.done_keys:
@@ -75,9 +74,6 @@ class Probe:
                 "add a StepCounter or use GymEnv"
             )
         plan(env, spec.reinit)
-        check_attach = getattr(spec.apply, "check_attach", None)  # a built-in apply's own demands
-        if check_attach is not None:
-            check_attach(env, spec)
         if not self.split(self.get())[2]:
             return EnvStateTemplate({}, allow_nonfinite=allow_nonfinite)
         if self.owned or env is not self.env:

@@ -80,6 +80,9 @@ class Sender:
             raise ValidationError(f"apply must be a method name, a callable or None, got {apply!r}")
         self.template = ConfigTemplate(config or {}, allow_nonfinite=allow_nonfinite)
         self.spec = ApplySpec(apply=apply, apply_at=mode, reinit=ReinitSpec.from_mapping(reinit))
+        check_spec = getattr(apply, "check_spec", None)  # a built-in apply's demands on the mode
+        if check_spec is not None:
+            check_spec(self.spec)
         self._allow_nonfinite = allow_nonfinite
         self._env_state_template = None
         if env_state_template is not None:
@@ -355,8 +358,9 @@ class Sender:
         return version
 
     def _check_configs(self, updates: Mapping[int, Flat], default: Flat | None) -> None:
-        """Let the apply refuse, on the probe env, the whole config each update leads to."""
-        if self._probe is None or not hasattr(self.spec.apply, "check_config"):
+        """Let the apply refuse, on the probe env, the whole config each update leads to (not
+        with a declared env-state template: then no env is built in this process)."""
+        if self._probe is None or self._declared or not hasattr(self.spec.apply, "check_config"):
             return
         pairs = [(self._mirror(index), update) for index, update in updates.items()]
         pairs += [(self._default, default)] if default is not None else []

@@ -192,10 +192,16 @@ def test_a_name_that_is_no_constructor_parameter_is_refused_when_the_env_is_buil
     sender.close()
 
 
-def test_step_mode_is_refused_at_attach() -> None:
-    sender = EnvStateSender.from_env(make_pendulum, config=["g"], apply=envsync.apply.rebuild(), apply_at="step")
+def test_step_mode_is_refused_when_the_sender_is_built() -> None:
     with pytest.raises(ValidationError, match="use apply_at='reset' or 'truncate', not 'step'"):
-        Collector(sender.env_fn(make_pendulum), None, frames_per_batch=8, weight_sync_schemes=sender.schemes())
+        EnvStateSender(config={"g": 10.0}, apply=envsync.apply.rebuild(), apply_at="step")
+    # a re-init policy that steps the env makes "step" truncate: a reset follows the rebuild
+    sender = EnvStateSender(
+        config={"g": 10.0},
+        apply=envsync.apply.rebuild(),
+        apply_at="step",
+        reinit={"ObservationNorm": envsync.reinit.recompute(num_iter=4)},
+    )
     sender.close()
 
 

@@ -8,7 +8,7 @@ Each is picklable and has the small interface the rest of envsync looks for:
   any worker runs.
 * ``read(env, names)`` reads the current values of ``names`` from an env
   (:meth:`envsync.EnvStateSender.from_env`).
-* optionally ``check_attach(env, spec)`` (on the probe env, at attach) and
+* optionally ``check_spec(spec)`` (when the sender is built: the apply mode) and
   ``check_config(env, config)`` (on the probe env, before a push is published).
 
 Objects are looked up along :func:`envsync.state.wrapper_chain`: the torchrl env, its base
@@ -173,9 +173,10 @@ class Rebuild:
     * before a push is published, the env is made with the new keyword arguments in the main
       process and its spaces compared: a push that would change the specs (which the
       collector allocated its buffers from) is refused with a :class:`~envsync.ValidationError`
-      naming the spaces that would change;
-    * ``apply_at="step"`` is refused: the rebuilt env starts a new episode, so a rebuild
-      must be followed by a reset (``"reset"`` or ``"truncate"`` mode).
+      naming the spaces that would change (not with a declared ``env_state_template=``,
+      which builds no env in the main process);
+    * ``apply_at="step"`` is refused when the sender is built: the rebuilt env starts a new
+      episode, so a rebuild must be followed by a reset (``"reset"`` or ``"truncate"`` mode).
 
     A rebuild keeps the torchrl env and its transforms (running statistics included); it
     replaces the gymnasium env, its episode in progress and any attribute set on it.
@@ -228,9 +229,8 @@ class Rebuild:
                 out[name] = Attributes().read(env, [name])[name]
         return out
 
-    def check_attach(self, env: Any, spec: ApplySpec) -> None:
+    def check_spec(self, spec: ApplySpec) -> None:
         """Refuse a mode that would step the rebuilt env without a reset first."""
-        _rebuilder(env)
         if spec.apply_at is ApplyAt.STEP and not spec.truncates:
             raise ValidationError(
                 "rebuild() starts a new gymnasium env, which must be reset before it steps: "
