@@ -17,6 +17,7 @@ from typing import Any
 import bench_batched
 import bench_hot_path
 import bench_payload
+import bench_rebuild
 import bench_switch_latency
 import bench_sync_stats
 import bench_throughput_switch
@@ -31,6 +32,7 @@ BENCHMARKS: list[Any] = [
     bench_workload,
     bench_sync_stats,
     bench_batched,
+    bench_rebuild,
 ]
 if shutil.which("callgrind_control") is not None:  # valgrind: instructions per frame, ~3.5 min (~1 min quick)
     import bench_hot_path_instructions

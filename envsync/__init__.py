@@ -8,6 +8,7 @@ Examples:
     >>> sender.close()
 """
 
+from envsync import apply as apply  # the module: envsync.apply.attributes(), .rebuild()
 from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
 from envsync.integrations.torchrl import EnvStateSender
 from envsync.receiver import EnvStateReceiver

@@ -8,7 +8,7 @@ of ``recompute(where="main")`` policies.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
 from envsync.reinit import compute_in_main, plan, stats_entries, stats_indices
-from envsync.state import EnvStateTemplate, apply_config
+from envsync.state import EnvStateTemplate, Leaf, apply_config, tensor_of
 
 if TYPE_CHECKING:
     from envsync.receiver import ApplySpec
@@ -80,6 +80,23 @@ class Probe:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
         derived = stats_entries(env, spec.reinit)
         return EnvStateTemplate.from_env(env, derived=derived, allow_nonfinite=allow_nonfinite)
+
+    def check_configs(self, spec: ApplySpec, configs: Iterable[Mapping[str, Leaf]]) -> None:
+        """Let the apply refuse, before a push is published, each distinct whole config an
+        env would run (``rebuild()``: one whose rebuilt env would change the specs).
+
+        Raises:
+            ValidationError: the apply's ``check_config`` refused one.
+        """
+        check = getattr(spec.apply, "check_config", None)
+        if check is None:
+            return
+        seen: set[bytes] = set()
+        for config in configs:
+            key = b"".join(k.encode() + tensor_of(config[k]).numpy().tobytes() for k in sorted(config))
+            if key not in seen:
+                seen.add(key)
+                check(self.leaf(), config)
 
     def stats_indices(self, spec: ApplySpec, selector: Any) -> dict[int, float]:
         """The transforms ``selector`` picks that keep mergeable statistics: index -> decay."""

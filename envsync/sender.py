@@ -38,9 +38,10 @@ class Sender:
 
     Args:
         config: the config template: names to numbers or tensors, nested mappings allowed.
-        apply: how a worker applies config: a method name looked up on the env (then its
-            base env, then the unwrapped gymnasium env), a callable ``fn(env, config)``, or
-            ``None``.
+        apply: how a worker applies config: a built-in from :mod:`envsync.apply`
+            (``attributes()``, ``rebuild()``), a method name looked up along the env's
+            wrapper chain (the env, its base envs, the gymnasium env and its wrappers, the
+            unwrapped env), a callable ``fn(env, config)``, or ``None``.
         reinit: re-initialisation policies for stateful transforms (see ``envsync.reinit``).
         apply_at: ``"reset"`` (default), ``"step"`` or ``"truncate"``.
         allow_nonfinite: accept NaN and inf config values.
@@ -80,6 +81,9 @@ class Sender:
             raise ValidationError(f"apply must be a method name, a callable or None, got {apply!r}")
         self.template = ConfigTemplate(config or {}, allow_nonfinite=allow_nonfinite)
         self.spec = ApplySpec(apply=apply, apply_at=mode, reinit=ReinitSpec.from_mapping(reinit))
+        check_spec = getattr(apply, "check_spec", None)  # a built-in apply's demands on the mode
+        if check_spec is not None:
+            check_spec(self.spec)
         self._allow_nonfinite = allow_nonfinite
         self._env_state_template = None
         if env_state_template is not None:
@@ -358,10 +362,21 @@ class Sender:
             self._prune()
             self._raise_failures()
             updates, default = prepare()
+            self._check_configs(updates, default)
             version = self._publish(updates, default=default)
         if until is not None and updates:
             acks.wait(self, version, until, list(updates), timeout)
         return version
+
+    def _check_configs(self, updates: Mapping[int, Flat], default: Flat | None) -> None:
+        """Let the apply refuse, on the probe env, the whole config each update leads to (not
+        with a declared env-state template: then no env is built in this process)."""
+        if self._probe is None or self._declared or not hasattr(self.spec.apply, "check_config"):
+            return
+        pairs = [(self._mirror(index), update) for index, update in updates.items()]
+        pairs += [(self._default, default)] if default is not None else []
+        configs = [{**desired.section(old, "config"), **desired.section(new, "config")} for old, new in pairs]
+        self._probe.check_configs(self.spec, configs)
 
     def _with_main_stats(
         self,

@@ -408,29 +408,44 @@ def config_kwargs(config: TensorDictBase | Mapping[str, Leaf]) -> dict[str, Any]
     return out
 
 
-def _method_owners(env: Any) -> list[Any]:
-    """The env, its base envs, then the unwrapped gymnasium env, in lookup order."""
+def wrapper_chain(env: Any) -> list[Any]:
+    """The env, its base envs, then the library env a torchrl wrapper holds (``GymEnv``'s
+    gymnasium env) and its wrappers down to the unwrapped env: where envsync looks names up.
+
+    Examples:
+        >>> from torchrl.envs import GymEnv, StepCounter, TransformedEnv
+        >>> [type(o).__name__ for o in wrapper_chain(TransformedEnv(GymEnv("Pendulum-v1"), StepCounter()))]
+        ['TransformedEnv', 'GymEnv', 'TimeLimit', 'OrderEnforcing', 'PendulumEnv']
+    """
     owners = [env]
     while hasattr(owners[-1], "base_env"):
         owners.append(owners[-1].base_env)
-    gym_env = getattr(owners[-1], "_env", None)
-    if gym_env is not None:
-        owners.append(getattr(gym_env, "unwrapped", gym_env))
+    inner = getattr(owners[-1], "_env", None)  # torchrl's library wrappers keep the library env there
+    while inner is not None:
+        owners.append(inner)
+        unwrapped = getattr(inner, "unwrapped", inner)
+        inner = None if unwrapped is inner else getattr(inner, "env", unwrapped)
     return owners
 
 
+def chain_names(owners: list[Any]) -> str:
+    """The chain as a reader follows it: ``TransformedEnv -> GymEnv -> ... -> PendulumEnv``."""
+    return " -> ".join(type(o).__name__ for o in owners)
+
+
 def find_config_method(env: Any, name: str) -> Callable[..., Any]:
-    """Look ``name`` up on the env, then its base env, then the unwrapped gymnasium env.
+    """Look ``name`` up along :func:`wrapper_chain`: the env, its base envs, then the
+    gymnasium env, its wrappers and the unwrapped env.
 
     Raises:
         ValidationError: no such method anywhere along the chain.
     """
-    for owner in _method_owners(env):
+    owners = wrapper_chain(env)
+    for owner in owners:
         method = getattr(type(owner), name, None)
         if method is not None and callable(method):
             return getattr(owner, name)
-    chain = [type(o).__name__ for o in _method_owners(env)]
-    raise ValidationError(f"apply={name!r}: no such method on the env or its base envs {chain}")
+    raise ValidationError(f"apply={name!r}: no such method on the env or its wrappers ({chain_names(owners)})")
 
 
 FlatConfig = Mapping[str, Leaf]
@@ -439,13 +454,18 @@ FlatConfig = Mapping[str, Leaf]
 
 def config_applier(env: Any, apply: str | ApplyFn | None) -> Callable[[FlatConfig], None]:
     """Resolve, once, how ``env`` takes a whole (flat) config: its config method, called with
-    keyword arguments, or the user's callable, called with a nested ``TensorDict``.
+    keyword arguments; a built-in apply's ``bind(env)`` (see ``envsync.apply``); or the
+    user's callable, called with a nested ``TensorDict``.
     (Looking a method up through torchrl's env wrappers costs ~0.2 ms.)"""
     if apply is None:
         return lambda config: None
     if isinstance(apply, str):
         method = find_config_method(env, apply)
         return lambda config: method(**config_kwargs(config))
+    bind = getattr(apply, "bind", None)
+    if bind is not None:  # a built-in apply (envsync.apply): resolves its targets on this env once
+        applier: Callable[[FlatConfig], None] = bind(env)
+        return applier
     return lambda config: apply(env, nest(dict(config)))
 
 

@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 from tensordict import TensorDictBase
 from torchrl.collectors import MultiAsyncCollector
 from torchrl.envs import GymEnv
 
+import envsync
 from envsync import EnvStateSender
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
@@ -70,15 +70,6 @@ class Args:
 def make_pendulum(episode_steps: int = 100) -> GymEnv:
     """The worker env: plain ``Pendulum-v1``, shorter episodes so resets (and switches) come often."""
     return GymEnv("Pendulum-v1", max_episode_steps=episode_steps)
-
-
-def set_physics(env: Any, config: TensorDictBase) -> None:
-    """envsync's ``apply=`` callable: write the config onto the unwrapped gymnasium pendulum."""
-    while not hasattr(env, "_env"):
-        env = env.base_env
-    pendulum = env._env.unwrapped
-    for name in TEMPLATE:
-        setattr(pendulum, name, float(config[name]))
 
 
 def sample_physics(rng: random.Random) -> dict[str, float]:
@@ -154,7 +145,8 @@ class Check:
 def collect(args: Args) -> Check:
     """Run the collector, randomise the physics, check every batch."""
     rng = random.Random(args.seed)
-    sender = EnvStateSender(config=TEMPLATE, apply=set_physics, apply_at="reset")
+    # each name is an attribute of the unwrapped gymnasium pendulum: attributes() finds and sets it
+    sender = EnvStateSender(config=TEMPLATE, apply=envsync.apply.attributes(), apply_at="reset")
     pushed: dict[int, dict[int, dict[str, float]]] = {0: dict.fromkeys(range(args.workers), TEMPLATE)}
     check = Check(pushed)
     total = args.every * (args.randomisations + 1)

@@ -35,6 +35,7 @@ ROW_KEYS = {
     "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
     "bench_sync_stats": {"size", "workers", "sync_ms", "floor_ms", "sync_over_floor"},
     "bench_batched": {"what"},
+    "bench_rebuild": {"apply", "workers", "apply_us", "push_us", "push_applied_ms"},
     "bench_workload": {
         "workers",
         "restart_ms",

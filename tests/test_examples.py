@@ -107,3 +107,16 @@ def test_adr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert max(highs) > highs[0], "the range widened where the controller succeeded at its boundary"
     assert (tmp_path / "adr.png").stat().st_size > 0
     assert "every frame showed the config" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_gravity_curriculum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("gravity_curriculum", tmp_path)
+    results = json.loads((tmp_path / "gravity_curriculum.json").read_text())
+    assert set(results) == {"attributes", "rebuild"}
+    for result in results.values():
+        assert result["failures"] == [] and len(result["pushed"]) == 3  # the template and two stages
+        assert sorted(result["measured"]) == sorted(result["pushed"])  # every version seen in the data
+        assert result["pushed"]["0"] == 10.0 and result["pushed"]["2"] == 7.0
+    assert (tmp_path / "gravity_curriculum.png").stat().st_size > 0
+    assert "every version's frames showed the gravity it pushed" in capsys.readouterr().out

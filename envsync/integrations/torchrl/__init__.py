@@ -4,18 +4,20 @@
 * :mod:`.adapter` holds the hooks on an env, the receiver's view of it, and the binding
   to a collector;
 * :mod:`.scheme` attaches a sender to a collector through ``weight_sync_schemes``;
-* :mod:`.handlers` teaches ``envsync.reinit`` torchrl's stateful transforms.
+* :mod:`.handlers` teaches ``envsync.reinit`` torchrl's stateful transforms;
+* :mod:`.applies` holds the built-in ``apply=`` objects (front: :mod:`envsync.apply`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchrl.envs import EnvBase
 from torchrl.weight_update import WeightSyncScheme
 
 from envsync.integrations.torchrl import handlers as _handlers  # noqa: F401  (registers them)
+from envsync.integrations.torchrl.applies import read_config
 from envsync.integrations.torchrl.factory import wrap_env_fn
 from envsync.integrations.torchrl.scheme import make_schemes
 from envsync.sender import Sender
@@ -36,6 +38,46 @@ class EnvStateSender(Sender):
         0.5
         >>> sender.close()
     """
+
+    @classmethod
+    def from_env(
+        cls,
+        make_env: Callable[..., EnvBase] | EnvBase,
+        *,
+        config: Sequence[str],
+        apply: Any,
+        **kwargs: Any,
+    ) -> EnvStateSender:
+        """A sender whose config template is read from the env: version 0 is the env as built.
+
+        Builds the env once in this process (or reads the built env you pass; for a batched
+        env, one of its sub-envs), reads each name in ``config`` where ``apply`` would set it
+        (``envsync.apply.attributes()``: the attribute along the wrapper chain;
+        ``envsync.apply.rebuild()``: the constructor argument; any other apply: the
+        attribute), and takes its value, shape and dtype as the template (a Python float is
+        a float64, an int an int64, an array keeps its dtype).
+
+        Args:
+            make_env: the env factory you will pass to :meth:`env_fn`, or a built env.
+            config: the names to read.
+            apply: how workers apply the config (as in the constructor).
+            **kwargs: the constructor's other arguments (``reinit``, ``apply_at``, ...).
+
+        Raises:
+            ValidationError: a name the env does not have, or a value that is not a number
+                or an array.
+
+        Examples:
+            >>> from torchrl.envs import GymEnv
+            >>> import envsync
+            >>> sender = EnvStateSender.from_env(
+            ...     lambda: GymEnv("Pendulum-v1"), config=["g", "max_speed"], apply=envsync.apply.attributes()
+            ... )
+            >>> {k: (v.item(), v.dtype) for k, v in sender.desired_config().items()}
+            {'g': (10.0, torch.float64), 'max_speed': (8, torch.int64)}
+            >>> sender.close()
+        """
+        return cls(config=read_config(make_env, config, apply), apply=apply, **kwargs)
 
     def env_fn(self, fn: Callable[..., EnvBase] | EnvBase) -> Any:
         """Wrap an env factory (or a built env) so its env carries envsync's safe points.
