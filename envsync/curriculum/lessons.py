@@ -65,6 +65,12 @@ class Lessons(Strategy):
         max_steps: frames for ``measure="progress"`` (``progress = frames / max_steps``).
         measures, logger, wait: as for :class:`~envsync.curriculum.Strategy`.
 
+    Attributes:
+        lesson: the index of the current lesson.
+        since: the version that started it (episodes of older versions are not counted).
+        buffer: the measures of its latest episodes.
+        smoothed: the smoothed measure.
+
     Examples:
         >>> from envsync import EnvStateSender
         >>> sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
@@ -95,8 +101,8 @@ class Lessons(Strategy):
         self.lesson = 0
         self.smoothed = 0.0
         self.buffer: deque[float] = deque(maxlen=max(1, *(ls.min_lesson_length for ls in lessons)))
-        self._since = self.push(self.lessons[0].config)
-        self.record(lesson=0, name=self.lessons[0].name, version=self._since)
+        self.since = self.push(self.lessons[0].config)
+        self.record(lesson=0, name=self.lessons[0].name, version=self.since)
 
     def _check(self, index: int, lesson: Lesson, max_steps: int | None) -> None:
         known = {"reward", "progress", *self.ledger.measures}
@@ -114,7 +120,7 @@ class Lessons(Strategy):
         lesson = self.lessons[self.lesson]
         counted = 0
         for episode in episodes:
-            if episode.whole and episode.version >= self._since:
+            if episode.whole and episode.version >= self.since:
                 named = lesson.measure not in ("reward", "progress")
                 self.buffer.append(episode.measures[lesson.measure] if named else episode.episode_return)
                 counted += 1
@@ -125,8 +131,8 @@ class Lessons(Strategy):
         if measure is not None and measure > lesson.threshold:
             self.lesson += 1
             self.buffer.clear()
-            self._since = self.push(self.lessons[self.lesson].config)
-            self.record(lesson=self.lesson, name=self.lessons[self.lesson].name, version=self._since)
+            self.since = self.push(self.lessons[self.lesson].config)
+            self.record(lesson=self.lesson, name=self.lessons[self.lesson].name, version=self.since)
 
     def _measure(self, lesson: Lesson) -> float | None:
         """The value compared with the threshold, or ``None`` before ``min_lesson_length``."""
@@ -151,4 +157,4 @@ class Lessons(Strategy):
         self.smoothed = float(state["smoothed"])
         self.buffer.clear()
         self.buffer.extend(state["buffer"])
-        self._since = self.push(self.lessons[self.lesson].config)
+        self.since = self.push(self.lessons[self.lesson].config)
