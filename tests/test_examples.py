@@ -102,8 +102,8 @@ def test_adr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_smoke("adr", tmp_path)
     result = json.loads((tmp_path / "adr.json").read_text())
     assert result["failures"] == []
-    assert result["episodes"]["boundary"] > 0
-    highs = [round_["high"] for round_ in result["history"]]
+    assert result["boundary_results"] > 0
+    highs = [record["difficulty.high"] for record in result["history"]]
     assert max(highs) > highs[0], "the range widened where the controller succeeded at its boundary"
     assert (tmp_path / "adr.png").stat().st_size > 0
     assert "every frame showed the config" in capsys.readouterr().out

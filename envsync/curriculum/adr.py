@@ -106,6 +106,8 @@ class ADR(Strategy):
         self.queues: dict[Boundary, deque[float]] = {(n, s): deque(maxlen=queue) for n in self.names for s in (0, 1)}
         self.rng = random.Random(seed)
         self.assigned: dict[tuple[int, int], tuple[Boundary, float]] = {}
+        self.results = dict.fromkeys(self.queues, 0)
+        """Per boundary: how many results it was credited in all."""
         self._validate(queue)
         self.record(**self._ranges())
 
@@ -152,6 +154,7 @@ class ADR(Strategy):
         """Add one result to a boundary's queue and decide it if the queue is full."""
         queue = self.queues[boundary]
         queue.append(value)
+        self.results[boundary] += 1
         if len(queue) < (queue.maxlen or 0):
             return
         name, side = boundary
@@ -211,6 +214,7 @@ class ADR(Strategy):
             **super().state_dict(),
             "range": {n: list(r) for n, r in self.range.items()},
             "queues": {f"{n}.{s}": list(q) for (n, s), q in self.queues.items()},
+            "results": {f"{n}.{s}": count for (n, s), count in self.results.items()},
             "rng": self.rng.getstate(),
         }
 
@@ -221,5 +225,6 @@ class ADR(Strategy):
         for (n, s), queue in self.queues.items():
             queue.clear()
             queue.extend(state["queues"][f"{n}.{s}"])
+            self.results[n, s] = int(state["results"][f"{n}.{s}"])
         self.rng.setstate(state["rng"])
         self.assigned.clear()
