@@ -48,8 +48,10 @@ def test_domain_randomization(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 def test_task_bandit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_smoke("task_bandit", tmp_path)
     result = json.loads((tmp_path / "task_bandit.json").read_text())
-    assert sum(arm["pulls"] for arm in result["arms"]) == len(result["pulls"]) == 8
-    assert "mean return" in capsys.readouterr().out
+    assert result["failures"] == []
+    assert sum(arm["episodes"] for arm in result["arms"]) == result["episodes"] >= 16
+    assert all(arm["episodes"] > 0 for arm in result["arms"]), "UCB1 tries every arm"
+    assert "mean reward" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(120)
@@ -73,14 +75,16 @@ def test_curriculum_ppo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_a_failed_check_exits_non_zero(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from envsync import EnvStateSender
+    from envsync.curriculum import Bandit
+
     bandit = load("task_bandit")
 
-    def no_pulls(args: object) -> object:
-        teacher = bandit.Teacher(bandit.Args.smoke(), sender=None)
-        teacher.failures.append("forced")
-        return teacher
+    def forced(args: object) -> object:
+        sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+        return Bandit(sender, [{"difficulty": 0.0}]), ["forced"]
 
-    monkeypatch.setattr(bandit, "run", no_pulls)
+    monkeypatch.setattr(bandit, "run", forced)
     with pytest.raises(SystemExit) as exit_info:
         bandit.main(["--smoke", "--out", str(tmp_path)])
     assert exit_info.value.code != 0
