@@ -112,3 +112,14 @@ def test_adr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert max(highs) > highs[0], "the range widened where the controller succeeded at its boundary"
     assert (tmp_path / "adr.png").stat().st_size > 0
     assert "every frame showed the config" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_plr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("plr", tmp_path)
+    result = json.loads((tmp_path / "plr.json").read_text())
+    assert result["failures"] == []
+    assert sum(result["seen"]) >= 4 and sum(result["played"].values()) >= sum(result["seen"])
+    assert result["draws"]["new"] >= sum(result["seen"])
+    assert (tmp_path / "plr.png").stat().st_size > 0
+    assert "every frame showed the config" in capsys.readouterr().out
