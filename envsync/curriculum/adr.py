@@ -58,7 +58,9 @@ class ADR(Strategy):
         extended_boundary_sample: evaluate one ``delta`` beyond each boundary.
         envs: the fleet indices of the envs ADR drives (default: all).
         seed: seeds the draws.
-        measures, logger, wait: as for :class:`~envsync.curriculum.Strategy`.
+        measures: as for :class:`~envsync.curriculum.Strategy`.
+        logger: as for :class:`~envsync.curriculum.Strategy`.
+        wait: as for :class:`~envsync.curriculum.Strategy`.
 
     Examples:
         >>> from envsync import EnvStateSender

@@ -45,7 +45,9 @@ class Bandit(Strategy):
         reward_range: the ``(low, high)`` of rewards, mapped to ``[0, 1]``.
         gamma: EXP3's exploration rate.
         seed: seeds EXP3's draws.
-        measures, logger, wait: as for :class:`~envsync.curriculum.Strategy`.
+        measures: as for :class:`~envsync.curriculum.Strategy`.
+        logger: as for :class:`~envsync.curriculum.Strategy`.
+        wait: as for :class:`~envsync.curriculum.Strategy`.
 
     Examples:
         >>> from envsync import EnvStateSender

@@ -63,7 +63,9 @@ class Lessons(Strategy):
         sender: the sender.
         lessons: the lessons, in order (at least one).
         max_steps: frames for ``measure="progress"`` (``progress = frames / max_steps``).
-        measures, logger, wait: as for :class:`~envsync.curriculum.Strategy`.
+        measures: as for :class:`~envsync.curriculum.Strategy`.
+        logger: as for :class:`~envsync.curriculum.Strategy`.
+        wait: as for :class:`~envsync.curriculum.Strategy`.
 
     Attributes:
         lesson: the index of the current lesson.

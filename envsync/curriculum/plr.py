@@ -56,7 +56,9 @@ class PLR(Strategy):
         replay_schedule: ``"proportionate"`` or ``"fixed"``.
         envs: the fleet indices of the envs PLR drives (default: all).
         seed: seeds the draws.
-        measures, logger, wait: as for :class:`~envsync.curriculum.Strategy`.
+        measures: as for :class:`~envsync.curriculum.Strategy`.
+        logger: as for :class:`~envsync.curriculum.Strategy`.
+        wait: as for :class:`~envsync.curriculum.Strategy`.
 
     Examples:
         >>> from envsync import EnvStateSender
