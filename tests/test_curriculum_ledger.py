@@ -3,9 +3,11 @@ batch ends, batches of several workers interleaved, measures reduced, bad input 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,5 +127,7 @@ def test_the_ledger_is_vectorised_over_frames(sender: EnvStateSender) -> None:
 @pytest.mark.timeout(60)
 def test_the_core_never_imports_the_curriculum_package() -> None:
     code = "import sys, envsync, envsync.integrations.torchrl; print(any('curriculum' in m for m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
     assert result.stdout.strip() == "False"
