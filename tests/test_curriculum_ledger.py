@@ -124,6 +124,13 @@ def test_the_ledger_is_vectorised_over_frames(sender: EnvStateSender) -> None:
     assert [e.length for e in episodes] == [10_000] * 10 and all(e.episode_return == 10_000 for e in episodes)
 
 
+def test_the_public_front_is_sorted_and_complete() -> None:
+    from envsync import curriculum
+
+    public = sorted(n for n in vars(curriculum) if not n.startswith("_") and n[0].isupper() or n == "plot")
+    assert curriculum.__all__ == sorted(curriculum.__all__) == public
+
+
 @pytest.mark.timeout(60)
 def test_the_core_never_imports_the_curriculum_package() -> None:
     code = "import sys, envsync, envsync.integrations.torchrl; print(any('curriculum' in m for m in sys.modules))"

@@ -27,7 +27,6 @@ from envsync.curriculum.plr import PLR
 
 __all__ = [
     "ADR",
-    "PLR",
     "Bandit",
     "Curriculum",
     "Episode",
@@ -35,6 +34,7 @@ __all__ = [
     "Lesson",
     "Lessons",
     "Measure",
+    "PLR",
     "Strategy",
     "plot",
 ]
