@@ -566,7 +566,8 @@ class Sender:
             0.0
             >>> collector.shutdown(); sender.close()
         """
-        return self.config_history.config(env, version)
+        with self._lock:
+            return self.config_history.config(env, version)
 
     def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
         """A checkpoint: ``{"version", "config", "env_state"}`` and, after a ``sync_stats``,
