@@ -23,6 +23,7 @@ from envsync import acks, checkpoint, desired, gather
 from envsync.desired import Undo
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment, Fleet, Member
+from envsync.history import ConfigHistory
 from envsync.links.base import Flat, Key, SenderLink, write_group
 from envsync.probe import Probe
 from envsync.protocol import ApplyAt, Until
@@ -105,6 +106,7 @@ class Sender:
         self._stats: gather.StatsBook | None = None
         self._lock = threading.RLock()
         self._closed = False
+        self.config_history = ConfigHistory()
 
     # ---- the env the workers run (an integration supplies it) ------------------------------
 
@@ -194,6 +196,7 @@ class Sender:
                 attachment.link.write(slot, self._version, entries)
                 attachment.mirrors[slot].update(entries)
             attachment.link.flush(self._version)
+            self.config_history.record(self._version, dict(enumerate(attachment.mirrors, attachment.offset)))
             self._rows = None
             return attachment
 
@@ -419,6 +422,7 @@ class Sender:
             mirror = attachment.mirrors[worker]
             undo.workers[index] = desired.replaced(mirror, updates[index])
             mirror.update(updates[index])
+        self.config_history.record(version, {i: a.mirrors[w] for i, (a, w) in located.items()}, self._applied)
         self._version = version
         self._undo = undo
         return version
@@ -492,6 +496,10 @@ class Sender:
         """
         return gather.sync_stats(self, selector, timeout)
 
+    def _applied(self, index: int) -> int:
+        attachment, slot = self._fleet.locate(index)
+        return attachment.link.status(slot).applied
+
     def _mirror(self, index: int) -> Flat:
         attachment, worker = self._fleet.locate(index)
         return attachment.mirrors[worker]
@@ -561,6 +569,37 @@ class Sender:
             self._prune()
             index = self._fleet.targets(None if worker is None else [worker], None if env is None else [env])[0]
             return nest(desired.section(self._mirror(index), "config")).clone()
+
+    def config_at(self, env: int, version: int) -> TensorDict:
+        """The config env ``env`` (fleet index) ran under ``version``: what a frame tagged
+        ``env_index=env``, ``env_version=version`` was produced under.
+
+        Kept for every version a frame may still carry (see :class:`~envsync.history.ConfigHistory`;
+        ``sender.config_history.keep`` sets how many older versions per env outlive the one an
+        env applied).
+
+        Raises:
+            ValidationError: the env never ran that version, or it is no longer kept.
+
+        Examples:
+            >>> from torchrl.collectors import Collector
+            >>> from envsync import EnvStateSender
+            >>> from envsync.envs import make_drift_env
+            >>> sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+            >>> collector = Collector(sender.env_fn(make_drift_env), None, frames_per_batch=4, total_frames=-1,
+            ...                       weight_sync_schemes=sender.schemes())
+            >>> sender.push(config={"difficulty": 0.5})
+            1
+            >>> batch = next(iter(collector))
+            >>> env, version = batch["next", "env_index"][-1].item(), batch["next", "env_version"][-1].item()
+            >>> env, version, sender.config_at(env, version)["difficulty"].item()
+            (0, 1, 0.5)
+            >>> sender.config_at(0, 0)["difficulty"].item()  # frames of version 0 may still be in flight
+            0.0
+            >>> collector.shutdown(); sender.close()
+        """
+        with self._lock:
+            return self.config_history.config(env, version)
 
     def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
         """A checkpoint: ``{"version", "config", "env_state"}`` and, after a ``sync_stats``,

@@ -1,23 +1,22 @@
-"""Automatic domain randomisation (ADR) over the sub-envs of a ParallelEnv.
+"""Automatic domain randomisation (ADR) over the sub-envs of a ParallelEnv, with ``curriculum.ADR``.
 
 A ``Collector`` drives one ``ParallelEnv`` of envsync's ``DriftEnv`` (observation ``[x,
-difficulty]``). ADR keeps a range ``[low, high]`` for the difficulty. Every round it samples
-one config per sub-env and pushes them as one version, with one row per env
-(``sender.push(config={"difficulty": rows})``): a few sub-envs are pinned to a boundary of
-the range, the others draw uniformly inside it. ``apply_at="reset"`` switches each sub-env at
-its *own* next reset, so no episode mixes two configs and no sub-env waits for another.
+difficulty]``). ``envsync.curriculum.ADR`` keeps a range ``[low, high]`` for the difficulty
+and follows DeXtreme's rule: at each sub-env's reset it draws that sub-env's next config (a
+share of them pinned to a boundary of the range, the others uniform inside it) and pushes it
+as a row of its own; episodes played at a boundary fill that boundary's queue, and a full
+queue widens the range where the agent succeeds (mean return above ``success``) and narrows
+it where it fails (below ``failure``). ``apply_at="reset"`` switches each sub-env at its own
+next reset, so no episode mixes two configs and no sub-env waits for another.
 
-Each finished episode is attributed through its frames' tags alone: ``env_index`` names the
-sub-env and ``("next", "env_version")`` the version, and ``(env, version)`` names the exact
-config that produced it. Episodes played at a boundary fill that boundary's buffer; when a
-buffer is full, ADR widens the range where the agent succeeds at the boundary (mean return
-at least ``success``) and narrows it where it fails (below ``failure``). A fixed
-proportional controller stands in for the agent, so the range settles where the controller
-stops coping with the drift. The script plots the range over the rounds, and checks that
-every frame's observation shows the difficulty of the config its tags name.
+The loop is one call, ``adr.observe(batch)``: the ledger inside attributes every finished
+episode to the exact config its ``(env_index, env_version)`` names. A fixed proportional
+controller stands in for the agent, so the range settles where the controller stops coping
+with the drift. The script plots the range over the frames, and checks that every frame's
+observation shows the difficulty of the config its tags name.
 
-    python examples/adr.py            # 4 sub-envs, 30 rounds
-    python examples/adr.py --smoke    # 3 sub-envs, 4 rounds
+    python examples/adr.py            # 4 sub-envs, 90 batches
+    python examples/adr.py --smoke    # 3 sub-envs, 8 batches
 """
 
 from __future__ import annotations
@@ -25,20 +24,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import random
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
 from torchrl.collectors import Collector
-from torchrl.envs import ParallelEnv, RewardSum, TransformedEnv
+from torchrl.envs import ParallelEnv
 
-from envsync import EnvStateSender
+from envsync import EnvStateSender, curriculum
 from envsync.envs import make_drift_env
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
@@ -49,11 +47,10 @@ class Args:
     """Arguments of the example."""
 
     envs: int = 4
-    rounds: int = 30
-    batches_per_round: int = 3
+    batches: int = 90
     frames_per_batch: int = 400
-    boundary_envs: int = 2
-    buffer: int = 3
+    boundary_fraction: float = 0.5
+    queue: int = 3
     success: float = 42.0
     failure: float = 30.0
     step: float = 0.25
@@ -63,12 +60,7 @@ class Args:
     @classmethod
     def smoke(cls) -> Args:
         """A tiny budget for CI."""
-        return cls(envs=3, rounds=4, batches_per_round=2, frames_per_batch=300, boundary_envs=2, buffer=1)
-
-
-def make_sub_env() -> TransformedEnv:
-    """One sub-env: ``DriftEnv`` with its episode return summed up."""
-    return TransformedEnv(make_drift_env(), RewardSum())
+        return cls(envs=3, batches=8, frames_per_batch=300, queue=1)
 
 
 def controller() -> TensorDictModule:
@@ -78,142 +70,61 @@ def controller() -> TensorDictModule:
     )
 
 
-@dataclass
-class Range:
-    """ADR's range of the difficulty, and its performance buffers at each boundary."""
-
-    low: float = 0.0
-    high: float = 0.25
-    buffers: dict[str, list[float]] = field(default_factory=lambda: {"low": [], "high": []})
-
-
-class ADR:
-    """Samples per-env configs, attributes episodes, and moves the range."""
-
-    def __init__(self, args: Args, sender: EnvStateSender) -> None:
-        self.args = args
-        self.sender = sender
-        self.range = Range()
-        self.rng = random.Random(args.seed)
-        self.config: dict[tuple[int, int], float] = {(e, 0): 0.0 for e in range(args.envs)}
-        self.boundary: dict[tuple[int, int], str] = {}
-        self.history: list[dict[str, float]] = []
-        self.episodes = {"boundary": 0, "inside": 0, "template": 0}
-        self.failures: list[str] = []
-
-    def resample(self) -> int:
-        """Push one version: ``boundary_envs`` sub-envs at a boundary, the others inside."""
-        r = self.range
-        pinned = self.rng.sample(range(self.args.envs), self.args.boundary_envs)
-        rows, sides = [], {}
-        for env in range(self.args.envs):
-            if env in pinned:
-                side = self.rng.choice(["low", "high"]) if r.low > 0 else "high"
-                sides[env] = side
-                rows.append(r.low if side == "low" else r.high)
-            else:
-                rows.append(self.rng.uniform(r.low, r.high))
-        config = TensorDict(difficulty=torch.tensor(rows), batch_size=[self.args.envs])
-        version = self.sender.push(config=config)
-        for env, value in enumerate(rows):
-            self.config[env, version] = float(torch.tensor(value, dtype=torch.float32))
-            if env in sides:
-                self.boundary[env, version] = sides[env]
-        self.history.append({"version": version, "low": r.low, "high": r.high})
-        return version
-
-    def observe(self, index: int, batch: TensorDictBase) -> None:
-        """Check the tags; credit each finished episode to its (env, version)."""
-        self._check_truthful(index, batch)
-        done = batch["next", "done"].squeeze(-1)
-        envs = batch["env_index"][done].tolist()
-        versions = batch["next", "env_version"][done].tolist()
-        returns = batch["next", "episode_reward"].squeeze(-1)[done].tolist()
-        for env, version, episode_return in zip(envs, versions, returns, strict=True):
-            side = self.boundary.get((env, version))
-            if version == 0:
-                self.episodes["template"] += 1
-            elif side is None:
-                self.episodes["inside"] += 1
-            else:
-                self.episodes["boundary"] += 1
-                self.range.buffers[side].append(episode_return)
-        self._update()
-
-    def _update(self) -> None:
-        r, a = self.range, self.args
-        for side, buffer in r.buffers.items():
-            if len(buffer) < a.buffer:
-                continue
-            mean = sum(buffer) / len(buffer)
-            widen = mean >= a.success
-            if side == "high" and (widen or mean < a.failure):
-                r.high = max(r.low, r.high + (a.step if widen else -a.step))
-            if side == "low" and (widen or mean < a.failure):
-                r.low = min(r.high, max(0.0, r.low - a.step if widen else r.low + a.step))
-            buffer.clear()
-
-    def _check_truthful(self, index: int, batch: TensorDictBase) -> None:
-        for tag, obs in (("env_version", "observation"), (("next", "env_version"), ("next", "observation"))):
-            pairs = zip(batch["env_index"].flatten().tolist(), batch[tag].flatten().tolist(), strict=True)
-            expected = torch.tensor([self.config[pair] for pair in pairs])
-            if not torch.allclose(batch[obs][..., 1].flatten(), expected):
-                self.failures.append(f"batch {index}: {tag} names a config its observation does not show")
+def untruthful(sender: EnvStateSender, batch: TensorDictBase) -> list[str]:
+    """The tags of the batch whose frames do not show the config ``sender.config_at`` names."""
+    wrong = []
+    envs = batch["env_index"].flatten().tolist()
+    for tag, obs in (("env_version", "observation"), (("next", "env_version"), ("next", "observation"))):
+        pairs = list(zip(envs, batch[tag].flatten().tolist(), strict=True))
+        named = {pair: sender.config_at(*pair)["difficulty"].item() for pair in set(pairs)}
+        expected = torch.tensor([named[pair] for pair in pairs])
+        if not torch.allclose(batch[obs][..., 1].flatten(), expected):
+            wrong.append(str(tag))
+    return wrong
 
 
-def run(args: Args) -> ADR:
-    """Collect ``rounds`` rounds over one ParallelEnv; return the ADR state."""
+def run(args: Args) -> tuple[curriculum.ADR, list[str]]:
+    """Collect ``batches`` batches over one ParallelEnv under ADR; return it and any failures."""
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
     collector = Collector(
-        sender.env_fn(lambda: ParallelEnv(args.envs, make_sub_env)),
+        sender.env_fn(lambda: ParallelEnv(args.envs, make_drift_env)),
         controller(),
         frames_per_batch=args.frames_per_batch,
         total_frames=-1,
         weight_sync_schemes=sender.schemes(),
         auto_register_policy_transforms=False,  # the controller needs no InitTracker
     )
-    adr = ADR(args, sender)
+    adr = curriculum.ADR(
+        sender,
+        ranges={"difficulty": (0.0, 0.25)},
+        bounds={"difficulty": (0.0, 5.0)},
+        delta=args.step,
+        boundary_fraction=args.boundary_fraction,
+        queue=args.queue,
+        thresholds=(args.failure, args.success),
+        seed=args.seed,
+    )
+    failures = []
     try:
-        batches = iter(collector)
-        for _ in range(args.rounds):
-            adr.resample()
-            for _ in range(args.batches_per_round):
-                adr.observe(len(adr.history), next(batches))
+        for index, batch in enumerate(collector):
+            wrong = untruthful(sender, batch)
+            failures += [f"batch {index}: {tag} names a config its observation does not show" for tag in wrong]
+            adr.observe(batch)
+            if index + 1 == args.batches:
+                break
     finally:
         collector.shutdown()
         sender.close()
-    return adr
+    return adr, failures
 
 
-def plot(adr: ADR, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rounds = list(range(len(adr.history)))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.fill_between(rounds, [h["low"] for h in adr.history], [h["high"] for h in adr.history], alpha=0.3)
-    ax.plot(rounds, [h["high"] for h in adr.history], label="high")
-    ax.plot(rounds, [h["low"] for h in adr.history], label="low")
-    ax.set_xlabel("round")
-    ax.set_ylabel("difficulty range")
-    ax.set_title("ADR over the sub-envs of a ParallelEnv")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def report(adr: ADR) -> str:
-    lines = ["round  version  low    high", "-----  -------  -----  -----"]
-    lines += [f"{i:>5}  {h['version']:>7}  {h['low']:5.2f}  {h['high']:5.2f}" for i, h in enumerate(adr.history)]
-    e = adr.episodes
-    lines += [
-        "",
-        f"episodes credited to a boundary: {e['boundary']}; inside the range: {e['inside']}; "
-        f"under the template (version 0): {e['template']}",
-    ]
+def report(adr: curriculum.ADR) -> str:
+    lines = ["frames   low    high   moved", "-------  -----  -----  ---------------"]
+    for record in adr.history():
+        low, high, moved = record["difficulty.low"], record["difficulty.high"], record.get("boundary", "(start)")
+        lines.append(f"{record['frames']:>7}  {low:5.2f}  {high:5.2f}  {moved}")
+    results = {f"{n}.{'low' if s == 0 else 'high'}": c for (n, s), c in adr.results.items()}
+    lines += ["", f"results credited per boundary: {results}"]
     return "\n".join(lines)
 
 
@@ -231,16 +142,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Run ADR; exit non-zero if a frame's tags and its observation disagree, or if no
     episode was credited to a boundary (the range could not move)."""
     args = parse_args(argv)
-    adr = run(args)
+    adr, failures = run(args)
     print(report(adr))
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"history": adr.history, "episodes": adr.episodes, "failures": adr.failures}
+    boundary = sum(adr.results.values())
+    result: dict[str, Any] = {"history": adr.history(), "boundary_results": boundary, "failures": failures}
     (args.out / "adr.json").write_text(json.dumps(result, indent=2))
-    plot(adr, args.out / "adr.png")
-    if not adr.episodes["boundary"]:
-        adr.failures.append("no episode was credited to a boundary")
-    if adr.failures:
-        sys.exit("FAILED:\n" + "\n".join(adr.failures))
+    curriculum.plot(adr, args.out / "adr.png", title="ADR over the sub-envs of a ParallelEnv")
+    if not boundary:
+        failures.append("no episode was credited to a boundary")
+    if failures:
+        sys.exit("FAILED:\n" + "\n".join(failures))
     print(f"every frame showed the config its (env_index, env_version) names; plot and JSON in {args.out}")
 
 

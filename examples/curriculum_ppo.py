@@ -3,14 +3,16 @@
 PPO (torchrl's ``ClipPPOLoss`` + ``GAE``) learns envsync's ``DriftEnv``: keep a point near 0
 against a drift whose strength is the *difficulty* (reward ``1 - |x|`` per step, 50 steps).
 Four workers collect through one ``MultiAsyncCollector`` that runs for the whole training.
-When the mean return of the last ``window`` episodes run under the current difficulty passes
-``threshold``, the main loop pushes the next difficulty with ``sender.push``; each worker
-switches at its next episode reset, so no episode mixes two difficulties. The observation
+``envsync.curriculum.Lessons`` holds one lesson per difficulty (ML-Agents' completion
+criteria): when the mean return of the last ``window`` episodes run under the current lesson
+passes ``threshold``, its ``observe(batch)`` in the main loop pushes the next difficulty;
+each worker switches at its next episode reset, so no episode mixes two difficulties. The observation
 goes through an ``ObservationNorm`` whose statistics envsync recomputes for every stage, once,
 in the main process (``reinit.recompute(where="main")``), so all workers normalise alike.
 
-Only episodes tagged with the current version count towards the threshold: batches collected
-before a switch still arrive afterwards, truthfully tagged with the older version. The
+Only episodes of the current lesson count towards the threshold: batches collected before a
+switch still arrive afterwards, truthfully tagged with the older version, and the ledger
+inside ``Lessons`` credits each episode to the config it ran. The
 env_version of every batch is logged, and the learning curve (mean episode return per batch)
 is written as a PNG with the difficulty stages marked.
 
@@ -25,7 +27,6 @@ import dataclasses
 import json
 import sys
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,12 +37,12 @@ from tensordict import TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torchrl.collectors import MultiAsyncCollector
-from torchrl.envs import Compose, ObservationNorm, RewardSum, TransformedEnv
+from torchrl.envs import Compose, ObservationNorm, TransformedEnv
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
 
-from envsync import EnvStateSender, reinit
+from envsync import EnvStateSender, curriculum, reinit
 from envsync.envs import MAX_EPISODE_STEPS, make_drift_env
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
@@ -82,7 +83,7 @@ def make_env() -> TransformedEnv:
         out_keys=["observation_norm"],  # the raw observation stays, to check the tags against
         standard_normal=True,
     )
-    return TransformedEnv(make_drift_env(), Compose(norm, RewardSum()))
+    return TransformedEnv(make_drift_env(), Compose(norm))
 
 
 def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
@@ -123,30 +124,20 @@ class Log:
     failures: list[str] = field(default_factory=list)
 
 
-class Curriculum:
-    """Decides when to move to the next stage, from episodes of the current version only."""
-
-    def __init__(self, args: Args, sender: EnvStateSender) -> None:
-        self.sender = sender
-        self.threshold = args.threshold
-        self.stage = 0
-        self.version = 0
-        self.difficulty_of = {0: STAGES[0]}
-        self.recent: deque[float] = deque(maxlen=args.window)
-
-    def observe(self, versions: list[int], returns: list[float]) -> None:
-        self.recent.extend(r for v, r in zip(versions, returns, strict=True) if v == self.version)
-
-    def ready(self) -> bool:
-        full = len(self.recent) == self.recent.maxlen
-        return full and self.stage + 1 < len(STAGES) and sum(self.recent) / len(self.recent) >= self.threshold
-
-    def advance(self) -> int:
-        self.stage += 1
-        self.version = self.sender.push(config={"difficulty": STAGES[self.stage]})
-        self.difficulty_of[self.version] = STAGES[self.stage]
-        self.recent.clear()
-        return self.version
+def make_lessons(args: Args, sender: EnvStateSender) -> curriculum.Lessons:
+    """One lesson per stage, left when the mean return of its last ``window`` episodes passes
+    ``threshold`` (ML-Agents' completion criteria, without smoothing)."""
+    stages = [
+        curriculum.Lesson(
+            {"difficulty": difficulty},
+            name=f"difficulty {difficulty:g}",
+            threshold=args.threshold,
+            min_lesson_length=args.window,
+            signal_smoothing=False,
+        )
+        for difficulty in STAGES
+    ]
+    return curriculum.Lessons(sender, stages)
 
 
 def train_step(batch: TensorDictBase, loss: ClipPPOLoss, gae: GAE, optim: torch.optim.Optimizer, args: Args) -> None:
@@ -196,35 +187,32 @@ def train(args: Args) -> Log:
         total_frames=args.total_frames,
         weight_sync_schemes=sender.schemes(),
     )
-    curriculum = Curriculum(args, sender)
-    log = Log()
-    frames = 0
+    lessons = make_lessons(args, sender)
+    log = Log(difficulty_of={0: STAGES[0], lessons.since: STAGES[0]})
+    frames, stage = 0, 0
     try:
         for i, batch in enumerate(collector):
             frames += batch.numel()
-            done = batch["next", "done"].reshape(-1)
-            versions = batch["next", "env_version"].reshape(-1)[done].tolist()
-            returns = batch["next", "episode_reward"].reshape(-1)[done].tolist()
-            curriculum.observe(versions, returns)
+            episodes = lessons.observe(batch)  # attributes the episodes; pushes the next lesson when it is time
+            returns = [e.episode_return for e in episodes]
             log.frames.append(frames)
             log.mean_return.append(sum(returns) / len(returns) if returns else None)
             log.versions.append(sorted(set(batch["next", "env_version"].reshape(-1).tolist())))
             if i % args.log_every == 0:
                 shown = "   n/a" if log.mean_return[-1] is None else f"{log.mean_return[-1]:6.2f}"
                 print(f"batch {i:>4}  frames {frames:>7}  env_version {log.versions[-1]}  mean return {shown}")
-            if not check_truthful(batch, curriculum.difficulty_of):
+            if not check_truthful(batch, log.difficulty_of):
                 log.failures.append(f"batch {i}: a tag names a difficulty its observation does not show")
-            if curriculum.ready():
-                version = curriculum.advance()
-                difficulty = curriculum.difficulty_of[version]
+            if lessons.lesson != stage:
+                stage, version, difficulty = lessons.lesson, lessons.since, STAGES[lessons.lesson]
+                log.difficulty_of[version] = difficulty
                 log.switches.append({"batch": i, "frames": frames, "version": version, "difficulty": difficulty})
-                print(f"frames {frames:>7}: return >= {args.threshold:g}, push v{version}: difficulty {difficulty}")
+                print(f"frames {frames:>7}: return > {args.threshold:g}, pushed v{version}: difficulty {difficulty}")
             train_step(batch, loss, gae, optim, args)
             collector.update_policy_weights_()
     finally:
         collector.shutdown()
         sender.close()
-    log.difficulty_of = curriculum.difficulty_of
     return log
 
 

@@ -1,0 +1,195 @@
+"""Prioritized level replay (Jiang et al. 2021), as the authors' ``level_replay`` sampler does it.
+
+A *level* is one config of a finite list (a seed, a layout, a difficulty). Every level has a
+score ``S`` and a staleness ``C`` (how many draws ago it was last drawn). When an env is due
+(:meth:`~envsync.curriculum.Strategy.due`: at its reset, in reset mode) it draws its next
+level:
+
+- ``p_seen`` is the share of levels already scored. With ``replay_schedule="proportionate"``
+  the env replays with probability ``p_seen`` once ``p_seen >= rho``; with ``"fixed"`` it
+  replays with probability ``1 - nu`` once ``p_seen >= rho`` (always once every level is
+  seen). Otherwise it draws an unseen level uniformly;
+- a replay draws seen level ``i`` with ``P = (1 - staleness_coef) * P_S + staleness_coef * P_C``,
+  where ``P_S`` is the rank transform of the scores (``1 / rank(S_i) ** (1 / temperature)``,
+  rank 1 the highest score) and ``P_C`` the power transform of the staleness
+  (``C_i ** (1 / staleness_temperature)``), each normalised over the seen levels;
+- every draw ages every level by one and sets the drawn level's staleness to 0.
+
+A whole episode on level ``i`` sets ``S_i = (1 - alpha) * S_i + alpha * score(episode)``
+(``alpha=1``: the latest score) and marks the level seen. The default score needs no value
+function: ``-episode_return`` (the levels the agent does worst on come back first); pass
+``score=`` for another (the authors use the mean positive value loss).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from envsync.curriculum.base import Strategy
+from envsync.curriculum.ledger import Episode, Measure, NestedKey
+from envsync.errors import ValidationError
+from envsync.sender import Sender
+
+
+def negative_return(episode: Episode) -> float:
+    """The default score: the lower the return on a level, the sooner it is replayed."""
+    return -episode.episode_return
+
+
+class PLR(Strategy):
+    """Prioritized level replay over a finite list of levels, drawn per env at its reset.
+
+    Args:
+        sender: the sender.
+        levels: the levels: configs (template names to values), each a level.
+        score: ``fn(episode) -> float``, the score of one whole episode on its level.
+        temperature: the rank transform's temperature (``beta`` in the paper).
+        staleness_coef: the weight of staleness (``rho`` in the paper's replay distribution).
+        staleness_temperature: the power transform's temperature for staleness.
+        alpha: how far a new score moves the level's score (1: replaces it).
+        rho: the share of levels that must be seen before any replay.
+        nu: with ``replay_schedule="fixed"``, the probability of a new level.
+        replay_schedule: ``"proportionate"`` or ``"fixed"``.
+        envs: the fleet indices of the envs PLR drives (default: all).
+        seed: seeds the draws.
+        measures: as for :class:`~envsync.curriculum.Strategy`.
+        logger: as for :class:`~envsync.curriculum.Strategy`.
+        wait: as for :class:`~envsync.curriculum.Strategy`.
+
+    Examples:
+        >>> from envsync import EnvStateSender
+        >>> sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+        >>> plr = PLR(sender, [{"difficulty": d} for d in (0.0, 0.5, 1.0)], staleness_coef=0.0, temperature=1.0)
+        >>> plr.scores[:] = torch.tensor([3.0, 1.0, 2.0]); plr.seen[:] = True
+        >>> [round(p, 3) for p in plr.replay_weights().tolist()]  # ranks 1, 3, 2
+        [0.545, 0.182, 0.273]
+        >>> sender.close()
+    """
+
+    def __init__(
+        self,
+        sender: Sender,
+        levels: Sequence[Mapping[str, Any]],
+        *,
+        score: Callable[[Episode], float] = negative_return,
+        temperature: float = 0.1,
+        staleness_coef: float = 0.1,
+        staleness_temperature: float = 1.0,
+        alpha: float = 1.0,
+        rho: float = 1.0,
+        nu: float = 0.5,
+        replay_schedule: str = "proportionate",
+        envs: Iterable[int] | None = None,
+        seed: int = 0,
+        measures: Mapping[str, NestedKey | Measure] | None = None,
+        logger: Any = None,
+        wait: str | None = "received",
+    ) -> None:
+        super().__init__(sender, measures=measures, logger=logger, wait=wait)
+        if not levels:
+            raise ValidationError("PLR needs at least one level")
+        if replay_schedule not in ("proportionate", "fixed"):
+            raise ValidationError(f"replay_schedule={replay_schedule!r}; expected 'proportionate' or 'fixed'")
+        if temperature <= 0 or staleness_temperature <= 0 or not 0 <= staleness_coef <= 1:
+            raise ValidationError("PLR needs temperatures > 0 and staleness_coef in [0, 1]")
+        self.levels = [dict(level) for level in levels]
+        self.score_fn = score
+        self.temperature, self.staleness_temperature = temperature, staleness_temperature
+        self.staleness_coef = staleness_coef
+        self.alpha, self.rho, self.nu, self.replay_schedule = alpha, rho, nu, replay_schedule
+        self.envs = None if envs is None else list(envs)
+        self.scores = torch.zeros(len(levels), dtype=torch.float64)
+        self.staleness = torch.zeros(len(levels), dtype=torch.float64)
+        self.seen = torch.zeros(len(levels), dtype=torch.bool)
+        self.rng = random.Random(seed)
+        self.assigned: dict[tuple[int, int], int] = {}
+        self.draws = {"replay": 0, "new": 0}
+
+    # ---- the rule --------------------------------------------------------------------------
+
+    def update(self, episodes: list[Episode]) -> None:
+        """Score the levels of whole episodes; draw the next level of every due env."""
+        scored = 0
+        for episode in episodes:
+            level = self.assigned.get((episode.env, episode.version))
+            if episode.whole and level is not None:
+                self.update_score(level, self.score_fn(episode))
+                scored += 1
+        self.assigned = {k: v for k, v in self.assigned.items() if k[1] >= self.ledger.latest.get(k[0], -1)}
+        due = self.due(self.envs)
+        if due:
+            chosen = [self.sample() for _ in due]
+            version = self.assign({env: self.levels[level] for env, level in zip(due, chosen, strict=True)})
+            self.assigned.update({(env, version): level for env, level in zip(due, chosen, strict=True)})
+        if scored or due:
+            self.record(seen=int(self.seen.sum()), **self.draws, scores=self.scores.tolist())
+
+    def update_score(self, level: int, score: float) -> None:
+        """Move a level's score towards ``score`` (by ``alpha``) and mark it seen."""
+        self.scores[level] = (1 - self.alpha) * self.scores[level] + self.alpha * score
+        self.seen[level] = True
+
+    def sample(self) -> int:
+        """Draw the next level: replay a seen one, or a new one (see the module docstring)."""
+        seen = float(self.seen.float().mean())
+        if self.replay_schedule == "fixed":
+            replay = seen >= self.rho and (self.rng.random() > self.nu or seen == 1.0)
+        else:
+            replay = seen >= self.rho and self.rng.random() < seen
+        if replay or bool(self.seen.all()):
+            level = self._choice(self.replay_weights())
+            self.draws["replay"] += 1
+        else:
+            level = self._choice((~self.seen).double())
+            self.draws["new"] += 1
+        self.staleness += 1
+        self.staleness[level] = 0
+        return level
+
+    def replay_weights(self) -> torch.Tensor:
+        """``P_replay`` over every level (0 for unseen ones)."""
+        order = torch.argsort(self.scores, descending=True, stable=True)
+        ranks = torch.empty_like(self.scores)
+        ranks[order] = torch.arange(1, len(self.scores) + 1, dtype=torch.float64)
+        weights = _normalised((1.0 / ranks ** (1.0 / self.temperature)) * self.seen)
+        if self.staleness_coef > 0:
+            stale = _normalised(self.staleness ** (1.0 / self.staleness_temperature) * self.seen)
+            weights = (1 - self.staleness_coef) * weights + self.staleness_coef * stale
+        return weights
+
+    def _choice(self, weights: torch.Tensor) -> int:
+        cumulative = torch.cumsum(weights / weights.sum(), 0).tolist()
+        pick = self.rng.random()
+        return next((i for i, c in enumerate(cumulative) if pick < c), len(cumulative) - 1)
+
+    # ---- resuming --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The level buffer (scores, staleness, seen), the draw counts, the random state."""
+        return {
+            **super().state_dict(),
+            "scores": self.scores.clone(),
+            "staleness": self.staleness.clone(),
+            "seen": self.seen.clone(),
+            "draws": dict(self.draws),
+            "rng": self.rng.getstate(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the level buffer (every env draws again at its next decision)."""
+        super().load_state_dict(state)
+        self.scores.copy_(state["scores"])
+        self.staleness.copy_(state["staleness"])
+        self.seen.copy_(state["seen"])
+        self.draws = dict(state["draws"])
+        self.rng.setstate(state["rng"])
+        self.assigned.clear()
+
+
+def _normalised(weights: torch.Tensor) -> torch.Tensor:
+    total = weights.sum()
+    return weights / total if total > 0 else weights

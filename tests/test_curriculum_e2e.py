@@ -1,0 +1,136 @@
+"""Each strategy end to end: real collectors, ``strategy.observe(batch)`` in the loop, pushes
+decided by the rule, and every decision credited only with episodes that really ran it."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from helpers import start_method
+from torchrl.collectors import Collector, MultiAsyncCollector
+from torchrl.envs import ParallelEnv
+
+from envsync import EnvStateSender
+from envsync.curriculum import ADR, PLR, Bandit, Episode, Lesson, Lessons, Strategy
+from envsync.envs import make_drift_env
+
+
+def drift_pair() -> ParallelEnv:
+    return ParallelEnv(2, make_drift_env, mp_start_method="fork")
+
+
+@pytest.fixture
+def single() -> Iterator[tuple[EnvStateSender, Collector]]:
+    """A ``Collector`` over a ``ParallelEnv`` of two DriftEnvs (fork), reset mode."""
+    with start_method("fork"):
+        sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+        collector = Collector(
+            sender.env_fn(drift_pair), None, frames_per_batch=40, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
+        yield sender, collector
+        collector.shutdown()
+        sender.close()
+
+
+def run(strategy: Strategy, collector: Any, batches: int) -> tuple[list[Episode], float]:
+    """Drive the loop; return the episodes and the longest ``observe`` call (seconds)."""
+    episodes: list[Episode] = []
+    longest = 0.0
+    for index, batch in enumerate(collector):
+        start = time.perf_counter()
+        episodes += strategy.observe(batch)
+        longest = max(longest, time.perf_counter() - start)
+        if index + 1 == batches:
+            break
+    return episodes, longest
+
+
+@pytest.mark.timeout(120)
+def test_lessons_move_through_every_lesson(single: tuple[EnvStateSender, Collector]) -> None:
+    sender, collector = single
+    stages = (0.2, 0.4, 0.6)
+    lessons = Lessons(sender, [Lesson({"difficulty": d}, threshold=-1.0, min_lesson_length=3) for d in stages])
+    episodes, longest = run(lessons, collector, 40)
+    starts = [r for r in lessons.history() if "version" in r]
+    assert [r["lesson"] for r in starts] == [0, 1, 2]
+    for record, difficulty in zip(starts, stages, strict=True):
+        ran = [e for e in episodes if e.whole and e.version == record["version"]]
+        assert ran and all(e.config["difficulty"].item() == pytest.approx(difficulty) for e in ran)
+    assert longest < 2.0
+
+
+@pytest.mark.timeout(120)
+def test_adr_decides_each_env_at_its_reset(single: tuple[EnvStateSender, Collector]) -> None:
+    sender, collector = single
+    adr = ADR(
+        sender,
+        {"difficulty": (0.2, 0.4)},
+        bounds={"difficulty": (0.0, 1.0)},
+        delta=0.1,
+        queue=2,
+        thresholds=(-2.0, -1.0),
+        boundary_fraction=0.8,
+    )
+    episodes, _ = run(adr, collector, 80)
+    assert adr.range["difficulty"][0] == pytest.approx(0.0) and adr.range["difficulty"][1] == pytest.approx(1.0)
+    moves = [r["boundary"] for r in adr.history() if "boundary" in r]
+    assert moves.count("difficulty.low") == 2 and moves.count("difficulty.high") == 6, "every return > -1: widen"
+    decided = [e for e in episodes if e.version > 0]
+    assert len({e.version for e in decided}) >= 6
+    per_env = defaultdict(set)
+    for e in decided:
+        per_env[e.env].add(e.version)
+        assert 0.0 <= e.config["difficulty"].item() <= 1.0
+    assert all(len(v) >= 3 for v in per_env.values()), "each env drew again after its episodes"
+
+
+@pytest.mark.timeout(120)
+def test_plr_scores_each_level_from_its_last_episode(single: tuple[EnvStateSender, Collector]) -> None:
+    sender, collector = single
+    levels = [{"difficulty": d} for d in (0.3, 0.9, 1.5, 2.1)]
+    plr = PLR(sender, levels, seed=2)
+    episodes, _ = run(plr, collector, 60)
+    assert bool(plr.seen.all()) and plr.draws["replay"] > 0
+    for level, config in enumerate(levels):
+        ran = [
+            e
+            for e in episodes
+            if e.whole and e.version > 0 and e.config["difficulty"].item() == pytest.approx(config["difficulty"])
+        ]
+        assert plr.scores[level].item() == pytest.approx(-ran[-1].episode_return)
+
+
+@pytest.mark.timeout(180)
+def test_bandit_per_worker_over_async_workers_of_parallel_envs() -> None:
+    with start_method("fork"):
+        sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+        collector = MultiAsyncCollector(
+            [sender.env_fn(drift_pair)] * 2,
+            None,
+            frames_per_batch=40,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
+        arms = [{"difficulty": d} for d in (0.25, 0.75, 1.5)]
+        bandit = Bandit(sender, arms, per="worker", reward_range=(0.0, 50.0))
+        try:
+            episodes, longest = run(bandit, collector, 50)
+            worker_of = {e: m.index for m in sender.fleet() for e in range(m.first_env, m.first_env + m.envs)}
+        finally:
+            collector.shutdown()
+            sender.close()
+    pulled = [e for e in episodes if e.whole and e.version > 0]
+    assert int(bandit.counts.sum()) == len(pulled), "every whole episode of a pull rewards its arm, once"
+    configs = defaultdict(set)
+    for e in pulled:
+        configs[worker_of[e.env], e.version].add(round(e.config["difficulty"].item(), 4))
+    assert all(len(c) == 1 for c in configs.values()), "a worker's envs run the same arm"
+    for arm, config in enumerate(arms):
+        mine = [
+            min(e.episode_return / 50.0, 1.0) for e in pulled if e.config["difficulty"].item() == config["difficulty"]
+        ]
+        assert bandit.sums[arm].item() == pytest.approx(sum(mine))
+    assert longest < 2.0

@@ -1,0 +1,124 @@
+"""The sender's record of past configs: lookup by (env, version), pruning, and the sender's hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_native_counters
+from tensordict import TensorDict
+from torchrl.collectors import Collector
+
+from envsync import EnvStateSender, ValidationError
+from envsync.envs import make_drift_env
+from envsync.history import ConfigHistory
+
+
+def leaves(value: float) -> dict[tuple[str, str], np.ndarray]:
+    return {("config", "difficulty"): np.array(value, dtype=np.float32), ("env_state", "loc"): np.zeros(1)}
+
+
+def test_lookup_is_the_latest_version_published_to_the_env_at_or_before() -> None:
+    history = ConfigHistory()
+    history.record(0, {0: leaves(0.0), 1: leaves(0.0)})
+    history.record(2, {1: leaves(0.2)})
+    history.record(5, {0: leaves(0.5), 1: leaves(0.6)})
+    assert [history.config(0, v)["difficulty"].item() for v in range(7)] == [0.0] * 5 + [0.5, 0.5]
+    env_1 = [round(history.config(1, v)["difficulty"].item(), 3) for v in range(7)]
+    assert env_1 == [0.0, 0.0, 0.2, 0.2, 0.2, 0.6, 0.6]
+    assert list(history.config(0, 0).keys()) == ["difficulty"], "only the config section is kept"
+
+
+def test_unknown_env_or_version_is_a_validation_error() -> None:
+    history = ConfigHistory()
+    history.record(3, {0: leaves(0.3)})
+    with pytest.raises(ValidationError, match="env 1 has no recorded config"):
+        history.config(1, 3)
+    with pytest.raises(ValidationError, match="no config at version 2.*oldest kept version is 3"):
+        history.config(0, 2)
+    with pytest.raises(ValidationError, match="keep"):
+        ConfigHistory(keep=-1)
+
+
+def test_pruning_keeps_what_is_in_effect_at_the_applied_version_and_keep_older() -> None:
+    history = ConfigHistory(keep=2)
+    applied = {0: 0}
+    for version in range(20):
+        history.record(version, {0: leaves(version / 10)}, applied.__getitem__)
+    assert history.versions(0) == list(range(20)), "nothing applied yet: everything can still arrive"
+    applied[0] = 15
+    history.record(20, {0: leaves(2.0)}, applied.__getitem__)
+    assert history.versions(0) == list(range(13, 21)), "two entries older than the applied one are kept"
+    assert history.config(0, 13)["difficulty"].item() == pytest.approx(1.3)
+    with pytest.raises(ValidationError, match="pruned"):
+        history.config(0, 12)
+
+
+def test_pruning_is_bounded_per_env() -> None:
+    history = ConfigHistory(keep=3)
+    for version in range(200):
+        history.record(version, {0: leaves(float(version)), 1: leaves(0.0)}, lambda env: 199)
+    assert all(len(history.versions(env)) <= 2 * 3 + 1 for env in (0, 1))
+
+
+def test_an_env_numbered_again_starts_over() -> None:
+    history = ConfigHistory()
+    history.record(0, {0: leaves(0.0)})
+    history.record(4, {0: leaves(0.4)})
+    history.record(4, {0: leaves(0.9)})
+    assert history.versions(0) == [0, 4]
+    assert history.config(0, 4)["difficulty"].item() == pytest.approx(0.9)
+
+
+@pytest.fixture(scope="module")
+def native() -> Iterator[tuple[EnvStateSender, Collector]]:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(lambda: make_native_counters(3)),
+        None,
+        frames_per_batch=30,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    yield sender, collector
+    collector.shutdown()
+    sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_frame_of_a_real_collector_names_its_config(native: tuple[EnvStateSender, Collector]) -> None:
+    sender, collector = native
+    batches = iter(collector)
+    sender.push(config=TensorDict(difficulty=torch.tensor([0.1, 0.2, 0.3]), batch_size=[3]))
+    sender.push(config={"difficulty": 0.7}, envs=[1])
+    seen = set()
+    for _ in range(3):
+        batch = next(batches).reshape(-1)
+        sender.push(config=TensorDict(difficulty=torch.rand(2), batch_size=[2]), envs=[0, 2])
+        for env, version, shown in zip(
+            batch["next", "env_index"].tolist(),
+            batch["next", "env_version"].tolist(),
+            batch["next", "observation"][:, 0].tolist(),
+            strict=True,
+        ):
+            assert sender.config_at(env, version)["difficulty"].item() == pytest.approx(shown)
+            seen.add((env, version))
+    assert len({v for _, v in seen}) >= 3
+
+
+@pytest.mark.timeout(60)
+def test_the_sender_records_the_version_an_env_starts_from() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    sender.push(config={"difficulty": 0.4})
+    collector = Collector(
+        sender.env_fn(make_drift_env), None, frames_per_batch=4, total_frames=-1, weight_sync_schemes=sender.schemes()
+    )
+    try:
+        batch = next(iter(collector))
+        assert batch["next", "env_version"].unique().tolist() == [1]
+        assert sender.config_at(0, 1)["difficulty"].item() == pytest.approx(batch["observation"][0, 1].item())
+    finally:
+        collector.shutdown()
+        sender.close()
