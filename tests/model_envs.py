@@ -12,7 +12,6 @@ and an ``ObservationNorm`` whose ``loc`` is the env state the test pushes; its o
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable
 from functools import partial
@@ -108,6 +107,3 @@ def has_env_state(env_kind: str) -> bool:
     """Whether the env carries the transforms (a natively batched env takes config only)."""
     return env_kind != "native"
 
-
-def fork_context() -> Any:
-    return mp.get_context("fork")

@@ -177,11 +177,16 @@ class ModelMachine(RuleBasedStateMachine):
         try:
             return fn()
         except WorkerApplyError as err:
+            self.raised_once(err)
             raise Violation("no unexpected apply failure", f"{what}: {err}") from err
         except AckTimeout as err:
             if may_time_out:
                 return err
             raise Violation("acks arrive", f"{what}: {err}") from err
+
+    def raised_once(self, err: WorkerApplyError) -> None:
+        once = err.version not in self.model.rolled_back
+        expect(once, "a failure is raised once", f"version {err.version}, rolled back already, raised again: {err}")
 
     def published(self, updates: dict[int, Setting], *, default_loc: float | None = None) -> int:
         version = self.sender.version
@@ -281,6 +286,7 @@ class ModelMachine(RuleBasedStateMachine):
         self.model.publish(version, updates)
         if failure is None:
             failure = self.surface_failure(version, envs)
+        self.raised_once(failure)
         expect(failure.version == version, "rollback", f"WorkerApplyError for version {failure.version}, not {version}")
         workers = {e // self.cell.per_worker for e in marked}
         expect(failure.worker in workers, "rollback", f"the error names worker {failure.worker}, not one of {workers}")

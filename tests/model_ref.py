@@ -53,6 +53,7 @@ class Model:
     default_loc: float = 0.0
     latest: int = START
     undo: tuple[int, dict[int, tuple[Setting, int]], float] | None = None
+    rolled_back: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.current = [Setting()] * self.num_envs
@@ -80,12 +81,14 @@ class Model:
         self.publish(rollback, {e: setting for e, (setting, _) in replaced.items()})
         self.default_loc = default
         self.undo = None
+        self.rolled_back.add(failed)
 
     def restart(self, version: int, intermediate: Iterable[int] = ()) -> None:
         """A resumed sender: every env runs its current setting at ``version``; each of the
         ``intermediate`` versions (a restore pushed piece by piece) may show any mix of the
         fresh start and the restored setting."""
         self.table.clear()  # the new sender's versions name nothing of the old one's
+        self.rolled_back.clear()
         for v in intermediate:
             self.table[v] = {e: frozenset(_mixes(s)) for e, s in enumerate(self.current)}
         self.table[version] = {e: frozenset({s}) for e, s in enumerate(self.current)}
