@@ -92,7 +92,7 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
     if env_state:
         sender.push(env_state=env_state, wait=None)
     indices = sender._fleet.indices()
-    for index, entries in zip(indices, own or [], strict=True):
+    for index, entries in zip(indices, own, strict=True) if own is not None else ():
         if entries:
             sender.push(env_state=entries, envs=[index], wait=None)
     if len(rows) == 1:
