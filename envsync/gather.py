@@ -250,8 +250,11 @@ def _gather_settled(
     sender: Sender, book: StatsBook, names: list[str], timeout: float
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, int]]:
     """Every worker's current statistics, each read while the worker's applied version was
-    known (before and after the read agree on the pending merge); and those versions."""
-    targets = sender._fleet.targets(None)
+    known (before and after the read agree on the pending merge); and those versions. Envs
+    outside any collector (``attach_env``) only receive merges: they are not read."""
+    targets = sender._fleet.collected()
+    if not targets:
+        raise ValidationError("sync_stats merges what collectors' envs saw, and no collector is attached")
     current: dict[int, dict[str, torch.Tensor]] = {}
     ask = list(targets)
     for _ in range(_MAX_GATHERS):
