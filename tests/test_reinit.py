@@ -147,8 +147,10 @@ def test_the_ppo_reference_normaliser_is_recomputed_after_each_push() -> None:
     sender = EnvStateSender(
         config={"g": 10.0}, apply=set_gravity, apply_at="step", reinit={"VecNorm": reinit.recompute(num_iter=64)}
     )
+    torch.manual_seed(0)  # forked workers draw their random actions from this state
     with start_method("fork"):
         collector = build("sync", sender, make_ppo_env, frames_per_batch=2 * 50)
+    collector.set_seed(0)  # and start their episodes from seeded states: the speeds below are reproducible
     decay = float(torch.tensor(0.99999, dtype=torch.float32))
     try:
         batches = iter(collector)
