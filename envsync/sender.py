@@ -476,8 +476,9 @@ class Sender:
             The version that carries the merged statistics.
 
         Raises:
-            ValidationError: no selected transform keeps mergeable statistics, or one forgets
-                (``decay < 1``).
+            ValidationError: no selected transform keeps mergeable statistics, one forgets
+                (``decay < 1``) without telling its updates (``VecNorm`` and ``VecNormV2``
+                do), or no collector is attached (envs of ``attach_env`` only receive).
         """
         return gather.sync_stats(self, selector, timeout)
 
