@@ -28,7 +28,7 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
     """Implementation of :meth:`Sender.state_dict`."""
     with sender._lock:
         sender._prune()
-        indices = sender._fleet.indices()
+        indices = sender._fleet.collected()  # an env outside any collector rejoins from the default
         rows = [sender.desired_config(env=e) for e in indices]
         config = TensorDict.stack(rows) if rows else sender.desired_config()
         env_state = {k: v.clone() for k, v in desired.pushed_env_state(sender._default).items()}
@@ -39,7 +39,7 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
         if sender._stats is not None:
             out["stats"] = sender._stats.state_dict(indices, applied_versions(sender, indices))
     if gather and indices:
-        out["worker_env_state"] = sender.gather(None)
+        out["worker_env_state"] = sender.gather(None, workers=sorted({sender._fleet.worker_of(e) for e in indices}))
     return out
 
 
@@ -80,19 +80,26 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
         raise ValidationError(f"the checkpoint has {len(rows)} worker configs and {len(own)} worker env states")
     with sender._lock:
         sender._check_open()
+        sender._prune()
+        indices = sender._fleet.collected()
+        if not indices and sender._fleet.attachments:
+            raise ValidationError(
+                "load the checkpoint before attach_env: an env outside any collector joins from the "
+                "restored desired state"
+            )
         if "stats" in state:
             sender._stats = gather.StatsBook.from_state_dict(state["stats"])
-        if sender.num_envs is None:
+        if not indices:
             return _keep_for_attach(sender, int(state["version"]), rows, env_state, own)
-    if len(rows) != sender.num_envs and (len(rows) != 1 or own is not None):
-        what = "workers" if sender.num_envs == sender.num_workers else "envs"
+        workers = len({sender._fleet.worker_of(e) for e in indices})
+    if len(rows) != len(indices) and (len(rows) != 1 or own is not None):
+        what = "workers" if len(indices) == workers else "envs"
         raise ValidationError(
-            f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {sender.num_envs} {what}"
+            f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {len(indices)} {what}"
         )
     if env_state:
         sender.push(env_state=env_state, wait=None)
-    indices = sender._fleet.indices()
-    for index, entries in zip(indices, own, strict=True) if own is not None else ():
+    for index, entries in zip(indices, own or [{} for _ in indices], strict=True):
         if entries:
             sender.push(env_state=entries, envs=[index], wait=None)
     if len(rows) == 1:

@@ -29,6 +29,9 @@ class Attachment:
         collectors: how many workers each collector behind the link has, in order (a
             ``RayCollector`` is one attachment over several remote collectors); ``None``:
             one collector with every worker of the link.
+        outside: an env outside any collector (``attach_env``): it receives every version,
+            but ``sync_stats`` does not count its observations and checkpoints keep no row
+            for it.
     """
 
     link: SenderLink
@@ -36,6 +39,7 @@ class Attachment:
     on_close: Callable[[], None] = lambda: None
     envs_per_worker: int = 1
     collectors: Sequence[int] | None = None
+    outside: bool = False
     offset: int = 0
     worker_offset: int = 0
     index: int = 0
@@ -122,6 +126,10 @@ class Fleet:
     def indices(self) -> list[int]:
         """The fleet indices of every live env, in order."""
         return [a.offset + e for a in self.attachments for e in range(a.link.num_workers)]
+
+    def collected(self) -> list[int]:
+        """The fleet indices of the live envs that collectors drive (not those outside any)."""
+        return [a.offset + e for a in self.attachments if not a.outside for e in range(a.link.num_workers)]
 
     def workers(self) -> list[int]:
         """The fleet indices of every live worker, in order."""

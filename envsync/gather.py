@@ -215,12 +215,14 @@ def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
     names = [k for k in template.keys if k.startswith(f"{STATS}.") and int(k.split(".")[1]) in decays]
     if not names:
         raise ValidationError(f"sync_stats({selector!r}): no selected transform keeps statistics envsync can merge")
+    aging = (f".{stats.UPDATES}", f".{stats.LIMIT}")  # what tells a forgetting transform's updates
     for index, decay in decays.items():
-        counted = any(k.startswith(f"{STATS}.{index}.") and k.endswith(f".{stats.UPDATES}") for k in names)
+        counted = any(k.startswith(f"{STATS}.{index}.") and k.endswith(aging) for k in names)
         if decay != 1.0 and not counted:
             raise ValidationError(
-                f"sync_stats: transform {index} has decay={decay} but does not count its updates, so its "
-                "statistics cannot be aged: use decay=1.0 or VecNormV2 (see docs/statistics.md)"
+                f"sync_stats: transform {index} has decay={decay} but its handler tells neither its updates "
+                f"nor its count's limit, so its statistics cannot be aged: export '{stats.UPDATES}' or "
+                f"'{stats.LIMIT}' (see docs/statistics.md)"
             )
     prefixes = {k.rsplit(".", 1)[0] for k in names}
     by_prefix = {p: decays[int(p.split(".")[1])] for p in prefixes}
@@ -248,8 +250,11 @@ def _gather_settled(
     sender: Sender, book: StatsBook, names: list[str], timeout: float
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, int]]:
     """Every worker's current statistics, each read while the worker's applied version was
-    known (before and after the read agree on the pending merge); and those versions."""
-    targets = sender._fleet.targets(None)
+    known (before and after the read agree on the pending merge); and those versions. Envs
+    outside any collector (``attach_env``) only receive merges: they are not read."""
+    targets = sender._fleet.collected()
+    if not targets:
+        raise ValidationError("sync_stats merges what collectors' envs saw, and no collector is attached")
     current: dict[int, dict[str, torch.Tensor]] = {}
     ask = list(targets)
     for _ in range(_MAX_GATHERS):

@@ -7,7 +7,8 @@ points are called by the adapter from the thread that drives the env: :meth:`bef
 ``"step"`` and ``"truncate"`` versions at once.
 
 One apply, in order: config method -> env state (copied from the link straight into the
-env's tensors) -> re-initialisation -> (``"truncate"`` while idle: the reset that follows).
+env's tensors) -> re-initialisation (not after a version that only merges statistics) ->
+(``"truncate"`` while idle: the reset that follows).
 Everything runs inside one ``try``: if any part raises, the previous config and env state
 are restored, the failure is reported with its traceback, and the env keeps running its
 previous version. Nothing is acknowledged as applied before the whole apply succeeded.
@@ -24,13 +25,14 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 
 from envsync.exclusion import Exclusion
 from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
-from envsync.reinit import ReinitSpec
+from envsync.reinit import STATS, ReinitSpec
 from envsync.state import FlatConfig, flat_names
 
 _LISTEN_PERIOD = 0.5
@@ -277,7 +279,8 @@ class EnvStateReceiver:
                 if trouble:
                     raise RuntimeError(f"outpaced by the sender, the previous config did not come back:{trouble}")
                 return False
-            self.adapter.reinit(version)
+            if not _merge_only(loaded, config, self._config):
+                self.adapter.reinit(version)
             if reset_after:
                 self.version = version  # the reset's observation comes from this version
                 self.adapter.reset()
@@ -348,6 +351,15 @@ class EnvStateReceiver:
         except Exception:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""
+
+
+def _merge_only(loaded: list[str], config: FlatConfig, previous: FlatConfig | None) -> bool:
+    """Whether a version brought merged statistics (``stats.*``) and nothing else: no other
+    env state, the same config. Re-initialisation follows a new config or env state; after a
+    ``sync_stats`` merge it would only throw the merge away (or, recomputing, step the env)."""
+    if not loaded or any(not name.startswith(f"{STATS}.") for name in loaded) or previous is None:
+        return False
+    return previous.keys() == config.keys() and all(np.array_equal(config[k], previous[k]) for k in config)
 
 
 def start_listener(owner: Any, link: ReceiverLink, wake: Callable[[Any], None], *, name: str) -> None:

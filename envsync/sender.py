@@ -159,6 +159,7 @@ class Sender:
         envs_per_worker: int = 1,
         collectors: Sequence[int] | None = None,
         first_env: int | None = None,
+        outside: bool = False,
     ) -> Attachment:
         """Attach a collector's ``num_workers`` workers, of ``envs_per_worker`` envs each,
         after the fleet's others.
@@ -168,6 +169,8 @@ class Sender:
         any). ``collectors`` splits the workers among several collectors behind one link
         (their worker counts, in order), as :meth:`fleet` describes them. ``first_env``: the
         index its workers were numbered from before attaching (see :meth:`next_env_index`).
+        ``outside``: one env outside any collector; it starts from the fleet-wide desired
+        state (a checkpoint's rows wait for the collector they belong to).
 
         Raises:
             ValidationError: a loaded per-env checkpoint has another number of envs, or
@@ -179,7 +182,7 @@ class Sender:
         with self._lock:
             self._check_open()
             self._prune()
-            rows = self._rows
+            rows = None if outside else self._rows
             if rows is not None and len(rows) != num_envs:
                 what = "workers" if envs_per_worker == 1 else "envs"
                 raise ValidationError(
@@ -189,7 +192,7 @@ class Sender:
             link = make_link(start)
             if link.num_workers != num_envs:
                 raise ValidationError(f"the link has {link.num_workers} slots for {num_envs} envs")
-            attachment = Attachment(link, detached, on_close, envs_per_worker, collectors)
+            attachment = Attachment(link, detached, on_close, envs_per_worker, collectors, outside)
             self._fleet.add(attachment, start, first_env)
             for slot in range(num_envs):
                 entries = rows[slot] if rows is not None else {}
@@ -197,7 +200,8 @@ class Sender:
                 attachment.mirrors[slot].update(entries)
             attachment.link.flush(self._version)
             self.config_history.record(self._version, dict(enumerate(attachment.mirrors, attachment.offset)))
-            self._rows = None
+            if not outside:
+                self._rows = None
             return attachment
 
     def next_env_index(self) -> int:
@@ -491,8 +495,9 @@ class Sender:
             The version that carries the merged statistics.
 
         Raises:
-            ValidationError: no selected transform keeps mergeable statistics, or one forgets
-                (``decay < 1``).
+            ValidationError: no selected transform keeps mergeable statistics, one forgets
+                (``decay < 1``) without telling its updates (``VecNorm`` and ``VecNormV2``
+                do), or no collector is attached (envs of ``attach_env`` only receive).
         """
         return gather.sync_stats(self, selector, timeout)
 

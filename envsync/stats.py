@@ -30,11 +30,16 @@ so its delta is ``delta(current, base.scaled(d**n))``, and the sync ages the bas
 factor: ``merge_rounds(base, deltas, base_factor=d**n)``. When every worker made the same ``n``
 updates (a collector steps its envs in lockstep), the merged statistics are the weighted moments
 of every value every worker saw, a value ``a`` (lockstep) updates old weighing ``d**a``.
-``VecNormV2`` keeps ``n`` (:func:`vecnorm_v2_updates`); ``VecNorm`` does not (its count is
-decayed), so its caller counts the updates. ``VecNormV2`` holds at most the weight
-``1 / (1 - d)`` and only weights of a whole number of updates: loading keeps the mean and the
-variance and rounds the weight, and the loaders return the moments *as stored*, the base for the
-next delta. Each merge with ``d == 1`` is exact to the precision of the transform's dtype.
+``VecNormV2`` keeps ``n`` (:func:`vecnorm_v2_updates`). ``VecNorm``'s count determines it: each
+update does ``count = d * count + N``, so the count tends to its *limit* ``K = N / (1 - d)``
+and ``K - count = d**n * (K - c0)`` after ``n`` updates from ``c0``: the aging factor is
+``d**n = (K - count) / (K - c0)``, with ``d`` the decay in float32 (the dtype of its counts):
+its handler exports ``K`` (:data:`LIMIT`). That ratio is well determined while ``c0`` is away
+from ``K``; near ``K`` the count's float32 rounding blurs ``n`` (``docs/statistics.md``).
+``VecNormV2`` holds at most the weight ``1 / (1 - d)`` and only weights of a whole number of
+updates: loading keeps the mean and the variance and rounds the weight, and the loaders return
+the moments *as stored*, the base for the next delta. Each merge with ``d == 1`` is exact to
+the precision of the transform's dtype.
 """
 
 from __future__ import annotations
@@ -424,6 +429,10 @@ FIELDS = ("count", "mean", "m2")
 UPDATES = "updates"
 """An optional leaf beside the moments: how many updates the accumulator made (``decay < 1``
 ages a base by ``decay ** updates-since``)."""
+LIMIT = "limit"
+"""An optional leaf beside the moments of an accumulator that decays its count instead of
+counting its updates (``VecNorm``): the weight its count tends to, from which two counts
+tell the updates made in between."""
 
 
 def _groups(flat: Mapping[str, torch.Tensor]) -> dict[str, Moments]:
@@ -439,6 +448,20 @@ def _flat(groups: Mapping[str, Moments]) -> dict[str, torch.Tensor]:
 def _updates(flat: Mapping[str, torch.Tensor], prefix: str) -> float:
     value = flat.get(f"{prefix}.{UPDATES}")
     return 0.0 if value is None else float(value)
+
+
+def _age(now: Mapping[str, torch.Tensor], before: Mapping[str, torch.Tensor], prefix: str, decay: float) -> float:
+    """The updates an accumulator made from ``before`` to ``now``: the difference of its
+    update counts, or, for one with a count ``limit`` ``K``, ``n`` with
+    ``d**n = (K - count) / (K - count_before)`` (0 where that is undetermined: a count at
+    its limit, or rounding that moved it away from it)."""
+    limit = now.get(f"{prefix}.{LIMIT}")
+    if limit is None:
+        return _updates(now, prefix) - _updates(before, prefix)
+    k = float(limit)
+    left, was = (k - float(side[f"{prefix}.count"].reshape(-1)[0]) for side in (now, before))
+    ratio = left / was if was != 0.0 else 1.0
+    return max(0.0, math.log(ratio) / math.log(decay)) if ratio > 0.0 else 0.0
 
 
 def stored(merged: Moments, decay: float) -> tuple[Moments, int]:
@@ -463,12 +486,13 @@ def sync_round(
     base: Leaves, given: Mapping[int, Leaves], current: Mapping[int, Leaves], decay: Mapping[str, float] | None = None
 ) -> dict[str, torch.Tensor]:
     """One ``sync_stats`` round over flat moment leaves (``<prefix>.count/.mean/.m2``, and
-    ``.updates`` where an accumulator counts them).
+    ``.updates`` where an accumulator counts them, or ``.limit`` where its count tells them).
 
     Each worker contributes ``delta(current[w], given[w] aged by decay ** n_w)``: what it saw
     since it was last loaded with ``given[w]`` (``base`` if absent), ``n_w`` its updates since.
     The result is ``base`` aged by the workers' mean ``n`` ⊕ every delta; for a prefix with an
-    update count it is given as stored by such an accumulator (see :func:`stored`).
+    update count it is given as stored by such an accumulator (see :func:`stored`); one that
+    stores any weight (``.limit``) keeps it.
 
     Examples:
         >>> empty = {"x.count": torch.tensor(0.0), "x.mean": torch.zeros(1), "x.m2": torch.zeros(1)}
@@ -478,12 +502,13 @@ def sync_round(
         (4.0, [1.5])
     """
     out = {}
-    for prefix, total in _groups({k: v for k, v in base.items() if not k.endswith(f".{UPDATES}")}).items():
+    extra = (f".{UPDATES}", f".{LIMIT}")
+    for prefix, total in _groups({k: v for k, v in base.items() if not k.endswith(extra)}).items():
         d = (decay or {}).get(prefix, 1.0)
         deltas, ages = [], []
         for worker, values in current.items():
             before = given.get(worker, base)
-            n = _updates(values, prefix) - _updates(before, prefix)
+            n = _age(values, before, prefix, d)
             ages.append(n)
             before_m = Moments(before[f"{prefix}.count"], before[f"{prefix}.mean"], before[f"{prefix}.m2"])
             now = Moments(values[f"{prefix}.count"], values[f"{prefix}.mean"], values[f"{prefix}.m2"])
@@ -493,5 +518,7 @@ def sync_round(
         if f"{prefix}.{UPDATES}" in base:
             merged, updates = stored(merged, d)
             out[f"{prefix}.{UPDATES}"] = torch.tensor(float(updates), dtype=torch.float64)
+        if f"{prefix}.{LIMIT}" in base and current:
+            out[f"{prefix}.{LIMIT}"] = next(iter(current.values()))[f"{prefix}.{LIMIT}"]
         out.update({f"{prefix}.{field}": getattr(merged, field) for field in FIELDS})
     return out

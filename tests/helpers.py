@@ -444,3 +444,18 @@ def make_slow_vecnorm_env(label: int = 0, horizon: int = 0) -> Any:
 
     norm = VecNormV2(in_keys=["observation"], out_keys=["observation_norm"], decay=1.0)
     return TransformedEnv(SlowOffsetNoiseEnv(label, horizon), Compose(norm))
+
+
+def make_ppo_env() -> Any:
+    """The env of torchrl's PPO reference (``sota-implementations/ppo/utils_mujoco.py``), on
+    Pendulum: its normaliser is a ``VecNorm`` (v1) with ``decay=0.99999``."""
+    from torchrl.envs import ClipTransform, Compose, GymEnv, RewardSum, StepCounter, TransformedEnv, VecNorm
+
+    norm = VecNorm(in_keys=["observation"], decay=0.99999)
+    clip = ClipTransform(in_keys=["observation"], low=-10, high=10)
+    return TransformedEnv(GymEnv("Pendulum-v1"), Compose(norm, clip, RewardSum(), StepCounter()))
+
+
+def set_gravity(env: Any, config: TensorDictBase) -> None:
+    """An apply callable: Pendulum-v1's gravity ``g``, read by its every step."""
+    env.base_env._env.unwrapped.g = float(config["g"])

@@ -10,13 +10,17 @@ import subprocess
 import sys
 import time
 from functools import partial
+from typing import Any
 
 import pytest
 import torch
 from conftest import build
-from helpers import make_counter_env, make_vecnorm_env, rows, start_method
+from helpers import OffsetNoiseEnv, make_counter_env, make_vecnorm_env, rows, start_method
+from torchrl.envs import VecNormV2
 
 from envsync import EnvStateSender, ValidationError
+from envsync.integrations.torchrl.handlers import NormStatsHandler
+from envsync.reinit import register
 
 WORKERS = 3
 
@@ -63,12 +67,13 @@ def test_sync_stats_is_exact_over_rounds_and_counts_nothing_twice() -> None:
 
 
 def decayed_reference(
-    previous: tuple[float, torch.Tensor, torch.Tensor], new: list[torch.Tensor], decay: float
+    previous: tuple[float, torch.Tensor, torch.Tensor], new: list[torch.Tensor], decay: float, whole: bool = True
 ) -> tuple[float, torch.Tensor, torch.Tensor]:
     """The definition of a sync with forgetting, computed directly from raw observations:
     the last merge (as stored) aged by ``decay ** n`` plus every worker's ``n`` new observations,
-    the k-th of them weighing ``decay ** (n - k)``; then stored as a whole number of updates
-    (weight capped at 1 / (1 - decay)). Returns (weight, mean, population variance)."""
+    the k-th of them weighing ``decay ** (n - k)``; then, ``whole`` (VecNormV2), stored as a
+    whole number of updates (weight capped at 1 / (1 - decay)); else (VecNorm) as it is.
+    Returns (weight, mean, population variance)."""
     weight, mean, var = previous
     n = new[0].shape[0]
     ages = decay ** torch.arange(n - 1, -1, -1, dtype=torch.float64)
@@ -78,6 +83,8 @@ def decayed_reference(
     total = old + weights.sum()
     merged_mean = (old * mean + (weights[:, None] * x).sum(0)) / total
     m2 = old * (var + (mean - merged_mean) ** 2) + (weights[:, None] * (x - merged_mean) ** 2).sum(0)
+    if not whole:
+        return float(total), merged_mean, m2 / total
     mass = (1 - decay) * total
     most = math.ceil(math.log(2.0**-53) / math.log(decay))
     updates = most if mass >= 1 else min(round(math.log1p(-mass) / math.log(decay)), most)
@@ -100,6 +107,38 @@ def test_sync_stats_with_forgetting_follows_its_definition() -> None:
             new = [o.reshape(-1, 3) for o in _per_worker(batch, first=sync == 0)]
             sender.sync_stats("VecNormV2")
             reference = decayed_reference(reference, new, decay)
+            state = sender.gather(["stats.0"])["stats", "0", "observation"]
+            for worker in range(WORKERS):
+                torch.testing.assert_close(state["count"][worker].item(), reference[0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(state["mean"][worker], reference[1], rtol=1e-4, atol=1e-4)
+                var = state["m2"][worker] / state["count"][worker]
+                torch.testing.assert_close(var, reference[2], rtol=1e-4, atol=1e-4)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+FLOAT32_DECAY = {d: float(torch.tensor(d, dtype=torch.float32)) for d in (0.99999, 0.98)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("decay", [0.99999, 0.98])
+def test_sync_stats_of_vecnorm_v1_with_forgetting_follows_its_definition(decay: float) -> None:
+    # torchrl's PPO reference normaliser (0.99999); with 0.98 the merged weight passes the
+    # count's limit 1 / (1 - decay) = 50 on its way to 3 workers x 50
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        envs = [partial(make_vecnorm_env, i, decay, True) for i in range(WORKERS)]
+        collector = build("sync", sender, envs, frames_per_batch=10 * WORKERS)
+    applied = FLOAT32_DECAY[decay]  # VecNorm's float32 counts decay by float32(decay)
+    reference = (0.0, torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+    try:
+        batches = iter(collector)
+        for sync in range(5):
+            batch = next(batches)
+            new = [o.reshape(-1, 3) for o in _per_worker(batch, first=sync == 0)]
+            sender.sync_stats("VecNorm")
+            reference = decayed_reference(reference, new, applied, whole=False)
             state = sender.gather(["stats.0"])["stats", "0", "observation"]
             for worker in range(WORKERS):
                 torch.testing.assert_close(state["count"][worker].item(), reference[0], rtol=1e-5, atol=1e-5)
@@ -191,12 +230,28 @@ def test_bad_gathers_and_syncs_are_refused() -> None:
             sender.gather()
         with pytest.raises(ValidationError, match="no selected transform keeps statistics"):
             sender.sync_stats("ObservationNorm")
+    register(AgelessNorm, AgelessHandler())
     with EnvStateSender(config={}) as sender:
-        sender.env_fn(partial(make_vecnorm_env, 0, 0.99, True))
-        with pytest.raises(ValidationError, match="decay=0.99 but does not count its updates"):
-            sender.sync_stats("VecNorm")
+        sender.env_fn(make_ageless_env)
+        with pytest.raises(ValidationError, match="decay=0.99 but its handler tells neither its updates"):
+            sender.sync_stats("AgelessNorm")
         with pytest.raises(ValidationError, match="'transforms.7' names no entry"):
             sender.gather(["transforms.7"])
+
+
+class AgelessNorm(VecNormV2):
+    """A forgetting normaliser whose handler exports its moments but not its updates."""
+
+
+class AgelessHandler(NormStatsHandler):
+    def export(self, transform: Any) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in super().export(transform).items() if not k.endswith(".updates")}
+
+
+def make_ageless_env() -> Any:
+    from torchrl.envs import Compose, TransformedEnv
+
+    return TransformedEnv(OffsetNoiseEnv(0), Compose(AgelessNorm(in_keys=["observation"], decay=0.99)))
 
 
 @pytest.mark.timeout(60)

@@ -7,8 +7,8 @@ from functools import partial
 import pytest
 import torch
 from conftest import build
-from helpers import make_noisy_env, rows, start_method
-from torchrl.envs import TransformedEnv, VecNormV2
+from helpers import make_noisy_env, make_ppo_env, rows, set_gravity, start_method
+from torchrl.envs import StepCounter, TransformedEnv, VecNormV2
 
 from envsync import EnvStateSender, ValidationError, reinit
 from envsync.envs import make_drift_env
@@ -107,6 +107,72 @@ def test_vecnorm_reset_gives_fresh_statistics(norm: str, policy: str) -> None:
         sender.close()
 
 
+def fresh_weight(decay: float, updates: int) -> float:
+    """The weight of ``updates`` updates from zero statistics, ``(1 - d**n) / (1 - d)``."""
+    return (1 - decay**updates) / (1 - decay)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("norm", ["vecnorm", "vecnorm_v2"])
+@pytest.mark.parametrize("policy", ["recompute", "keep"])
+def test_vecnorm_recompute_gives_fresh_statistics_under_the_new_config(norm: str, policy: str) -> None:
+    selector = "VecNormV2" if norm == "vecnorm_v2" else "VecNorm"
+    sender = sender_for(reinit.recompute(num_iter=64) if policy == "recompute" else reinit.keep(), selector)
+    with start_method("fork"):
+        collector = build("sync", sender, noisy(norm), frames_per_batch=100)
+    # VecNorm's float32 counts decay by float32(0.99); VecNormV2 counts whole updates
+    decay = float(torch.tensor(0.99, dtype=torch.float32)) if norm == "vecnorm" else 0.99
+    try:
+        batches = iter(collector)
+        next(batches)
+        version = sender.push(config={"scale": 10.0}, wait="applied")
+        moments = sender.gather(["stats.0"])["stats", "0", "observation"]
+        var = moments["m2"] / moments["count"].reshape(-1, 1)
+        if policy == "recompute":
+            # the replayed rollout (its reset and 64 steps), then the fresh episode's reset
+            for count in moments["count"].reshape(-1).tolist():
+                assert count == pytest.approx(fresh_weight(decay, 66), rel=1e-5)
+            assert bool((var > 50).all())  # only observations of scale 10 (variance 100)
+            for row in rows(next(batches)):
+                assert row["count"][0].item() == 0 and row["env_version"][0] == version
+        else:
+            assert bool((var < 10).all())  # mostly the scale-1 observations of the first batch
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_ppo_reference_normaliser_is_recomputed_after_each_push() -> None:
+    sender = EnvStateSender(
+        config={"g": 10.0}, apply=set_gravity, apply_at="step", reinit={"VecNorm": reinit.recompute(num_iter=64)}
+    )
+    torch.manual_seed(0)  # forked workers draw their random actions from this state
+    with start_method("fork"):
+        collector = build("sync", sender, make_ppo_env, frames_per_batch=2 * 50)
+    collector.set_seed(0)  # and start their episodes from seeded states: the speeds below are reproducible
+    decay = float(torch.tensor(0.99999, dtype=torch.float32))
+    try:
+        batches = iter(collector)
+        next(batches)
+        for g, high_speed in ((20.0, True), (1.0, False), (20.0, True)):
+            version = sender.push(config={"g": g}, wait="applied")
+            moments = sender.gather(["stats.0"])["stats", "0", "observation"]
+            for count in moments["count"].reshape(-1).tolist():  # fresh: 64 steps and 2 resets
+                assert count == pytest.approx(fresh_weight(decay, 66), rel=1e-5)
+            speed_var = moments["m2"][:, 2] / moments["count"].reshape(-1)  # angular velocity
+            assert bool((speed_var > 5).all()) if high_speed else bool((speed_var < 2).all())
+            batch = next(batches)
+            assert bool((batch["next", "env_version"] == version).all())
+        sender.sync_stats("VecNorm")
+        merged = sender.gather(["stats.0"])["stats", "0", "observation"]
+        assert torch.equal(merged["count"][0], merged["count"][1])
+        assert merged["count"][0].item() > fresh_weight(decay, 66) * 2  # both workers' observations
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
 @pytest.mark.timeout(120)
 def test_call_runs_once_per_applied_version_per_worker() -> None:
     sender = sender_for(reinit.call("reset_state"), selector=0)
@@ -156,9 +222,9 @@ def test_bad_selectors_and_policies_are_named_in_the_main_process() -> None:
     with pytest.raises(ValidationError, match=r"'VecNorm' matches no transform; the env has \['0: VecNormV2'\]"):
         sender.env_state_template()
     sender.close()
-    sender = EnvStateSender(config={"difficulty": 0.0}, reinit={"VecNormV2": reinit.recompute(8)})
-    sender.env_fn(lambda: TransformedEnv(make_drift_env(), VecNormV2(in_keys=["observation"])))
-    with pytest.raises(ValidationError, match=r"VecNormV2 does not support recompute\(\)"):
+    sender = EnvStateSender(config={"difficulty": 0.0}, reinit={"StepCounter": reinit.recompute(8)})
+    sender.env_fn(lambda: TransformedEnv(make_drift_env(), StepCounter()))
+    with pytest.raises(ValidationError, match=r"StepCounter does not support recompute\(\); supported: \["):
         sender.env_state_template()
     sender.close()
     with pytest.raises(ValidationError, match="num_iter"):

@@ -101,6 +101,56 @@ class EnvStateSender(Sender):
         """
         return make_schemes(self, policy_scheme)
 
+    def attach_env(self, env: EnvBase) -> int:
+        """Join an env that no collector drives (an evaluation env run by ``env.rollout``)
+        to the fleet, after the envs attached so far; return its fleet index.
+
+        It applies pushes, ``reinit`` and merged statistics at its own safe points (the
+        steps and resets of its rollouts; in ``"step"``/``"truncate"`` mode at once while no
+        rollout runs), and every rollout carries ``"env_version"`` and ``"env_index"``, at
+        the root and under ``"next"``. It only receives statistics: ``sync_stats`` does not
+        count what it observes, and each merge replaces its own. Checkpoints keep no row for
+        it (attach it again after resuming). ``detach_env`` or ``env.close()`` takes it out.
+
+        Args:
+            env: an unbatched ``EnvBase`` built like the collectors' envs (the same
+                transforms); it is hooked in place and reset once if a lazy transform
+                (``VecNorm``) has no statistics yet.
+
+        Raises:
+            ValidationError: a batched env, one already in a fleet, one that lacks the
+                fleet's env-state entries, or a sender that knows no env yet
+                (:meth:`env_fn` first).
+
+        Examples:
+            >>> from envsync.envs import make_drift_env
+            >>> sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+            >>> make_env = sender.env_fn(make_drift_env)  # the collectors' envs
+            >>> test_env = make_drift_env()
+            >>> sender.attach_env(test_env)  # no collector yet: the first index
+            0
+            >>> version = sender.push(config={"difficulty": 0.5})
+            >>> rollout = test_env.rollout(3)  # the push applies at the rollout's reset
+            >>> rollout["env_version"].tolist(), rollout["next", "env_index"].tolist()
+            ([1, 1, 1], [0, 0, 0])
+            >>> sender.detach_env(test_env)
+            >>> sender.close()
+        """
+        from envsync.integrations.torchrl.outside import attach_env
+
+        return attach_env(self, env)
+
+    def detach_env(self, env: EnvBase) -> None:
+        """Take an env joined with :meth:`attach_env` out of the fleet (closing it does too);
+        it keeps running as a plain env, with the state it has.
+
+        Raises:
+            ValidationError: the env was not attached to this sender with :meth:`attach_env`.
+        """
+        from envsync.integrations.torchrl.outside import detach_env
+
+        detach_env(self, env)
+
     def ray_kwargs(
         self,
         collector_kwargs: Mapping[str, Any] | None = None,

@@ -83,6 +83,10 @@ class ZeroStatsHandler:
                     buffer.zero_()
 
 
+def _name(key: Any) -> str:
+    return "-".join(key) if isinstance(key, tuple) else key
+
+
 def _flat_moments(moments: dict[Any, stats.Moments]) -> dict[str, torch.Tensor]:
     out = {}
     for key, m in moments.items():
@@ -99,9 +103,53 @@ def _moments(values: dict[str, torch.Tensor], keys: list[Any]) -> dict[Any, stat
     return out
 
 
+def _v1_decay(transform: VecNorm) -> float:
+    """The decay a ``VecNorm`` applies to its float32 counts (``count *= decay`` multiplies by
+    ``float32(decay)``: 0.99999 is 0.9999899864 there)."""
+    return float(torch.tensor(float(transform.decay), dtype=torch.float32))
+
+
+def _v1_limits(transform: VecNorm) -> dict[str, torch.Tensor]:
+    """``<key>.limit`` per key: the weight ``N / (1 - d)`` a ``VecNorm``'s count tends to, ``N``
+    the values per update (the numel of its env's batch; see ``envsync.stats``)."""
+    env = transform.container
+    elements = max(1, env.batch_size.numel()) if env is not None else 1
+    limit = elements / (1.0 - _v1_decay(transform))
+    keys = stats.vecnorm_moments(transform)
+    return {f"{_name(key)}.{stats.LIMIT}": torch.tensor(limit, dtype=torch.float64) for key in keys}
+
+
+def _replay(transform: Any, rollout: Any) -> None:
+    """Feed a rollout's observations to ``transform`` as its env would: the reset, then each step."""
+    first = rollout[..., 0].exclude("next")
+    transform._reset(first, first.clone())
+    for t in range(rollout.shape[-1]):
+        step = rollout[..., t]
+        transform._step(step.exclude("next"), step.get("next").clone())
+
+
 class NormStatsHandler(ZeroStatsHandler):
-    """``reset`` (zeros) plus ``export``/``load`` of running statistics as moments (count,
-    mean, m2 per normalised key, float64), for ``sync_stats`` (see ``envsync.stats``)."""
+    """``reset`` (zeros), ``recompute`` (zeros, then fresh observations), and
+    ``export``/``load`` of running statistics as moments (count, mean, m2 per normalised key,
+    float64), for ``sync_stats`` (see ``envsync.stats``)."""
+
+    def recompute(self, transform: Any, num_iter: int) -> None:
+        """Statistics of fresh observations only: zeros, then ``num_iter`` steps of random
+        actions on the env below the transform (under the config just applied), fed to the
+        transform the way its env would feed them (each rollout's reset, then every step)."""
+        parent = transform.parent
+        if parent is None:
+            raise RuntimeError(f"{type(transform).__name__} has no parent env to gather statistics from")
+        frozen, transform.frozen = transform.frozen, False  # asked to recompute: it must update
+        try:
+            self.reset(transform)
+            frames = 0
+            while frames < num_iter:
+                rollout = parent.rollout(max_steps=num_iter)
+                frames += rollout.numel()
+                _replay(transform, rollout)
+        finally:
+            transform.frozen = frozen
 
     def export(self, transform: Any) -> dict[str, torch.Tensor]:
         if isinstance(transform, VecNormV2):
@@ -110,11 +158,14 @@ class NormStatsHandler(ZeroStatsHandler):
                 name = "-".join(key) if isinstance(key, tuple) else key
                 out[f"{name}.updates"] = torch.tensor(float(updates), dtype=torch.float64)
             return out
-        return _flat_moments(stats.vecnorm_moments(transform))
+        out = _flat_moments(stats.vecnorm_moments(transform))
+        if _v1_decay(transform) < 1.0:  # its counts tell its updates, given their limit
+            out.update(_v1_limits(transform))
+        return out
 
     def decay(self, transform: Any) -> float:
-        """The transform's forgetting factor (1: none); ``sync_stats`` ages by it."""
-        return float(transform.decay)
+        """The forgetting factor the transform applies (1: none); ``sync_stats`` ages by it."""
+        return _v1_decay(transform) if isinstance(transform, VecNorm) else float(transform.decay)
 
     def load(self, transform: Any, values: dict[str, torch.Tensor]) -> None:
         if isinstance(transform, VecNormV2):
