@@ -200,6 +200,21 @@ class Sender:
             self._prune()
             return self._fleet.next_env()
 
+    def start_state(self) -> tuple[Flat, list[Flat] | None]:
+        """What the next attached collector starts from: the leaves every env starts from,
+        and each env's own on top of them (the rows of a loaded per-env checkpoint; ``None``:
+        none). For integrations whose workers start before they attach (Ray).
+
+        Examples:
+            >>> sender = EnvStateSender(config={"x": 0.0})
+            >>> leaves, rows = sender.start_state()
+            >>> float(leaves["config", "x"]), rows
+            (0.0, None)
+        """
+        with self._lock:
+            leaves = self._start_leaves()
+            return leaves, [dict(r) for r in self._rows] if self._rows is not None else None
+
     def _start_leaves(self) -> Flat:
         template = self.env_state_template().flat if (self._probe is not None or self._declared) else {}
         if self._unchecked_env_state is not None:

@@ -29,7 +29,6 @@ from torch import nn
 from torchrl.collectors import Collector
 from torchrl.weight_update import RayWeightSyncScheme, WeightSyncScheme
 
-from envsync import desired
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment
 from envsync.integrations.torchrl.scheme import (
@@ -42,7 +41,9 @@ from envsync.integrations.torchrl.scheme import (
 )
 from envsync.links.base import Flat, LinkHandle, SenderLink
 from envsync.links.local import LocalLink
-from envsync.links.ray import RayLink, Relay, RelayHandle, start_mailbox
+from envsync.links.ray import RayLink
+from envsync.links.ray_relay import Relay, RelayHandle
+from envsync.links.ray_wire import Traffic, start_mailbox
 from envsync.links.shared_memory import sweep_until_gone
 
 if TYPE_CHECKING:
@@ -58,11 +59,23 @@ class NodeScheme(EnvSchemeBase):
         offset: the fleet index of the first remote worker.
         start_method: if given, the actor's multiprocessing start method (set when the
             scheme is unpickled in the actor, before its collector starts workers).
+        rows: each remote worker's own leaves on top of ``leaves`` (a loaded per-worker
+            checkpoint's, in fleet order from ``offset``): the workers start from them,
+            before the relay runs.
     """
 
-    def __init__(self, leaves: Flat, version: int, offset: int, start_method: str | None = None) -> None:
+    def __init__(
+        self,
+        leaves: Flat,
+        version: int,
+        offset: int,
+        start_method: str | None = None,
+        *,
+        rows: list[Flat] | None = None,
+    ) -> None:
         super().__init__()
         self._leaves = leaves
+        self._rows = rows
         self._version = version
         self._offset = offset
         self._start_method = start_method
@@ -90,18 +103,22 @@ class NodeScheme(EnvSchemeBase):
         first = self._offset + int(context.worker_idx or 0) * _count_workers(context)
         if isinstance(context, Collector):
             link: Any = LocalLink(self._leaves, 1)
-            self._write_version(link)
+            self._write_version(link, first)
             self._receiver = bind(context, link.handle(), 0, first)
         else:
             link = worker_link(context, self._leaves)
-            self._write_version(link)
+            self._write_version(link, first)
             self._handle = link.handle()
         self.link = link
         self._first = first
 
-    def _write_version(self, link: SenderLink) -> None:
+    def _write_version(self, link: SenderLink, first: int) -> None:
+        """Give each worker its version and its own row (if any) before it starts: the relay
+        later writes the same at the same version, which a started worker would not notice."""
+        rows = self._rows or []
         for worker in range(link.num_workers):
-            link.write(worker, self._version, {})
+            index = first - self._offset + worker
+            link.write(worker, self._version, rows[index] if index < len(rows) else {})
 
     def _init_on_receiver_impl(
         self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
@@ -158,14 +175,15 @@ class RayEnvScheme(EnvSchemeBase):
         self._owner_pid = os.getpid()
         actors = list(remote_collectors if remote_collectors is not None else context.remote_collectors)
         nodes = ray.get([actor.__ray_call__.remote(_node_info) for actor in actors])
-        self._counts = counts = [count for count, _ in nodes]
-        self._files = [path for _, path in nodes if path]
+        self._counts = counts = [count for count, _, _ in nodes]
+        self._files = [path for _, path, _ in nodes if path]
+        node_ids = [node for _, _, node in nodes]
         collector_ref = weakref.ref(context)
         mailbox = start_mailbox(len(actors))
         made: list[RayLink] = []
 
         def make(leaves: Flat) -> SenderLink:
-            made.append(RayLink(leaves, counts, mailbox, actors))
+            made.append(RayLink(leaves, counts, mailbox, actors, node_ids))
             return made[-1]
 
         try:
@@ -246,25 +264,33 @@ def _count_workers(collector: Any) -> int:
     return 1 if isinstance(collector, Collector) else int(collector.num_workers)
 
 
-def _node_info(collector: Any) -> tuple[int, str]:
-    """A remote collector's worker count and its link's file, if any (run inside each actor
-    by ``__ray_call__``)."""
+def _node_info(collector: Any) -> tuple[int, str, str]:
+    """A remote collector's worker count, its link's file (if any) and its Ray node (run
+    inside each actor by ``__ray_call__``)."""
     node = getattr(collector, "_weight_sync_schemes", None) or {}
     link = getattr(node.get("env"), "link", None)
-    return _count_workers(collector), str(getattr(link, "path", ""))
+    return _count_workers(collector), str(getattr(link, "path", "")), ray.get_runtime_context().get_node_id()
+
+
+def relay_traffic(collector: Any) -> tuple[str, Traffic]:
+    """The Ray node of a remote collector and what its relay fetched and decoded so far
+    (run inside its actor: ``ray.get(actor.__ray_call__.remote(relay_traffic))``; read by
+    tests and ``bench_ray.py``).
+
+    Examples:
+        >>> relay_traffic.__name__
+        'relay_traffic'
+    """
+    scheme = getattr(collector, "_receiver_schemes", {}).get("env")
+    relay = getattr(scheme, "_relay", None)
+    if relay is None:
+        raise ValidationError("this collector has no envsync relay: was it built with **sender.ray_kwargs()?")
+    return ray.get_runtime_context().get_node_id(), relay.traffic
 
 
 def _ray_detached(collector_ref: weakref.ReferenceType[Any]) -> bool:
     collector = collector_ref()
     return collector is None or not getattr(collector, "_remote_collectors", None)
-
-
-def _start_leaves(sender: Sender) -> Flat:
-    """What a worker joining now starts from (the desired state, from public accessors)."""
-    leaves = desired.start(sender.template.flat, sender.env_state_template().flat)
-    config = sender.template.fit(sender.desired_config())
-    leaves.update(desired.leaves(config, sender.state_dict()["env_state"], sender.version))
-    return leaves
 
 
 def make_ray_kwargs(
@@ -281,7 +307,8 @@ def make_ray_kwargs(
     if sender.envs_per_worker() != 1:
         raise ValidationError("batched envs are not supported behind a RayCollector yet: give it unbatched envs")
     offset = sender.next_env_index()  # the RayCollector attaches there (RayEnvScheme)
-    inner["env"] = NodeScheme(_start_leaves(sender), sender.version, offset, start_method)
+    leaves, rows = sender.start_state()
+    inner["env"] = NodeScheme(leaves, sender.version, offset, start_method, rows=rows)
     inner.setdefault("policy", PolicySyncScheme())
     kwargs["weight_sync_schemes"] = inner
     schemes: dict[str, WeightSyncScheme] = {
