@@ -167,8 +167,6 @@ class Sender:
             ValidationError: a loaded per-env checkpoint has another number of envs, or
                 ``first_env`` was given to a collector attached since.
         """
-        if collectors is not None and envs_per_worker != 1:
-            raise ValidationError("batched envs are not supported behind a RayCollector yet")
         num_envs = num_workers * envs_per_worker
         with self._lock:
             self._check_open()
@@ -206,10 +204,11 @@ class Sender:
         none). For integrations whose workers start before they attach (Ray).
 
         Examples:
-            >>> sender = EnvStateSender(config={"x": 0.0})
+            >>> sender = Sender(config={"x": 0.0})
             >>> leaves, rows = sender.start_state()
             >>> float(leaves["config", "x"]), rows
             (0.0, None)
+            >>> sender.close()
         """
         with self._lock:
             leaves = self._start_leaves()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_counter_env, make_vecnorm_env, rows
+from helpers import make_batched_counters, make_counter_env, make_vecnorm_env, rows
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import EnvStateSender
@@ -254,6 +254,38 @@ def test_each_node_gets_one_object_of_its_own_rows_per_push_decoded_once(cluster
                 assert fetches == len(envs) and decoded == put[node][1]
             if targets == {0, 1, 2}:  # each node only its own rows: n0 two, n1 one
                 assert put[0][1] == 2 * put[1][1] > 0
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("kind", "batched"),
+    [(MultiSyncCollector, "serial"), (Collector, "parallel")],
+    ids=["sync-serial", "single-parallel"],
+)
+def test_batched_envs_behind_a_ray_collector_take_a_row_per_env(cluster: Any, kind: type, batched: str) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = ray_collector(sender, partial(make_batched_counters, batched, 2), kind=kind)
+    try:
+        per_node = 4 if kind is MultiSyncCollector else 2  # 2 workers (or 1) x 2 sub-envs
+        n = sender.num_envs
+        assert n == 2 * per_node
+        assert [(m.collector, m.envs, m.first_env) for m in sender.fleet()] == [
+            (m.index // (per_node // 2), 2, 2 * m.index) for m in sender.fleet()
+        ]
+        version = sender.push(config={"difficulty": torch.arange(n) / 10}, wait="applied", timeout=60)
+        assert sender.env_versions() == [version] * n
+        last = sender.push(config={"difficulty": 5.0}, envs=[n - 1], wait="applied", timeout=60)
+        assert sender.env_versions() == [version] * (n - 1) + [last]
+        seen: dict[int, set[float]] = defaultdict(set)
+        for i, batch in enumerate(collector):
+            for row in rows(batch):
+                seen[int(row["env_index"][0])].update(round(v, 3) for v in row["next", "observation"][:, 0].tolist())
+            if i >= 3 and len(seen) == n:
+                break
+        assert dict(seen) == {e: {round(e / 10, 3)} for e in range(n - 1)} | {n - 1: {5.0}}
     finally:
         collector.shutdown()
         sender.close()

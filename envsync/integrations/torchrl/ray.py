@@ -37,10 +37,10 @@ from envsync.integrations.torchrl.scheme import (
     PolicySyncScheme,
     bind,
     env_weights,
+    in_process_link,
     worker_link,
 )
 from envsync.links.base import Flat, LinkHandle, SenderLink
-from envsync.links.local import LocalLink
 from envsync.links.ray import RayLink
 from envsync.links.ray_relay import Relay, RelayHandle
 from envsync.links.ray_wire import Traffic, start_mailbox
@@ -59,9 +59,10 @@ class NodeScheme(EnvSchemeBase):
         offset: the fleet index of the first remote worker.
         start_method: if given, the actor's multiprocessing start method (set when the
             scheme is unpickled in the actor, before its collector starts workers).
-        rows: each remote worker's own leaves on top of ``leaves`` (a loaded per-worker
-            checkpoint's, in fleet order from ``offset``): the workers start from them,
-            before the relay runs.
+        rows: each remote env's own leaves on top of ``leaves`` (a loaded per-env
+            checkpoint's, in fleet order from ``offset``): the envs start from them, before
+            the relay runs.
+        envs: how many envs each remote worker drives (a batched env's sub-envs).
     """
 
     def __init__(
@@ -72,10 +73,12 @@ class NodeScheme(EnvSchemeBase):
         start_method: str | None = None,
         *,
         rows: list[Flat] | None = None,
+        envs: int = 1,
     ) -> None:
         super().__init__()
         self._leaves = leaves
         self._rows = rows
+        self._envs = envs
         self._version = version
         self._offset = offset
         self._start_method = start_method
@@ -100,25 +103,25 @@ class NodeScheme(EnvSchemeBase):
         self.model_id = model_id
         self.context = context
         self._owner_pid = os.getpid()
-        first = self._offset + int(context.worker_idx or 0) * _count_workers(context)
+        first = self._offset + int(context.worker_idx or 0) * _count_workers(context) * self._envs
         if isinstance(context, Collector):
-            link: Any = LocalLink(self._leaves, 1)
+            link: Any = in_process_link(context, self._leaves)
             self._write_version(link, first)
-            self._receiver = bind(context, link.handle(), 0, first)
+            self._receiver = bind(context, link.handle(), 0, first, self._envs)
         else:
-            link = worker_link(context, self._leaves)
+            link = worker_link(context, self._leaves, self._envs)
             self._write_version(link, first)
             self._handle = link.handle()
         self.link = link
         self._first = first
 
     def _write_version(self, link: SenderLink, first: int) -> None:
-        """Give each worker its version and its own row (if any) before it starts: the relay
-        later writes the same at the same version, which a started worker would not notice."""
+        """Give each env its version and its own row (if any) before it starts: the relay
+        later writes the same at the same version, which a started env would not notice."""
         rows = self._rows or []
-        for worker in range(link.num_workers):
-            index = first - self._offset + worker
-            link.write(worker, self._version, rows[index] if index < len(rows) else {})
+        for slot in range(link.num_workers):
+            index = first - self._offset + slot
+            link.write(slot, self._version, rows[index] if index < len(rows) else {})
 
     def _init_on_receiver_impl(
         self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
@@ -127,7 +130,8 @@ class NodeScheme(EnvSchemeBase):
             raise ValidationError("envsync node scheme reached a worker without a link or worker index")
         self.model_id = model_id
         self.context = context
-        self._receiver = bind(context, self._handle, worker_idx, self._first + worker_idx)
+        slot = worker_idx * self._envs
+        self._receiver = bind(context, self._handle, slot, self._first + slot, self._envs)
 
     def shutdown(self) -> None:
         if self._receiver is not None:
@@ -142,10 +146,11 @@ class RayEnvScheme(EnvSchemeBase):
         offset: the fleet index the remote workers were numbered from by ``ray_kwargs``.
     """
 
-    def __init__(self, sender: Sender, offset: int) -> None:
+    def __init__(self, sender: Sender, offset: int, envs: int = 1) -> None:
         super().__init__()
         self._sender: Sender | None = sender
         self._offset = offset
+        self._envs = envs
         self._handle: RelayHandle | None = None
         self._attachment: Attachment | None = None
         self._relay: Relay | None = None
@@ -182,8 +187,8 @@ class RayEnvScheme(EnvSchemeBase):
         mailbox = start_mailbox(len(actors))
         made: list[RayLink] = []
 
-        def make(leaves: Flat) -> SenderLink:
-            made.append(RayLink(leaves, counts, mailbox, actors, node_ids))
+        def make(leaves: Flat) -> SenderLink:  # one slot per remote env
+            made.append(RayLink(leaves, [c * self._envs for c in counts], mailbox, actors, node_ids))
             return made[-1]
 
         try:
@@ -193,6 +198,7 @@ class RayEnvScheme(EnvSchemeBase):
                 make,
                 detached=lambda: _ray_detached(collector_ref),
                 collectors=counts,
+                envs_per_worker=self._envs,
                 first_env=self._offset,
             )
         except BaseException as err:
@@ -304,15 +310,14 @@ def make_ray_kwargs(
     inner = dict(kwargs.get("weight_sync_schemes") or {})
     if "env" in inner:
         raise ValidationError("collector_kwargs['weight_sync_schemes'] already has an 'env' scheme")
-    if sender.envs_per_worker() != 1:
-        raise ValidationError("batched envs are not supported behind a RayCollector yet: give it unbatched envs")
+    envs = sender.envs_per_worker()
     offset = sender.next_env_index()  # the RayCollector attaches there (RayEnvScheme)
     leaves, rows = sender.start_state()
-    inner["env"] = NodeScheme(leaves, sender.version, offset, start_method, rows=rows)
+    inner["env"] = NodeScheme(leaves, sender.version, offset, start_method, rows=rows, envs=envs)
     inner.setdefault("policy", PolicySyncScheme())
     kwargs["weight_sync_schemes"] = inner
     schemes: dict[str, WeightSyncScheme] = {
-        "env": RayEnvScheme(sender, offset),
+        "env": RayEnvScheme(sender, offset, envs),
         "policy": policy_scheme or RayPolicyScheme(),
     }
     return {"weight_sync_schemes": schemes, "collector_kwargs": kwargs}
