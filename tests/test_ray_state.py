@@ -121,6 +121,7 @@ def test_a_checkpoint_of_every_worker_resumes_into_a_new_ray_collector(cluster: 
     collector = ray_collector(resumed, partial(make_vecnorm_env, 0), sync=True)
     try:
         version = resumed.version
+        resumed.wait(version, until="applied", timeout=60)  # the acks come through the relays
         assert resumed.versions() == [version] * WORKERS
         batch = next(iter(collector))
         stats = resumed.gather(["stats.0.observation"], timeout=60)["stats", "0", "observation"]
