@@ -54,6 +54,12 @@ class BufferTransform(Transform):
         self.buf.copy_(value)
 
 
+def apply_difficulty(env: Any, config: TensorDictBase) -> None:
+    """A config method for :func:`make_buffer_env` that takes ``difficulty`` and ignores the
+    rest (a ``"table"`` that only travels)."""
+    env.base_env._env.unwrapped.set_difficulty(float(config["difficulty"]))
+
+
 def make_buffer_env(numel: int) -> Any:
     """The demo env with a :class:`BufferTransform` of ``numel`` elements as ``transforms.0``."""
     return TransformedEnv(make_drift_env(), Compose(BufferTransform(numel)))

@@ -3,16 +3,21 @@
 On a local two-node Ray cluster (``ray.cluster_utils.Cluster``, 1 CPU and an 80 MB object
 store per node), a torchrl ``RayCollector`` runs 2 remote ``MultiSyncCollector``s (one per
 node) of 2 workers each: 4 workers. Each worker env carries a 1 MB transform buffer
-(``transforms.0.buf``) and the policy is an MLP whose parameters total about 1 MB. On the idle
-collector (built, not iterated), interleaved round by round:
+(``transforms.0.buf``), the config has a ``"table"`` of 1 MB / 4 per env, and the policy is an
+MLP whose parameters total about 1 MB. On the idle collector (built, not iterated),
+interleaved round by round:
 
-- envsync: ``push(config={"difficulty": x}, wait="applied")`` and
-  ``push(env_state={"transforms.0.buf": <fresh 1 MB>}, wait="applied")`` (``apply_at="step"``);
+- envsync: ``push(config={"difficulty": x}, wait="applied")``,
+  ``push(env_state={"transforms.0.buf": <fresh 1 MB>}, wait="applied")`` (the same tensor for
+  every worker) and ``push(config=<one fresh table row per env>, wait="applied")`` (1 MB over
+  the fleet, each node's object holding only its 2 rows), ``apply_at="step"``;
 - torchrl: ``collector.update_policy_weights_()`` after changing the policy's parameters
   in place (``RayWeightSyncScheme``: one gloo send per remote collector, returns once each
   actor has loaded them);
 
-then a restart: ``collector.shutdown()`` + a new ``RayCollector`` + its first batch.
+and what each push moved: the objects the main process put, the distinct objects the relays
+fetched, and the bytes each node's relays decoded; then a restart: ``collector.shutdown()``
++ a new ``RayCollector`` + its first batch.
 
     python benchmarks/bench_ray.py [--quick]
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -31,7 +36,8 @@ from typing import Any
 
 import bench_envs
 import torch
-from bench_common import RESULTS, Report, median, parse_args, save_plot, timed
+from bench_common import RESULTS, Report, median, parse_args, save_plot, target, timed
+from tensordict import TensorDict
 from tqdm import tqdm
 
 from envsync import EnvStateSender
@@ -47,7 +53,7 @@ class Args:
     collectors: int = 2  # remote collectors, one per node
     workers_per_collector: int = 2
     nbytes: int = MB  # env state pushed; the policy's parameters are sized to match
-    repeats: int = 20  # rounds of (config push, env-state push, policy update)
+    repeats: int = 20  # rounds of (config push, env-state push, rows push, policy update)
     restarts: int = 3
     frames_per_batch: int = 40
     quick: bool = False
@@ -98,6 +104,13 @@ def param_bytes(policy: Any) -> int:
     return sum(p.numel() * p.element_size() for p in policy.parameters())
 
 
+def make_sender(args: Args) -> EnvStateSender:
+    table = torch.zeros(args.nbytes // 4 // (args.collectors * args.workers_per_collector))
+    return EnvStateSender(
+        config={"difficulty": 0.0, "table": table}, apply=bench_envs.apply_difficulty, apply_at="step"
+    )
+
+
 def build(sender: EnvStateSender, policy: Any, args: Args, configs: list[dict[str, Any]]) -> Any:
     from torchrl.collectors import MultiSyncCollector
     from torchrl.collectors.distributed import RayCollector
@@ -114,11 +127,50 @@ def build(sender: EnvStateSender, policy: Any, args: Args, configs: list[dict[st
     )
 
 
-def _rounds(collector: Any, sender: EnvStateSender, policy: Any, args: Args, bar: tqdm) -> dict[str, list[float]]:
-    """The three updates, interleaved so that they share the machine's noise; round 0 warms up."""
-    out: dict[str, list[float]] = {"config": [], "env_state": [], "policy": []}
+class Meter:
+    """What each push moved: objects put per node (main process), and per relay the objects
+    it fetched and the bytes it decoded (read from the actors between pushes)."""
+
+    def __init__(self, sender: EnvStateSender, collector: Any) -> None:
+        from envsync.integrations.torchrl.ray import relay_traffic
+
+        self._link = sender._fleet.attachments[0].link
+        self._actors = collector.remote_collectors
+        self._read = relay_traffic
+        self.pushes: dict[str, list[dict[str, Any]]] = {"env_state": [], "rows": []}
+
+    def _relays(self) -> list[Any]:
+        import ray
+
+        return [t for _, t in ray.get([a.__ray_call__.remote(self._read) for a in self._actors])]
+
+    def measure(self, key: str, push: Callable[[], Any]) -> float:
+        put, relays = [t.objects for t in self._link.traffic], self._relays()
+        seconds = timed(push)
+        after = self._relays()
+        nodes = self._link.nodes
+        decoded = [0] * len(self._link.traffic)
+        fetched: set[str] = set()
+        for node, old, new in zip(nodes, relays, after, strict=True):
+            decoded[node] += new.nbytes - old.nbytes
+            if new.objects > old.objects:
+                fetched.add(new.last)
+        objects = sum(t.objects - o for t, o in zip(self._link.traffic, put, strict=True))
+        self.pushes[key].append({"put": objects, "fetched": len(fetched), "decoded": decoded})
+        return seconds
+
+
+def _rounds(
+    collector: Any, sender: EnvStateSender, policy: Any, args: Args, bar: tqdm
+) -> tuple[dict[str, list[float]], Meter]:
+    """The four updates, interleaved so that they share the machine's noise; round 0 warms up."""
+    out: dict[str, list[float]] = {"config": [], "env_state": [], "rows": [], "policy": []}
+    meter = Meter(sender, collector)
+    envs = sender.num_envs or 0
+    width = int(sender.desired_config()["table"].numel())
     for i in range(args.repeats + 1):
         state = torch.rand(args.nbytes // 4)
+        rows = TensorDict(difficulty=torch.full((envs,), 0.1), table=torch.rand(envs, width), batch_size=[envs])
 
         def update_policy() -> None:
             with torch.no_grad():
@@ -128,25 +180,28 @@ def _rounds(collector: Any, sender: EnvStateSender, policy: Any, args: Args, bar
 
         times = {
             "config": timed(lambda x=0.1 * (i % 10): sender.push(config={"difficulty": x}, wait="applied", timeout=60)),
-            "env_state": timed(lambda s=state: sender.push(env_state={KEY: s}, wait="applied", timeout=60)),
+            "env_state": meter.measure(
+                "env_state", lambda s=state: sender.push(env_state={KEY: s}, wait="applied", timeout=60)
+            ),
+            "rows": meter.measure("rows", lambda r=rows: sender.push(config=r, wait="applied", timeout=60)),
             "policy": timed(update_policy),
         }
         if i:
             for key, seconds in times.items():
                 out[key].append(seconds)
         bar.update()
-    return out
+    return out, meter
 
 
-def _measure(args: Args, bar: tqdm) -> tuple[dict[str, list[float]], int, int]:
+def _measure(args: Args, bar: tqdm) -> tuple[dict[str, list[float]], int, int, Meter]:
     policy = make_policy(args.nbytes)
-    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    sender = make_sender(args)
     restarts: list[float] = []
     with cluster() as configs:
         collector = build(sender, policy, args, configs)
         try:
             workers = sender.num_workers or 0
-            times = _rounds(collector, sender, policy, args, bar)
+            times, meter = _rounds(collector, sender, policy, args, bar)
             for _ in range(args.restarts):
                 start = time.perf_counter()
                 collector.shutdown()
@@ -159,12 +214,13 @@ def _measure(args: Args, bar: tqdm) -> tuple[dict[str, list[float]], int, int]:
             if collector is not None:
                 collector.shutdown()
             sender.close()
-    return times | {"restart": restarts}, workers, param_bytes(policy)
+    return times | {"restart": restarts}, workers, param_bytes(policy), meter
 
 
 LABELS = {
     "config": ("envsync push(config), wait='applied'", "a few bytes"),
     "env_state": ("envsync push(env_state), wait='applied'", "1 MB tensor"),
+    "rows": ("envsync push(config=<a row per env>), wait='applied'", "1 MB of rows"),
     "policy": ("RayCollector.update_policy_weights_()", "MLP params"),
     "restart": ("restart: shutdown + RayCollector + first batch", "-"),
 }
@@ -175,7 +231,9 @@ def _rows(times: dict[str, list[float]], policy_bytes: int, args: Args) -> list[
     rows = []
     for key, (what, payload) in LABELS.items():
         if key == "env_state":
-            payload = f"{args.nbytes / MB:.2f} MB tensor"
+            payload = f"{args.nbytes / MB:.2f} MB tensor, the same for every worker"
+        elif key == "rows":
+            payload = f"{args.nbytes / MB:.2f} MB over the fleet, a row per env"
         elif key == "policy":
             payload = f"{policy_bytes / MB:.2f} MB of parameters"
         rows.append(
@@ -188,6 +246,7 @@ def _rows(times: dict[str, list[float]], policy_bytes: int, args: Args) -> list[
                 "max_ms": max(times[key]) * 1e3,
                 "samples": len(times[key]),
                 "over_env_state_push": median(times[key]) / base,
+                "over_policy_update": median(times[key]) / median(times["policy"]),
                 "raw_s": times[key],
             }
         )
@@ -205,30 +264,79 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
     return save_plot(fig, out, NAME)
 
 
+def _traffic(meter: Meter) -> dict[str, Any]:
+    """Per kind of push, the median objects put and fetched per push and bytes decoded per node."""
+    out = {}
+    for key, pushes in meter.pushes.items():
+        counted = pushes[1:]  # round 0 warms up
+        out[key] = {
+            "objects_put_per_push": median([p["put"] for p in counted]),
+            "objects_fetched_per_push": median([p["fetched"] for p in counted]),
+            "bytes_decoded_per_node": [
+                median([p["decoded"][n] for p in counted]) for n in range(len(counted[0]["decoded"]))
+            ],
+        }
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv, Args, __doc__, quick)
     bar = tqdm(total=args.repeats + 1 + args.restarts, desc="ray", file=sys.stderr, disable=not sys.stderr.isatty())
-    times, workers, policy_bytes = _measure(args, bar)
+    times, workers, policy_bytes, meter = _measure(args, bar)
     bar.close()
     rows = _rows(times, policy_bytes, args)
     by = {r["method"]: r["median_ms"] for r in rows}
     plot = _plot(rows, args.out)
+    traffic = _traffic(meter)
     summary = {
         "workers": workers,
         "nodes": 2,
         "policy_bytes": policy_bytes,
+        "traffic": traffic,
+        "env_state_push_over_policy": by["env_state"] / by["policy"],
+        "rows_push_over_policy": by["rows"] / by["policy"],
         "policy_over_env_state_push": by["policy"] / by["env_state"],
         "policy_over_config_push": by["policy"] / by["config"],
         "restart_over_env_state_push": by["restart"] / by["env_state"],
         "restart_over_config_push": by["restart"] / by["config"],
         "plots": [os.path.relpath(plot, args.out)],
     }
+    targets = [
+        target(
+            "env-state push / update_policy_weights_ (same bytes)",
+            summary["env_state_push_over_policy"],
+            1.0,
+            higher_is_better=False,
+        ),
+        target(
+            "rows push / update_policy_weights_ (same bytes)",
+            summary["rows_push_over_policy"],
+            1.0,
+            higher_is_better=False,
+        ),
+    ]
+    targets += [
+        target(
+            f"{key} push: objects fetched per push / nodes",
+            t["objects_fetched_per_push"] / 2,
+            1.0,
+            higher_is_better=False,
+        )
+        for key, t in traffic.items()
+    ]
+    rows_traffic = traffic["rows"]
     notes = [
         f"{workers} workers: {args.collectors} remote MultiSyncCollectors x {args.workers_per_collector} workers, "
         "one per node (actors of 0.25 CPU on nodes of 1 CPU), forked workers",
         "a push returns once every worker applied it; update_policy_weights_() once each remote actor has "
         "loaded the weights (torchrl's RayWeightSyncScheme does not wait for the actor's own worker processes)",
-        f"ratios: policy update / env-state push {summary['policy_over_env_state_push']:.2f}x, "
+        f"per push, objects put / fetched by the relays: env state {traffic['env_state']['objects_put_per_push']:g} / "
+        f"{traffic['env_state']['objects_fetched_per_push']:g}, rows {rows_traffic['objects_put_per_push']:g} / "
+        f"{rows_traffic['objects_fetched_per_push']:g} (2 nodes); bytes decoded per node, rows push: "
+        + ", ".join(f"{b / MB:.2f} MB" for b in rows_traffic["bytes_decoded_per_node"])
+        + f" of {args.nbytes / MB:.2f} MB over the fleet (each node only its own rows)",
+        f"ratios: env-state push / policy update {summary['env_state_push_over_policy']:.2f}x, "
+        f"rows push / policy update {summary['rows_push_over_policy']:.2f}x, "
         f"restart / env-state push {summary['restart_over_env_state_push']:.0f}x, "
         f"restart / config push {summary['restart_over_config_push']:.0f}x",
     ]
@@ -240,9 +348,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ("max_ms", "max ms"),
         ("samples", "n"),
         ("over_env_state_push", "x env-state push"),
+        ("over_policy_update", "x policy update"),
     ]
     tables = [("Median time per update (idle RayCollector)", columns)]
-    return Report(NAME, args, rows, tables, summary, [], notes).write(args.out)
+    return Report(NAME, args, rows, tables, summary, targets, notes).write(args.out)
 
 
 if __name__ == "__main__":

@@ -176,8 +176,6 @@ class Sender:
             ValidationError: a loaded per-env checkpoint has another number of envs, or
                 ``first_env`` was given to a collector attached since.
         """
-        if collectors is not None and envs_per_worker != 1:
-            raise ValidationError("batched envs are not supported behind a RayCollector yet")
         num_envs = num_workers * envs_per_worker
         with self._lock:
             self._check_open()
@@ -210,6 +208,22 @@ class Sender:
         with self._lock:
             self._prune()
             return self._fleet.next_env()
+
+    def start_state(self) -> tuple[Flat, list[Flat] | None]:
+        """What the next attached collector starts from: the leaves every env starts from,
+        and each env's own on top of them (the rows of a loaded per-env checkpoint; ``None``:
+        none). For integrations whose workers start before they attach (Ray).
+
+        Examples:
+            >>> sender = Sender(config={"x": 0.0})
+            >>> leaves, rows = sender.start_state()
+            >>> float(leaves["config", "x"]), rows
+            (0.0, None)
+            >>> sender.close()
+        """
+        with self._lock:
+            leaves = self._start_leaves()
+            return leaves, [dict(r) for r in self._rows] if self._rows is not None else None
 
     def _start_leaves(self) -> Flat:
         template = self.env_state_template().flat if (self._probe is not None or self._declared) else {}

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,3 +50,30 @@ def no_leaked_shared_memory() -> Any:
     yield
     gc.collect()
     assert own_shm_files() == []
+
+
+RAY_STORE = 80 * 2**20  # bytes of object store per node
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Any]:
+    """A local two-node Ray cluster (head ``n0``, node ``n1``; 1 CPU each), shared by every
+    Ray test module of the session."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    # the raylets' workers inherit the environment: they import this directory's modules
+    path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), path) if p)
+    nodes = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": RAY_STORE, "resources": {"n0": 1}},
+    )
+    nodes.add_node(num_cpus=1, object_store_memory=RAY_STORE, resources={"n1": 1})
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        os.environ["PYTHONPATH"] = path

@@ -7,12 +7,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import RAY_STORE
 from helpers import make_counter_env
 from tensordict import TensorDict, TensorDictBase
 
@@ -21,14 +20,11 @@ from envsync.links.local import LocalLink
 from envsync.links.shared_memory import PREFIX, SHM_DIR
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
 
-from envsync.links.ray import RelayHandle, start_mailbox  # noqa: E402
-
-TESTS = str(Path(__file__).resolve().parent)
-STORE = 80 * 2**20
+from envsync.links.ray_relay import RelayHandle  # noqa: E402
+from envsync.links.ray_wire import Push, start_mailbox  # noqa: E402
 
 
 def apply_checked(env: Any, config: TensorDictBase) -> None:
@@ -41,25 +37,6 @@ def apply_checked(env: Any, config: TensorDictBase) -> None:
 
 def short_episodes() -> Any:
     return make_counter_env(max_steps=5)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    # the raylets' workers inherit the environment: they import this directory's modules
-    path = os.environ.get("PYTHONPATH", "")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, path) if p)
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": STORE, "resources": {"n0": 1}},
-    )
-    nodes.add_node(num_cpus=1, object_store_memory=STORE, resources={"n1": 1})
-    ray.init(address=nodes.address, log_to_driver=False)
-    try:
-        yield nodes
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
-        os.environ["PYTHONPATH"] = path
 
 
 def build(sender: EnvStateSender, kind: type, *, nodes: tuple[str, ...] = ("n0", "n1"), **kwargs: Any) -> Any:
@@ -148,10 +125,10 @@ def test_push_reaches_every_env_on_every_node(cluster: Any, kind: type, monkeypa
         puts = counting_puts(monkeypatch)
         version = sender.push(config={"difficulty": 0.5}, wait="applied", timeout=30)
         assert sender.versions() == [version] * size
-        assert len(puts) == 1
+        assert len(puts) == 2  # one object per node
         last = size - 1
         each = sender.push_each({0: {"difficulty": 0.1}, last: {"difficulty": 0.9}}, wait="applied", timeout=30)
-        assert len(puts) == 2
+        assert len(puts) == 4  # each node's own row
         assert sender.versions() == [each] + [version] * (size - 2) + [each]
         seen: dict[int, set[float]] = {}
         for i, batch in enumerate(collector):
@@ -274,7 +251,7 @@ def test_a_stalled_actor_is_late_not_dead_and_catches_up(cluster: Any) -> None:
 
 @pytest.mark.timeout(120)
 def test_lost_node_is_reported_dead_and_shutdown_leaves_nothing(cluster: Any) -> None:
-    node = cluster.add_node(num_cpus=1, object_store_memory=STORE, resources={"n2": 1})
+    node = cluster.add_node(num_cpus=1, object_store_memory=RAY_STORE, resources={"n2": 1})
     before = semaphores()
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = build(sender, MultiSyncCollector, nodes=("n0", "n2"))
@@ -397,12 +374,12 @@ def test_a_collector_attached_after_ray_kwargs_makes_the_ray_collector_refused(c
         sender.close()
 
 
-def post(mailbox: Any, seq: int, ref: Any) -> None:
-    ray.get(mailbox.post.remote(seq, [ref]), timeout=30)
+def post(mailbox: Any, seq: int, body: Any) -> None:
+    ray.get(mailbox.post.remote(seq, body), timeout=30)
 
 
 def fetch(mailbox: Any, collector: int, after: int) -> list[tuple[int, Any]]:
-    return [(seq, ref) for seq, (ref,) in ray.get(mailbox.fetch.remote(collector, after, 0.0), timeout=30)]
+    return list(ray.get(mailbox.fetch.remote(collector, after, 0.0), timeout=30))
 
 
 @pytest.mark.timeout(60)
@@ -442,8 +419,8 @@ def test_relay_writes_each_push_once_in_order(cluster: Any) -> None:
     key = ("config", "difficulty")
     mailbox = start_mailbox(1)
     node = RecordingLink({key: torch.zeros(())}, 1)
-    relay = RelayHandle(mailbox=mailbox, workers=[1]).relay(0, node)
-    payloads = {v: ray.put({0: (v, 0, {key: torch.tensor(float(v))})}) for v in (1, 2, 3)}
+    relay = RelayHandle(mailbox=mailbox, workers=[1], nodes=[0]).relay(0, node)
+    payloads = {v: Push((ray.put({0: (v, 0, {key: torch.tensor(float(v))})}),)) for v in (1, 2, 3)}
     try:
         for seq in (2, 1, 1):
             post(mailbox, seq, payloads[seq])

@@ -29,7 +29,6 @@ from torch import nn
 from torchrl.collectors import Collector
 from torchrl.weight_update import RayWeightSyncScheme, WeightSyncScheme
 
-from envsync import desired
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment
 from envsync.integrations.torchrl.scheme import (
@@ -38,11 +37,13 @@ from envsync.integrations.torchrl.scheme import (
     PolicySyncScheme,
     bind,
     env_weights,
+    in_process_link,
     worker_link,
 )
 from envsync.links.base import Flat, LinkHandle, SenderLink
-from envsync.links.local import LocalLink
-from envsync.links.ray import RayLink, Relay, RelayHandle, start_mailbox
+from envsync.links.ray import RayLink
+from envsync.links.ray_relay import Relay, RelayHandle
+from envsync.links.ray_wire import Traffic, start_mailbox
 from envsync.links.shared_memory import sweep_until_gone
 
 if TYPE_CHECKING:
@@ -58,11 +59,26 @@ class NodeScheme(EnvSchemeBase):
         offset: the fleet index of the first remote worker.
         start_method: if given, the actor's multiprocessing start method (set when the
             scheme is unpickled in the actor, before its collector starts workers).
+        rows: each remote env's own leaves on top of ``leaves`` (a loaded per-env
+            checkpoint's, in fleet order from ``offset``): the envs start from them, before
+            the relay runs.
+        envs: how many envs each remote worker drives (a batched env's sub-envs).
     """
 
-    def __init__(self, leaves: Flat, version: int, offset: int, start_method: str | None = None) -> None:
+    def __init__(
+        self,
+        leaves: Flat,
+        version: int,
+        offset: int,
+        start_method: str | None = None,
+        *,
+        rows: list[Flat] | None = None,
+        envs: int = 1,
+    ) -> None:
         super().__init__()
         self._leaves = leaves
+        self._rows = rows
+        self._envs = envs
         self._version = version
         self._offset = offset
         self._start_method = start_method
@@ -87,21 +103,25 @@ class NodeScheme(EnvSchemeBase):
         self.model_id = model_id
         self.context = context
         self._owner_pid = os.getpid()
-        first = self._offset + int(context.worker_idx or 0) * _count_workers(context)
+        first = self._offset + int(context.worker_idx or 0) * _count_workers(context) * self._envs
         if isinstance(context, Collector):
-            link: Any = LocalLink(self._leaves, 1)
-            self._write_version(link)
-            self._receiver = bind(context, link.handle(), 0, first)
+            link: Any = in_process_link(context, self._leaves)
+            self._write_version(link, first)
+            self._receiver = bind(context, link.handle(), 0, first, self._envs)
         else:
-            link = worker_link(context, self._leaves)
-            self._write_version(link)
+            link = worker_link(context, self._leaves, self._envs)
+            self._write_version(link, first)
             self._handle = link.handle()
         self.link = link
         self._first = first
 
-    def _write_version(self, link: SenderLink) -> None:
-        for worker in range(link.num_workers):
-            link.write(worker, self._version, {})
+    def _write_version(self, link: SenderLink, first: int) -> None:
+        """Give each env its version and its own row (if any) before it starts: the relay
+        later writes the same at the same version, which a started env would not notice."""
+        rows = self._rows or []
+        for slot in range(link.num_workers):
+            index = first - self._offset + slot
+            link.write(slot, self._version, rows[index] if index < len(rows) else {})
 
     def _init_on_receiver_impl(
         self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
@@ -110,7 +130,8 @@ class NodeScheme(EnvSchemeBase):
             raise ValidationError("envsync node scheme reached a worker without a link or worker index")
         self.model_id = model_id
         self.context = context
-        self._receiver = bind(context, self._handle, worker_idx, self._first + worker_idx)
+        slot = worker_idx * self._envs
+        self._receiver = bind(context, self._handle, slot, self._first + slot, self._envs)
 
     def shutdown(self) -> None:
         if self._receiver is not None:
@@ -125,10 +146,11 @@ class RayEnvScheme(EnvSchemeBase):
         offset: the fleet index the remote workers were numbered from by ``ray_kwargs``.
     """
 
-    def __init__(self, sender: Sender, offset: int) -> None:
+    def __init__(self, sender: Sender, offset: int, envs: int = 1) -> None:
         super().__init__()
         self._sender: Sender | None = sender
         self._offset = offset
+        self._envs = envs
         self._handle: RelayHandle | None = None
         self._attachment: Attachment | None = None
         self._relay: Relay | None = None
@@ -158,14 +180,15 @@ class RayEnvScheme(EnvSchemeBase):
         self._owner_pid = os.getpid()
         actors = list(remote_collectors if remote_collectors is not None else context.remote_collectors)
         nodes = ray.get([actor.__ray_call__.remote(_node_info) for actor in actors])
-        self._counts = counts = [count for count, _ in nodes]
-        self._files = [path for _, path in nodes if path]
+        self._counts = counts = [count for count, _, _ in nodes]
+        self._files = [path for _, path, _ in nodes if path]
+        node_ids = [node for _, _, node in nodes]
         collector_ref = weakref.ref(context)
         mailbox = start_mailbox(len(actors))
         made: list[RayLink] = []
 
-        def make(leaves: Flat) -> SenderLink:
-            made.append(RayLink(leaves, counts, mailbox, actors))
+        def make(leaves: Flat) -> SenderLink:  # one slot per remote env
+            made.append(RayLink(leaves, [c * self._envs for c in counts], mailbox, actors, node_ids))
             return made[-1]
 
         try:
@@ -175,6 +198,7 @@ class RayEnvScheme(EnvSchemeBase):
                 make,
                 detached=lambda: _ray_detached(collector_ref),
                 collectors=counts,
+                envs_per_worker=self._envs,
                 first_env=self._offset,
             )
         except BaseException as err:
@@ -246,25 +270,33 @@ def _count_workers(collector: Any) -> int:
     return 1 if isinstance(collector, Collector) else int(collector.num_workers)
 
 
-def _node_info(collector: Any) -> tuple[int, str]:
-    """A remote collector's worker count and its link's file, if any (run inside each actor
-    by ``__ray_call__``)."""
+def _node_info(collector: Any) -> tuple[int, str, str]:
+    """A remote collector's worker count, its link's file (if any) and its Ray node (run
+    inside each actor by ``__ray_call__``)."""
     node = getattr(collector, "_weight_sync_schemes", None) or {}
     link = getattr(node.get("env"), "link", None)
-    return _count_workers(collector), str(getattr(link, "path", ""))
+    return _count_workers(collector), str(getattr(link, "path", "")), ray.get_runtime_context().get_node_id()
+
+
+def relay_traffic(collector: Any) -> tuple[str, Traffic]:
+    """The Ray node of a remote collector and what its relay fetched and decoded so far
+    (run inside its actor: ``ray.get(actor.__ray_call__.remote(relay_traffic))``; read by
+    tests and ``bench_ray.py``).
+
+    Examples:
+        >>> relay_traffic.__name__
+        'relay_traffic'
+    """
+    scheme = getattr(collector, "_receiver_schemes", {}).get("env")
+    relay = getattr(scheme, "_relay", None)
+    if relay is None:
+        raise ValidationError("this collector has no envsync relay: was it built with **sender.ray_kwargs()?")
+    return ray.get_runtime_context().get_node_id(), relay.traffic
 
 
 def _ray_detached(collector_ref: weakref.ReferenceType[Any]) -> bool:
     collector = collector_ref()
     return collector is None or not getattr(collector, "_remote_collectors", None)
-
-
-def _start_leaves(sender: Sender) -> Flat:
-    """What a worker joining now starts from (the desired state, from public accessors)."""
-    leaves = desired.start(sender.template.flat, sender.env_state_template().flat)
-    config = sender.template.fit(sender.desired_config())
-    leaves.update(desired.leaves(config, sender.state_dict()["env_state"], sender.version))
-    return leaves
 
 
 def make_ray_kwargs(
@@ -278,14 +310,14 @@ def make_ray_kwargs(
     inner = dict(kwargs.get("weight_sync_schemes") or {})
     if "env" in inner:
         raise ValidationError("collector_kwargs['weight_sync_schemes'] already has an 'env' scheme")
-    if sender.envs_per_worker() != 1:
-        raise ValidationError("batched envs are not supported behind a RayCollector yet: give it unbatched envs")
+    envs = sender.envs_per_worker()
     offset = sender.next_env_index()  # the RayCollector attaches there (RayEnvScheme)
-    inner["env"] = NodeScheme(_start_leaves(sender), sender.version, offset, start_method)
+    leaves, rows = sender.start_state()
+    inner["env"] = NodeScheme(leaves, sender.version, offset, start_method, rows=rows, envs=envs)
     inner.setdefault("policy", PolicySyncScheme())
     kwargs["weight_sync_schemes"] = inner
     schemes: dict[str, WeightSyncScheme] = {
-        "env": RayEnvScheme(sender, offset),
+        "env": RayEnvScheme(sender, offset, envs),
         "policy": policy_scheme or RayPolicyScheme(),
     }
     return {"weight_sync_schemes": schemes, "collector_kwargs": kwargs}

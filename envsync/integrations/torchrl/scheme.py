@@ -57,6 +57,17 @@ def worker_link(collector: Any, leaves: Flat, envs_per_worker: int = 1) -> Share
     )
 
 
+def in_process_link(collector: Collector, leaves: Flat) -> LocalLink | SharedMemoryLink:
+    """The link to a single-process collector's env, one slot per env: in process, or shared
+    memory when the env is a ``ParallelEnv`` (its sub-processes open the link too)."""
+    found = BatchedHooks.of(collector.env)
+    if found is None:
+        return LocalLink(leaves, 1)
+    if isinstance(found[0], ParallelEnv):
+        return SharedMemoryLink(leaves, found[1].num_envs, ctx=mp.get_context("spawn"))
+    return LocalLink(leaves, found[1].num_envs)
+
+
 def bind(collector: Any, handle: LinkHandle, slot: int, env_index: int, envs: int = 1) -> Any:
     """Bind ``collector``'s env to link ``slot`` as fleet env ``env_index`` (a batched env's
     ``envs`` sub-envs to the slots from there), and catch up. Returns the receiver, or a
@@ -169,13 +180,12 @@ class EnvSyncScheme(EnvSchemeBase):
         collector_ref = weakref.ref(collector)
         found = BatchedHooks.of(collector.env)
         envs = 1 if found is None else found[1].num_envs
-
-        def make(leaves: Flat) -> Any:
-            if found is not None and isinstance(found[0], ParallelEnv):  # its sub-processes open the link too
-                return SharedMemoryLink(leaves, envs, ctx=mp.get_context("spawn"))
-            return LocalLink(leaves, envs)
-
-        attachment = sender.attach(1, make, detached=lambda: _detached(collector_ref), envs_per_worker=envs)
+        attachment = sender.attach(
+            1,
+            lambda leaves: in_process_link(collector, leaves),
+            detached=lambda: _detached(collector_ref),
+            envs_per_worker=envs,
+        )
         try:
             self._receiver = receiver = bind(collector, attachment.link.handle(), 0, attachment.offset, envs)
         except BaseException:

@@ -1,0 +1,292 @@
+"""Over Ray, on the two-node local cluster: gather, exact sync_stats, checkpoints loaded
+before a RayCollector is built, the "reset" and "truncate" apply modes, and what each node
+fetches and decodes per push."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_batched_counters, make_counter_env, make_vecnorm_env, rows
+from tensordict import TensorDict, TensorDictBase
+
+from envsync import EnvStateSender
+
+ray = pytest.importorskip("ray")
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
+from torchrl.collectors.distributed import RayCollector  # noqa: E402
+
+from envsync.integrations.torchrl.ray import relay_traffic  # noqa: E402
+from envsync.links.ray_wire import Traffic  # noqa: E402
+
+WORKERS = 4  # 2 nodes x a MultiSyncCollector of 2 workers
+
+
+def set_spread(env: Any, config: TensorDictBase) -> None:
+    """Give an OffsetNoiseEnv the observation distribution of label ``spread`` (and show it
+    in the first feature): offset 3 * spread, scale 1 + spread."""
+    base = env.base_env
+    base.label = base.difficulty = float(config["spread"])
+
+
+def set_difficulty(env: Any, config: TensorDictBase) -> None:
+    env.set_difficulty(float(config["difficulty"]))
+
+
+def ray_collector(
+    sender: EnvStateSender,
+    make_env: Any,
+    *,
+    kind: type = MultiSyncCollector,
+    nodes: tuple[str, ...] = ("n0", "n1"),
+    **kwargs: Any,
+) -> Any:
+    """A RayCollector of one ``kind`` per entry of ``nodes`` (pinned there), of 2 workers
+    each (1 for a ``Collector``), every env built by ``make_env``."""
+    return RayCollector(
+        [sender.env_fn(make_env)] * len(nodes),
+        None,
+        collector_class=kind,
+        num_workers_per_collector=1 if kind is Collector else 2,
+        frames_per_batch=kwargs.pop("frames_per_batch", 20 * len(nodes)),
+        total_frames=10**9,
+        remote_configs=[{"num_cpus": 0.25, "memory": 150 * 2**20, "resources": {n: 0.01}} for n in nodes],
+        **sender.ray_kwargs(start_method="fork"),
+        **kwargs,
+    )
+
+
+def spread_sender() -> EnvStateSender:
+    return EnvStateSender(config={"spread": 0.0}, apply=set_spread, apply_at="step")
+
+
+def seen_by_vecnorm(batch: TensorDictBase, first: bool) -> dict[int, torch.Tensor]:
+    """Per fleet env index, what its VecNormV2 saw in this batch: every step's observation,
+    and in the first batch also the reset observation (the root of the first frame)."""
+    out = {}
+    for row in rows(batch):
+        seen = [row["observation"][:1]] if first else []
+        out[int(row["env_index"][0])] = torch.cat([*seen, row["next", "observation"]])
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_sync_stats_over_two_nodes_equals_the_statistics_of_every_observation(cluster: Any) -> None:
+    sender = spread_sender()
+    collector = ray_collector(sender, partial(make_vecnorm_env, 0), sync=True)
+    seen: list[torch.Tensor] = []
+    try:
+        sender.push_each({w: {"spread": float(w)} for w in range(WORKERS)}, wait="applied", timeout=60)
+        batches = iter(collector)
+        for sync in range(3):
+            by_env = seen_by_vecnorm(next(batches), first=sync == 0)
+            assert sorted(by_env) == list(range(WORKERS))
+            # every worker its own distribution: feature 0 shows its spread, and its offset
+            # moves the other features by 3 per worker
+            assert [float(by_env[w][-1, 0]) for w in range(WORKERS)] == [0.0, 1.0, 2.0, 3.0]
+            seen += by_env.values()
+            sender.sync_stats("VecNormV2", timeout=60)
+            x = torch.cat(seen).double()
+            state = sender.gather(["stats.0"], timeout=60)["stats", "0", "observation"]
+            assert state["count"].tolist() == [float(x.shape[0])] * WORKERS  # each observation once
+            for worker in range(WORKERS):
+                torch.testing.assert_close(state["mean"][worker].double(), x.mean(0), rtol=1e-5, atol=1e-5)
+                var = (state["m2"][worker] / state["count"][worker]).double()
+                torch.testing.assert_close(var, x.var(0, unbiased=False), rtol=1e-5, atol=1e-4)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_of_every_worker_resumes_into_a_new_ray_collector(cluster: Any) -> None:
+    sender = spread_sender()
+    collector = ray_collector(sender, partial(make_vecnorm_env, 0), sync=True)
+    try:
+        sender.push_each({w: {"spread": 0.5 * w} for w in range(WORKERS)}, wait="applied", timeout=60)
+        next(iter(collector))
+        state = sender.state_dict(gather=True)
+    finally:
+        collector.shutdown()
+        sender.close()
+    kept = state["worker_env_state"]["stats", "0", "observation"]
+    assert kept["count"].shape == (WORKERS,) and bool((kept["count"] > 0).all())
+    assert bool((kept["mean"][:, 1].diff() > 0.5).all())  # each row is its own worker's
+
+    resumed = spread_sender()
+    resumed.load_state_dict(state)  # before the RayCollector exists
+    collector = ray_collector(resumed, partial(make_vecnorm_env, 0), sync=True)
+    try:
+        version = resumed.version
+        resumed.wait(version, until="applied", timeout=60)  # the acks come through the relays
+        assert resumed.versions() == [version] * WORKERS
+        batch = next(iter(collector))
+        stats = resumed.gather(["stats.0.observation"], timeout=60)["stats", "0", "observation"]
+    finally:
+        collector.shutdown()
+        resumed.close()
+    for row in rows(batch):
+        worker = int(row["env_index"][0])
+        # from its first step on, each worker runs its own checkpointed config ...
+        assert row["next", "observation"][:, 0].tolist() == [0.5 * worker] * row.numel()
+        assert set(row["next", "env_version"].tolist()) == {version}
+        # ... on top of its own statistics: the checkpoint's, the reset after it caught up,
+        # and its steps since
+        assert int(stats["count"][worker]) == int(kept["count"][worker]) + 1 + row.numel()
+
+
+def episodes(stream: TensorDictBase) -> list[TensorDictBase]:
+    """A time-ordered stream of a CounterEnv cut into its episodes (the step count restarts)."""
+    starts = [0, *(torch.nonzero(stream["observation"][1:, 2] == 0).flatten() + 1).tolist(), stream.numel()]
+    return [stream[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a]
+
+
+def shown(streams: dict[int, list[TensorDictBase]], version: int) -> bool:
+    """Whether every env's frames collected so far show ``version`` (the actors' collectors
+    run batches ahead of the consumer: applied is not yet collected)."""
+    return all(any(bool((r["next", "env_version"] == version).any()) for r in streams[e]) for e in range(WORKERS))
+
+
+@pytest.mark.timeout(300)
+def test_reset_mode_over_ray_never_mixes_versions_in_an_episode(cluster: Any) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=set_difficulty, apply_at="reset")
+    collector = ray_collector(sender, partial(make_counter_env, max_steps=5), kind=MultiAsyncCollector)
+    difficulty = {0: 0.0}
+    streams: dict[int, list[TensorDictBase]] = defaultdict(list)
+    try:
+        for i, batch in enumerate(collector):
+            for row in rows(batch):
+                streams[int(row["env_index"][0])].append(row)
+            if i in (1, 3):
+                version = sender.push(config={"difficulty": 0.25 * i}, timeout=60)  # received
+                difficulty[version] = 0.25 * i
+            if i >= 3 and shown(streams, version):
+                break
+            assert i < 80
+    finally:
+        collector.shutdown()
+        sender.close()
+    for parts in streams.values():
+        for episode in episodes(torch.cat(parts)):
+            tags = set(episode["next", "env_version"].tolist())
+            assert len(tags) == 1, tags  # every step of an episode under one version ...
+            (tag,) = tags
+            assert set(episode["next", "observation"][:, 0].tolist()) == {difficulty[tag]}  # ... truthfully
+
+
+@pytest.mark.timeout(300)
+def test_truncate_mode_over_ray_ends_the_running_episode_as_truncated(cluster: Any) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=set_difficulty, apply_at="truncate")
+    collector = ray_collector(sender, make_counter_env, kind=MultiAsyncCollector)  # 1000-step episodes
+    parts: dict[int, list[TensorDictBase]] = defaultdict(list)
+    version = 0
+    try:
+        for i, batch in enumerate(collector):
+            for row in rows(batch):
+                parts[int(row["env_index"][0])].append(row)
+            if i == 2:
+                version = sender.push(config={"difficulty": 0.5}, timeout=60)
+            if version and shown(parts, version):
+                break
+            assert i < 80
+    finally:
+        collector.shutdown()
+        sender.close()
+    truncated_in_flight = 0
+    for pieces in parts.values():
+        stream = torch.cat(pieces)
+        nxt = stream["next", "env_version"]
+        changes = (torch.nonzero(nxt[1:] != nxt[:-1]).flatten() + 1).tolist()
+        assert len(changes) == 1
+        (t,) = changes
+        # the new version starts a fresh episode, and the old one ended as truncated unless
+        # the push found the worker between two rollouts (applied while idle, no mark)
+        assert stream["observation"][t, 2] == 0.0 and stream["next", "observation"][t, 0] == 0.5
+        if bool(stream["next", "truncated"][t - 1]):
+            assert not bool(stream["next", "terminated"][t - 1])
+            truncated_in_flight += 1
+        assert int(stream["next", "truncated"].sum()) <= 1  # envsync's truncation is the only one
+    assert truncated_in_flight >= 1
+
+
+def relays(collector: Any) -> list[Traffic]:
+    """What each remote collector's relay fetched and decoded so far (collector order)."""
+    return [t for _, t in ray.get([a.__ray_call__.remote(relay_traffic) for a in collector.remote_collectors])]
+
+
+def per_node(nodes: list[int], before: list[Traffic], after: list[Traffic]) -> list[tuple[set[str], int, int]]:
+    """Per node number, between two readings: the objects its relays fetched (ids), how many
+    fetches that was, and the bytes they decoded in all."""
+    out: list[tuple[set[str], int, int]] = [(set(), 0, 0) for _ in set(nodes)]
+    for node, old, new in zip(nodes, before, after, strict=True):
+        ids, fetches, nbytes = out[node]
+        if new.objects > old.objects:
+            ids.add(new.last)
+        out[node] = (ids, fetches + new.objects - old.objects, nbytes + new.nbytes - old.nbytes)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_each_node_gets_one_object_of_its_own_rows_per_push_decoded_once(cluster: Any) -> None:
+    # three remote collectors, two of them on n0: those two map the same object of each push
+    table = torch.zeros(256)
+    sender = EnvStateSender(config={"difficulty": 0.0, "table": table}, apply=set_difficulty, apply_at="step")
+    collector = ray_collector(sender, make_counter_env, kind=Collector, nodes=("n0", "n0", "n1"))
+    try:
+        link = sender._fleet.attachments[0].link
+        assert link.nodes == [0, 0, 1]
+        per_env = TensorDict(difficulty=torch.arange(3.0), table=torch.rand(3, 256), batch_size=[3])
+        pushes = [({"config": per_env}, {0, 1, 2}), ({"config": {"difficulty": 5.0}, "envs": [2]}, {2})]
+        for kwargs, targets in pushes:
+            before, put_before = relays(collector), [(t.objects, t.nbytes) for t in link.traffic]
+            version = sender.push(**kwargs, wait="applied", timeout=60)
+            moved = per_node(link.nodes, before, relays(collector))
+            put = [(t.objects - o, t.nbytes - b) for t, (o, b) in zip(link.traffic, put_before, strict=True)]
+            assert [sender.versions()[e] for e in targets] == [version] * len(targets)
+            for node, (ids, fetches, decoded) in enumerate(moved):
+                envs = [e for e in targets if link.nodes[e] == node]  # one env per collector here
+                # a node with rows in the push gets one object (the one put for it), and its
+                # relays decode each byte of it once; a node without rows gets nothing
+                assert put[node][0] == len(ids) == (1 if envs else 0)
+                assert ids == ({link.traffic[node].last} if envs else set())
+                assert fetches == len(envs) and decoded == put[node][1]
+            if targets == {0, 1, 2}:  # each node only its own rows: n0 two, n1 one
+                assert put[0][1] == 2 * put[1][1] > 0
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("kind", "batched"),
+    [(MultiSyncCollector, "serial"), (Collector, "parallel")],
+    ids=["sync-serial", "single-parallel"],
+)
+def test_batched_envs_behind_a_ray_collector_take_a_row_per_env(cluster: Any, kind: type, batched: str) -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = ray_collector(sender, partial(make_batched_counters, batched, 2), kind=kind)
+    try:
+        per_node = 4 if kind is MultiSyncCollector else 2  # 2 workers (or 1) x 2 sub-envs
+        n = sender.num_envs
+        assert n == 2 * per_node
+        assert [(m.collector, m.envs, m.first_env) for m in sender.fleet()] == [
+            (m.index // (per_node // 2), 2, 2 * m.index) for m in sender.fleet()
+        ]
+        version = sender.push(config={"difficulty": torch.arange(n) / 10}, wait="applied", timeout=60)
+        assert sender.env_versions() == [version] * n
+        last = sender.push(config={"difficulty": 5.0}, envs=[n - 1], wait="applied", timeout=60)
+        assert sender.env_versions() == [version] * (n - 1) + [last]
+        seen: dict[int, set[float]] = defaultdict(set)
+        for i, batch in enumerate(collector):
+            for row in rows(batch):
+                seen[int(row["env_index"][0])].update(round(v, 3) for v in row["next", "observation"][:, 0].tolist())
+            if i >= 3 and len(seen) == n:
+                break
+        assert dict(seen) == {e: {round(e / 10, 3)} for e in range(n - 1)} | {n - 1: {5.0}}
+    finally:
+        collector.shutdown()
+        sender.close()
