@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
 from envsync.fleet import Attachment
 from envsync.links.base import SenderLink
-from envsync.protocol import NO_FAILURE, Until, failure_to_raise, is_done
+from envsync.protocol import NO_FAILURE, Until, WorkerStatus, failure_to_raise, is_done
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
@@ -87,7 +87,7 @@ def _progress(
                     continue
                 attachment, slot = located[index]
                 status = attachment.link.status(slot)
-                failed = failure_to_raise(status, sender._raised.get(index, NO_FAILURE), version)
+                failed = _to_raise(sender, index, status, version)
                 if failed is not None:
                     _raise_failure(sender, index, attachment, slot, failed)
                 if not is_done(status, version, mode):
@@ -133,13 +133,25 @@ def raise_failures(sender: Sender) -> None:
             if latest == NO_FAILURE:
                 continue
             index = attachment.offset + slot
-            failed = failure_to_raise(attachment.link.status(slot), sender._raised.get(index, NO_FAILURE))
+            failed = _to_raise(sender, index, attachment.link.status(slot))
             if failed is not None:
                 _raise_failure(sender, index, attachment, slot, failed)
 
 
+def _to_raise(sender: Sender, index: int, status: WorkerStatus, waited: int | None = None) -> int | None:
+    """The failed version to raise for env ``index``: one version is raised once, whichever
+    of the envs that failed it reports first (the others are marked raised with it; a waiter
+    of that very version still learns of it)."""
+    failed = failure_to_raise(status, sender._raised.get(index, NO_FAILURE), waited)
+    if failed is not None and failed != waited and failed in sender._raised_versions:
+        sender._raised[index] = max(failed, sender._raised.get(index, NO_FAILURE))
+        return None
+    return failed
+
+
 def _raise_failure(sender: Sender, index: int, attachment: Attachment, slot: int, failed: int) -> None:
     sender._raised[index] = max(failed, sender._raised.get(index, NO_FAILURE))
+    sender._raised_versions.add(failed)
     worker = sender._fleet.worker_of(index)
     rollback = sender._roll_back(failed)
     text = attachment.link.error_text(slot)

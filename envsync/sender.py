@@ -102,6 +102,7 @@ class Sender:
         self._probe: Probe | None = None
         self._fleet = Fleet()
         self._raised: dict[int, int] = {}
+        self._raised_versions: set[int] = set()  # each failed version is raised once
         self._request = 0
         self._stats: gather.StatsBook | None = None
         self._lock = threading.RLock()
