@@ -158,7 +158,7 @@ class EnvStateReceiver:
         self._sub_env = sub_env
         self._before_idle_apply = before_idle_apply
         self._relay = relay
-        self._relayed = 0  # the latest request handed to the group
+        self._passed = 0  # the latest request left to the group (the batched env's own entries)
 
     @property
     def worker(self) -> int:
@@ -228,13 +228,13 @@ class EnvStateReceiver:
     def serve(self) -> None:
         """Answer a pending ``gather`` with the env's current entries (at a safe point)."""
         request = self.link.request()
-        if request == self._answered:
+        if request in (self._answered, self._passed):
             return
         with self._lock:
             if any(is_batched(name) for name in self.link.asked(request)):
                 # the batched env's own entries: its group answers (a request asks one level)
-                if self._relay and request != self._relayed:
-                    self._relayed = request
+                self._passed = request
+                if self._relay:
                     self.link.poke_relay()
                 return
             self.link.reply(request, self._read)

@@ -508,6 +508,7 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
     caught_up = leaves.bind(handle, first_slot, first_env)
     hooks.group = group
     wrap_collector(collector, group, hooks, first_env)
+    group.catch_up()  # the batched env's own entries too, before the reset below sees them
     if caught_up:
         collector.reset()  # the leaves run the latest version: start fresh episodes under it
     group.start()

@@ -59,6 +59,7 @@ class OuterState:
         self._snapshot_version = 0
         self.version = 0  # every env of the worker had applied this when last caught up
         self._answered = 0
+        self._passed = 0  # the latest request left to the sub-env's receiver
 
     def behind(self) -> bool:
         """Whether the worker's envs all applied a version this has not caught up with."""
@@ -118,11 +119,12 @@ class OuterState:
         the group's exclusion, with the collector idle or at a rollout's end)."""
         end = self._end
         request = end.request()
-        if request == self._answered:
+        if request in (self._answered, self._passed):
             return
         names = end.asked(request)
         if not names or not all(is_batched(n) for n in names):
-            return  # the sub-env's receiver answers that one
+            self._passed = request  # the sub-env's receiver answers that one
+            return
         self.catch_up()
         end.reply(request, self._read)
         self._answered = request
