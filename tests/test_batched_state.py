@@ -282,15 +282,29 @@ def test_what_cannot_work_is_refused_at_attach_with_the_reason() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_native_env_takes_rows_of_its_state_and_the_whole_of_it() -> None:
+@pytest.mark.parametrize("workers", [0, 2], ids=["collector", "sync-fork"])
+def test_a_native_env_takes_rows_of_its_state_and_the_whole_of_it(workers: int) -> None:
+    """Row ``e`` of a natively batched env takes its own row of the env's ObservationNorm; the
+    env's transform as a whole takes ``batched.*`` (in a Collector, and in each worker)."""
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    collector = Collector(
-        sender.env_fn(make_native_normed(N)),
-        None,
-        frames_per_batch=10 * N,
-        total_frames=-1,
-        weight_sync_schemes=sender.schemes(),
-    )
+    if workers:
+        factories = [sender.env_fn(functools.partial(make_native_normed, N, w * N)) for w in range(workers)]
+        with start_method("fork"):
+            collector: Any = MultiSyncCollector(
+                factories,
+                None,
+                frames_per_batch=10 * N * workers,
+                total_frames=-1,
+                weight_sync_schemes=sender.schemes(),
+            )
+    else:
+        collector = Collector(
+            sender.env_fn(make_native_normed(N)),
+            None,
+            frames_per_batch=10 * N,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
     try:
         it = iter(collector)
         next(it)
@@ -301,19 +315,23 @@ def test_a_native_env_takes_rows_of_its_state_and_the_whole_of_it() -> None:
             "loc",
             "scale",
         ]
+        envs = sender.num_envs
         sender.push(env_state={"loc": torch.tensor([0.0, 5.0, 0.0])}, envs=[1], wait="applied")
-        batch = next(it)
-        shifted = batch["next", "observation"] - batch["next", "observation_norm"]
-        assert shifted[1].eq(torch.tensor([0.0, 5.0, 0.0])).all() and shifted[0].eq(0).all()
+        for row in rows(next(it)):
+            env = int(row["env_index"][0])
+            shifted = row["next", "observation"] - row["next", "observation_norm"]
+            assert shifted.eq(torch.tensor([0.0, 5.0 if env == 1 else 0.0, 0.0])).all(), env
         state = sender.gather(["loc", "batched.loc"])
         assert state["loc"][1].tolist() == [0.0, 5.0, 0.0] and state["loc"][0].eq(0).all()
-        assert state["batched", "loc"][0].equal(state["batched", "loc"][1])
+        for env in range(envs):  # the whole env's state: its worker's, in every row
+            assert state["batched", "loc"][env].equal(state["batched", "loc"][env - env % N])
+            assert state["batched", "loc"][env][env % N].equal(state["loc"][env])
         whole = TensorDict({"batched": {"scale": torch.full((N, 3), 2.0)}})
-        sender.push(env_state=whole, wait="applied")
-        batch = next(it)
-        torch.testing.assert_close(
-            batch["next", "observation_norm"], (batch["next", "observation"] - state["loc"].unsqueeze(1)) / 2.0
-        )
+        sender.push(env_state=whole, workers=[0], wait="applied")
+        for row in rows(next(it)):
+            env = int(row["env_index"][0])
+            normed = (row["next", "observation"] - state["loc"][env]) / (2.0 if env < N else 1.0)
+            torch.testing.assert_close(row["next", "observation_norm"], normed)
     finally:
         collector.shutdown()
         sender.close()
