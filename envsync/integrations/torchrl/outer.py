@@ -76,13 +76,14 @@ class OuterState:
             if header.undo and header.undo == self._snapshot_version:
                 self._put_back()
             live = self._adapter.state_tensors()
-            names = [
-                n
-                for n, stamp in header.stamps.items()
-                if is_batched(n) and self._loaded.get(n, 0) < stamp <= reached and inner(n) in live
-            ]  # an entry of a lazy transform not created yet waits for its first reset
-            if names and not self._load(header.version, names, live, header.stamps):
+            due = [
+                n for n, stamp in header.stamps.items() if is_batched(n) and self._loaded.get(n, 0) < stamp <= reached
+            ]
+            ready = [n for n in due if inner(n) in live]
+            if ready and not self._load(header.version, ready, live, header.stamps):
                 return  # a newer version came meanwhile: the next safe point loads it
+            if len(ready) < len(due):
+                return  # a lazy transform's state appears at its first reset: the next safe point
             self._adapter.reinit(reached)
         except Exception:
             self._end.report_failure(reached, traceback.format_exc())
