@@ -7,12 +7,14 @@ otherwise. The wrapped factory swaps the batched env's leaf factories (before it
 own safe points: its own reset (partial resets included), its steps, and its truncation.
 
 What needs the collector lives beside the batched env, in :class:`EnvGroup`: the idle
-listeners (one per sub-env; an idle apply goes to the leaf through the batched env's own
-channel, or as a partial reset of that sub-env through the collector), the busy marks, and
-the tags. A leaf writes into its slot the version its latest step ran under and the one its
-observation comes from, only when they change; :class:`BatchedHooks` reads them after a
-batched step only while some sub-env is unsettled, and writes ``env_version`` and
-``env_index`` once per rollout, row by row.
+listeners (one per sub-env; an idle apply goes to a ``SerialEnv``'s leaf directly, or as a
+partial reset of that sub-env through the collector; a ``ParallelEnv``'s leaves listen
+themselves and wake the group through their slots' relays), the busy marks, the tags, and
+the batched env's own transforms (:class:`~.outer.OuterState`, caught up after a step that
+saw a change and when a rollout begins). A leaf writes into its slot the version its latest
+step ran under and the one its observation comes from, only when they change;
+:class:`BatchedHooks` reads them after a batched step only while some sub-env is unsettled,
+and writes ``env_version`` and ``env_index`` once per rollout, row by row.
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ class BatchedHooks:
     def leaves(self, env: EnvBase) -> Leaves:
         """How the group reaches the envs of the fleet that ``env`` holds."""
         assert isinstance(env, BatchedEnvBase)
-        return SubEnvs(env, self.spec)
+        return SubEnvs(env)
 
     @staticmethod
     def own_transforms(env: EnvBase, collector: Any) -> EnvBase | None:
@@ -191,16 +193,9 @@ class BatchedHooks:
         """Read the sub-envs' versions after the next step (they changed outside a step)."""
         self._settled = False
 
-    def _before_step(self) -> None:
-        """Before a batched step that may see a change: the batched env's own entries first."""
-        group = self.group
-        if group is not None and not (self._settled and group.unchanged()):
-            group.catch_up()
-
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         if self._depth:
             return self._step(tensordict)
-        self._before_step()
         self._depth = 1
         try:
             out = self._step(tensordict)
@@ -210,8 +205,6 @@ class BatchedHooks:
         return out
 
     def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
-        if not self._depth:
-            self._before_step()
         self._depth += 1
         try:
             out = self._step_and_maybe_reset(tensordict)
@@ -239,6 +232,7 @@ class BatchedHooks:
         group = self.group
         if group is None or (self._settled and group.unchanged()):
             return
+        group.catch_up()  # the batched env's own entries, for the next step
         ran, obs, _, settled = group.read()
         for i in range(self.num_envs):
             _mark(self._next[i], frame, ran[i])
@@ -250,6 +244,7 @@ class BatchedHooks:
         self.frame = 0
         if self.group is None:
             return
+        self.group.catch_up()  # what the worker's envs applied while idle
         _, obs, applied, _ = self.group.read()
         self._root = [[(0, v)] for v in obs]
         self._next = [[(0, v)] for v in applied]
@@ -311,7 +306,7 @@ class SubEnvs:
     A ``SerialEnv``'s sub-envs run in this process: the group listens, applies and serves.
     """
 
-    def __init__(self, batched: BatchedEnvBase, spec: ApplySpec) -> None:
+    def __init__(self, batched: BatchedEnvBase) -> None:
         self._batched = weakref.ref(batched)
         self.listening = isinstance(batched, ParallelEnv)
 

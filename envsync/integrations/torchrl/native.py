@@ -170,7 +170,6 @@ class NativeHooks(BatchedHooks):
             if not self._depth:
                 self.frame += 1  # what _after_step does with nothing to read
             return out
-        group.catch_up()
         for row in self.rows:
             row.before_step()
         self._depth = 1
