@@ -17,7 +17,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from envsync import desired, gather
 from envsync.errors import ValidationError
-from envsync.gather import applied_versions
+from envsync.gather import applied_versions, head
+from envsync.levels import is_batched
 from envsync.state import Leaf, flat_names
 
 if TYPE_CHECKING:
@@ -38,6 +39,10 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
             out["env_state_rows"] = own
         if sender._stats is not None:
             out["stats"] = sender._stats.state_dict(indices, applied_versions(sender, indices))
+        if sender._whole_stats is not None:  # kept per env: each env's row is its worker's
+            heads = [head(sender, e) for e in indices]
+            applied = applied_versions(sender, sorted(set(heads)), whole=True)
+            out["batched_stats"] = sender._whole_stats.state_dict(heads, applied)
     if gather and indices:
         out["worker_env_state"] = sender.gather(None, workers=sorted({sender._fleet.worker_of(e) for e in indices}))
     return out
@@ -89,6 +94,8 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
             )
         if "stats" in state:
             sender._stats = gather.StatsBook.from_state_dict(state["stats"])
+        if "batched_stats" in state:
+            sender._whole_stats = gather.StatsBook.from_state_dict(state["batched_stats"])
         if not indices:
             return _keep_for_attach(sender, int(state["version"]), rows, env_state, own)
         workers = len({sender._fleet.worker_of(e) for e in indices})
@@ -100,8 +107,12 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
     if env_state:
         sender.push(env_state=env_state, wait=None)
     for index, entries in zip(indices, own or [{} for _ in indices], strict=True):
-        if entries:
-            sender.push(env_state=entries, envs=[index], wait=None)
+        mine = {k: v for k, v in entries.items() if not is_batched(k)}
+        if mine:
+            sender.push(env_state=mine, envs=[index], wait=None)
+        whole = {k: v for k, v in entries.items() if is_batched(k)}
+        if whole and head(sender, index) == index:  # a batched env's own: its worker's
+            sender.push(env_state=whole, workers=[sender._fleet.worker_of(index)], wait=None)
     if len(rows) == 1:
         return sender.push(config=rows[0], wait=None)
     return sender._push_rows(dict(zip(indices, rows, strict=True)), by_env=True, wait=None, timeout=30.0)

@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 from envsync import stats
 from envsync.errors import AckTimeout, ValidationError, WorkerApplyError
+from envsync.levels import PREFIX, is_batched, selector_level
 from envsync.protocol import ApplyAt
 from envsync.reinit import STATS, Selector
 from envsync.state import state_name
@@ -141,19 +142,49 @@ class StatsBook:
 
 
 def gather(
-    sender: Sender, env_state: Sequence[str | tuple[str, ...]] | None, workers: Sequence[int] | None, timeout: float
+    sender: Sender,
+    env_state: Sequence[str | tuple[str, ...]] | None,
+    workers: Sequence[int] | None,
+    timeout: float,
+    envs: Sequence[int] | None = None,
 ) -> TensorDict:
-    """Implementation of :meth:`Sender.gather`."""
-    if any(a.envs_per_worker > 1 for a in sender._fleet.attachments):
-        raise ValidationError("gather and sync_stats do not reach the sub-envs of batched envs yet")
+    """Implementation of :meth:`Sender.gather`: one env's own entries from each targeted env,
+    then a batched env's own (``batched.*``) once per worker, from its first env's slot (its
+    group answers there), into the row of every targeted env of that worker."""
     template = sender.env_state_template()
     names = select(template.keys, env_state)
+    own = [n for n in names if not is_batched(n)]
+    whole = [n for n in names if is_batched(n)]
     with sender._lock:
         sender._check_open()
         sender._prune()
         if not sender._fleet.attachments:
             raise ValidationError("gather needs an attached collector; none is attached")
-        targets = sender._fleet.targets(workers)
+        targets = sender._fleet.targets(workers, envs)
+        heads = {index: head(sender, index) for index in targets}
+    read: dict[int, dict[str, torch.Tensor]] = {index: {} for index in targets}
+    if own:
+        for index, reply in _ask(sender, targets, own, timeout).items():
+            read[index].update(reply)
+    if whole:
+        replies = _ask(sender, sorted(set(heads.values())), whole, timeout)
+        for index in targets:
+            read[index].update(replies[heads[index]])
+    rows = [template.nest(read[index]) for index in targets]
+    return TensorDict.stack(rows) if rows else TensorDict()
+
+
+def head(sender: Sender, index: int) -> int:
+    """The first env of the worker that drives env ``index`` (where a batched env's own
+    entries are asked for, and kept in the books)."""
+    return sender._fleet.envs_of(sender._fleet.worker_of(index))[0]
+
+
+def _ask(sender: Sender, targets: list[int], names: list[str], timeout: float) -> dict[int, dict[str, torch.Tensor]]:
+    """Ask each of ``targets`` (env indices) for ``names``; wait; return copies of the answers."""
+    with sender._lock:
+        sender._check_open()
+        sender._prune()
         sender._request += 1
         request = sender._request
         for index in targets:
@@ -161,12 +192,11 @@ def gather(
             attachment.link.ask(worker, request, names)
             attachment.link.notify(worker)
     _await_answers(sender, targets, request, timeout)
-    rows = []
+    out = {}
     for index in targets:
         attachment, worker = sender._fleet.locate(index)
-        reply = attachment.link.read_reply(worker, names)
-        rows.append(template.nest(reply))
-    return TensorDict.stack(rows) if rows else TensorDict()
+        out[index] = attachment.link.read_reply(worker, names)
+    return out
 
 
 def _alive(sender: Sender, index: int) -> bool:
@@ -199,37 +229,46 @@ def _answered(sender: Sender, index: int) -> int:
     return attachment.link.answered(worker)
 
 
-def applied_versions(sender: Sender, targets: Sequence[int]) -> dict[int, int]:
-    """The version each of ``targets`` (fleet env indices) has applied."""
+def applied_versions(sender: Sender, targets: Sequence[int], *, whole: bool = False) -> dict[int, int]:
+    """The version each of ``targets`` (fleet env indices) has applied; ``whole``: the
+    oldest any env of its worker has applied (what a batched env's own state follows)."""
     out = {}
     for index in targets:
-        attachment, slot = sender._fleet.locate(index)
-        out[index] = attachment.link.status(slot).applied
+        envs = sender._fleet.envs_of(sender._fleet.worker_of(index)) if whole else [index]
+        versions = []
+        for env in envs:
+            attachment, slot = sender._fleet.locate(env)
+            versions.append(attachment.link.status(slot).applied)
+        out[index] = min(versions)
     return out
 
 
 def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
-    """Implementation of :meth:`Sender.sync_stats`."""
+    """Implementation of :meth:`Sender.sync_stats`: for one sub-env's transforms, every env
+    of the fleet takes part; for a batched env's own (``"batched.*"``), every worker, once."""
+    whole, _ = selector_level(selector)
     template = sender.env_state_template()
     decays = sender._probe_or_fail().stats_indices(sender.spec, selector)
-    names = [k for k in template.keys if k.startswith(f"{STATS}.") and int(k.split(".")[1]) in decays]
+    prefix = f"{PREFIX}{STATS}." if whole else f"{STATS}."
+
+    def index_of(key: str) -> int:
+        return int(key[len(prefix) :].split(".")[0])
+
+    names = [k for k in template.keys if k.startswith(prefix) and index_of(k) in decays]
     if not names:
         raise ValidationError(f"sync_stats({selector!r}): no selected transform keeps statistics envsync can merge")
     aging = (f".{stats.UPDATES}", f".{stats.LIMIT}")  # what tells a forgetting transform's updates
     for index, decay in decays.items():
-        counted = any(k.startswith(f"{STATS}.{index}.") and k.endswith(aging) for k in names)
+        counted = any(index_of(k) == index and k.endswith(aging) for k in names)
         if decay != 1.0 and not counted:
             raise ValidationError(
                 f"sync_stats: transform {index} has decay={decay} but its handler tells neither its updates "
                 f"nor its count's limit, so its statistics cannot be aged: export '{stats.UPDATES}' or "
                 f"'{stats.LIMIT}' (see docs/statistics.md)"
             )
-    prefixes = {k.rsplit(".", 1)[0] for k in names}
-    by_prefix = {p: decays[int(p.split(".")[1])] for p in prefixes}
-    if sender._stats is None:
-        sender._stats = StatsBook({k: template.flat[k] for k in names})
-    book = sender._stats
-    current, applied = _gather_settled(sender, book, names, timeout)
+    by_prefix = {p: decays[index_of(p)] for p in {k.rsplit(".", 1)[0] for k in names}}
+    book = sender._stats_book(whole, {k: template.flat[k] for k in names})
+    current, applied = _gather_settled(sender, book, names, timeout, whole)
     merged = book.round(current, applied, by_prefix)
     # statistics are not an episode's config: in "reset" mode they wait for each env's next
     # reset like any version (a push waits until received); elsewhere they apply at once
@@ -247,23 +286,26 @@ def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
 
 
 def _gather_settled(
-    sender: Sender, book: StatsBook, names: list[str], timeout: float
+    sender: Sender, book: StatsBook, names: list[str], timeout: float, whole: bool
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, int]]:
-    """Every worker's current statistics, each read while the worker's applied version was
-    known (before and after the read agree on the pending merge); and those versions. Envs
-    outside any collector (``attach_env``) only receive merges: they are not read."""
+    """Every env's (``whole``: every worker's, by its first env) current statistics, each
+    read while its applied version was known (before and after the read agree on the
+    pending merge); and those versions. Envs outside any collector (``attach_env``) only
+    receive merges: they are not read."""
     targets = sender._fleet.collected()
     if not targets:
         raise ValidationError("sync_stats merges what collectors' envs saw, and no collector is attached")
+    if whole:
+        targets = sorted({head(sender, index) for index in targets})
     current: dict[int, dict[str, torch.Tensor]] = {}
     ask = list(targets)
     for _ in range(_MAX_GATHERS):
-        before = applied_versions(sender, ask)
-        gathered = gather(sender, names, ask, timeout)
-        after = applied_versions(sender, ask)
+        before = applied_versions(sender, ask, whole=whole)
+        gathered = gather(sender, names, None, timeout, envs=ask)
+        after = applied_versions(sender, ask, whole=whole)
         for i, w in enumerate(ask):
             current[w] = {k: gathered[i].get(tuple(k.split("."))) for k in names}
         ask = book.unclear(before, after)
         if not ask:
-            return current, applied_versions(sender, targets) | after
+            return current, applied_versions(sender, targets, whole=whole) | after
     raise AckTimeout(sender.version, ask, dead=[], until="gathered")

@@ -16,11 +16,33 @@ import torch
 from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
-from envsync.reinit import compute_in_main, plan, stats_entries, stats_indices
-from envsync.state import EnvStateTemplate, Leaf, apply_config, tensor_of
+from envsync.levels import BATCHED, selector_level, split_reinit
+from envsync.reinit import ReinitSpec, compute_in_main, plan, stats_entries, stats_indices
+from envsync.state import EnvStateTemplate, Leaf, StatePath, apply_config, state_leaves, tensor_of
 
 if TYPE_CHECKING:
     from envsync.receiver import ApplySpec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many envs of the fleet one worker env holds, and where their state lives.
+
+    Args:
+        num_envs: its envs (1 for an unbatched env, its sub-envs or rows when batched).
+        make_leaf: builds an env that stands for one of them (``None``: the env itself).
+        rows: they are rows of one natively batched env: a row's state is its row of every
+            entry whose leading dim is ``num_envs``.
+        make_outer: builds (in this process, ready to reset) an env holding a copy of the
+            batched env's own transforms (see :mod:`envsync.levels`); ``None``: it has none.
+        batched: the env is batched (``"batched.*"`` selectors are allowed).
+    """
+
+    num_envs: int = 1
+    make_leaf: Callable[[], Any] | None = None
+    rows: bool = False
+    make_outer: Callable[[], Any] | None = None
+    batched: bool = False
 
 
 @dataclass
@@ -30,16 +52,16 @@ class Probe:
     Args:
         make: builds the env (the wrapped factory), or returns the user's own env.
         owned: whether the sender built it (and so closes it).
-        split: given the env, how many envs of the fleet it holds, a builder of the env
-            that stands for one of them (``None``: the env itself), and whether it takes env
-            state; a batched env holds one per sub-env, and is described by one sub-env.
+        split: given the env, its :class:`Layout`; a batched env holds one env of the fleet
+            per sub-env, and is described by one sub-env and its own transforms.
     """
 
     make: Callable[[], Any]
     owned: bool
-    split: Callable[[Any], tuple[int, Callable[[], Any] | None, bool]] = lambda env: (1, None, True)
+    split: Callable[[Any], Layout] = lambda env: Layout()
     env: Any = None
     _leaf: Any = None
+    _outer: Any = None
 
     def get(self) -> Any:
         """The probe env, built on first use."""
@@ -47,25 +69,45 @@ class Probe:
             self.env = self.make()
         return self.env
 
+    def layout(self) -> Layout:
+        """The probe env's :class:`Layout`."""
+        return self.split(self.get())
+
     def num_envs(self) -> int:
         """How many envs of the fleet one such env holds (its sub-envs, when batched)."""
-        return self.split(self.get())[0]
+        return self.layout().num_envs
 
     def leaf(self) -> Any:
         """The env that stands for one env of the fleet: the probe env, or one of its
         sub-envs (built once, in this process)."""
         if self._leaf is None:
-            make_leaf = self.split(self.get())[1]
+            make_leaf = self.layout().make_leaf
             self._leaf = self.get() if make_leaf is None else make_leaf()
         return self._leaf
 
+    def outer(self) -> Any:
+        """An env holding a copy of the batched env's own transforms (built once), or ``None``."""
+        if self._outer is None:
+            make_outer = self.layout().make_outer
+            self._outer = None if make_outer is None else make_outer()
+        return self._outer
+
     def describe(self, spec: ApplySpec, allow_nonfinite: bool) -> EnvStateTemplate:
-        """Check the env against the sender's settings; return its env-state template.
+        """Check the env against the sender's settings; return its env-state template: one
+        env's entries, and the batched env's own as ``batched.*`` (:mod:`envsync.levels`).
 
         Raises:
-            ValidationError: a mode that truncates without a ``"truncated"`` key, or a
-                ``reinit`` selector that matches nothing or a policy a transform lacks.
+            ValidationError: a mode that truncates without a ``"truncated"`` key, a
+                ``reinit`` selector that matches nothing or a policy a transform lacks, or
+                a ``"batched.*"`` selector on an env that is not batched.
         """
+        layout = self.layout()
+        leaf_rules, outer_rules = split_reinit(spec.reinit)
+        if outer_rules.rules and not layout.batched:
+            chosen = [f"batched.{s}" for s, _ in outer_rules.rules]
+            raise ValidationError(
+                f"reinit selectors {chosen} address a batched env's own transforms; the env is not batched"
+            )
         env = self.leaf()
         if spec.truncates and "truncated" not in env.done_keys:
             raise ValidationError(
@@ -73,13 +115,22 @@ class Probe:
                 f"truncated and needs a 'truncated' done key on the env (it has {env.done_keys}); "
                 "add a StepCounter or use GymEnv"
             )
-        plan(env, spec.reinit)
-        if not self.split(self.get())[2]:
-            return EnvStateTemplate({}, allow_nonfinite=allow_nonfinite)
+        plan(env, leaf_rules)
         if self.owned or env is not self.env:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
-        derived = stats_entries(env, spec.reinit)
-        return EnvStateTemplate.from_env(env, derived=derived, allow_nonfinite=allow_nonfinite)
+        if layout.rows:  # a row's state is its row of the env's own entries (no moments of its own)
+            entries = _rows_of(state_leaves(env.state_dict(keep_vars=True)), layout.num_envs)
+        else:
+            entries = _entries(env, leaf_rules)
+        outer = self.outer()
+        if outer is not None:
+            plan(outer, outer_rules)
+            if outer is not env:
+                outer.reset()
+            entries.update({(BATCHED, *path): v for path, v in _entries(outer, outer_rules).items()})
+        elif outer_rules.rules:
+            plan(None, outer_rules)  # nothing to match: raises, naming the selectors
+        return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
 
     def check_configs(self, spec: ApplySpec, configs: Iterable[Mapping[str, Leaf]]) -> None:
         """Let the apply refuse, before a push is published, each distinct whole config an
@@ -99,8 +150,16 @@ class Probe:
                 check(self.leaf(), config)
 
     def stats_indices(self, spec: ApplySpec, selector: Any) -> dict[int, float]:
-        """The transforms ``selector`` picks that keep mergeable statistics: index -> decay."""
-        return stats_indices(self.leaf(), spec.reinit, selector)
+        """The transforms ``selector`` picks that keep mergeable statistics: index -> decay
+        (in one sub-env's chain, or, for a ``"batched.*"`` selector, the batched env's own)."""
+        batched, own = selector_level(selector)
+        leaf_rules, outer_rules = split_reinit(spec.reinit)
+        if batched:
+            outer = self.outer()
+            return {} if outer is None else stats_indices(outer, outer_rules, own)
+        if self.layout().rows:
+            return {}  # the rows share the env's transforms: their statistics are the whole env's
+        return stats_indices(self.leaf(), leaf_rules, own)
 
     def main_stats(self, spec: ApplySpec, config: TensorDictBase) -> dict[str, torch.Tensor]:
         """Run the ``recompute(where="main")`` policies under ``config``; return the state.
@@ -111,7 +170,7 @@ class Probe:
         env = self.leaf()
         try:
             apply_config(env, spec.apply, config)
-            return compute_in_main(env, spec.reinit)
+            return compute_in_main(env, split_reinit(spec.reinit)[0])
         except Exception as err:
             raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
 
@@ -119,7 +178,25 @@ class Probe:
         """Close the env if the sender built it (and the sub-env it built to describe it)."""
         if self._leaf is not None and self._leaf is not self.env:
             self._leaf.close()
+        if self._outer is not None and self._outer is not self.env:
+            self._outer.close(raise_if_closed=False)
         if self.owned and self.env is not None:
             self.env.close(raise_if_closed=False)  # a batched probe env is never started
         self.env = None
         self._leaf = None
+        self._outer = None
+
+
+def _entries(env: Any, rules: ReinitSpec) -> dict[StatePath, Any]:
+    """An env's ``state_dict()`` leaves by path, and its derived moments (``stats.*``)."""
+    derived = {tuple(k.split(".")): v for k, v in stats_entries(env, rules).items()}
+    return {**state_leaves(env.state_dict(keep_vars=True)), **derived}
+
+
+def _rows_of(entries: dict[StatePath, Any], n: int) -> dict[StatePath, Any]:
+    """A row of each entry whose leading dim is ``n`` (a natively batched env's rows)."""
+    return {
+        path: v[0]
+        for path, v in entries.items()
+        if isinstance(v, torch.Tensor) and not torch.nn.parameter.is_lazy(v) and v.ndim and v.shape[0] == n
+    }

@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDictBase
 
 from envsync.exclusion import Exclusion
+from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import STATS, ReinitSpec
@@ -114,6 +115,9 @@ class EnvStateReceiver:
             the next step, the version it runs under).
         exclusion: the env's exclusion (:mod:`envsync.exclusion`), shared with the hooks
             that step and reset it; a fresh one when not given.
+        relay: it serves a sub-env in another process than its batched env's group (a
+            ``ParallelEnv``'s): it wakes the group through the slot's relay for what only
+            the group can do (answer for the batched env's own entries, reset while idle).
 
     Examples:
         >>> EnvStateReceiver.__name__
@@ -130,6 +134,7 @@ class EnvStateReceiver:
         sub_env: bool = False,
         before_idle_apply: Callable[[], None] = lambda: None,
         exclusion: Exclusion | None = None,
+        relay: bool = False,
     ) -> None:
         self.link = link
         self.spec = spec
@@ -154,6 +159,8 @@ class EnvStateReceiver:
         self._resets_after_idle_apply = spec.idle_resets
         self._sub_env = sub_env
         self._before_idle_apply = before_idle_apply
+        self._relay = relay
+        self._passed = 0  # the latest request left to the group (the batched env's own entries)
 
     @property
     def worker(self) -> int:
@@ -223,9 +230,15 @@ class EnvStateReceiver:
     def serve(self) -> None:
         """Answer a pending ``gather`` with the env's current entries (at a safe point)."""
         request = self.link.request()
-        if request == self._answered:
+        if request in (self._answered, self._passed):
             return
         with self._lock:
+            if any(is_batched(name) for name in self.link.asked(request)):
+                # the batched env's own entries: its group answers (a request asks one level)
+                self._passed = request
+                if self._relay:
+                    self.link.poke_relay()
+                return
             self.link.reply(request, self._read)
             self._answered = request
 
@@ -245,6 +258,8 @@ class EnvStateReceiver:
                 self._apply_latest(reset_after=self._resets_after_idle_apply)
                 return
             if self._resets_after_idle_apply:
+                if self._relay:  # the group resets the sub-env through its collector
+                    self.link.poke_relay()
                 return
             # first make the sub-env's next step take the slow path, then look at "busy":
             # a step that saw the fast path was sent after the group marked the sub-env busy
@@ -269,7 +284,8 @@ class EnvStateReceiver:
                 config = header.config
                 self.adapter.apply_config(config)
                 self._undo(header.undo)
-                names = [name for name, stamp in header.stamps.items() if stamp > self.version]
+                # the batched env's own entries are its group's (envsync.levels)
+                names = [n for n, stamp in header.stamps.items() if stamp > self.version and not is_batched(n)]
                 loaded = []
                 keep_all = reset_after or self.adapter.has_reinit
                 if self._load(version, names, loaded, keep_all=keep_all):

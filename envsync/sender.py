@@ -23,7 +23,9 @@ from envsync import acks, checkpoint, desired, gather
 from envsync.desired import Undo
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment, Fleet, Member
+from envsync.gather import StatsBook
 from envsync.history import ConfigHistory
+from envsync.levels import is_batched
 from envsync.links.base import Flat, Key, SenderLink, write_group
 from envsync.probe import Probe
 from envsync.protocol import ApplyAt, Until
@@ -105,6 +107,7 @@ class Sender:
         self._raised_versions: set[int] = set()  # each failed version is raised once
         self._request = 0
         self._stats: gather.StatsBook | None = None
+        self._whole_stats: gather.StatsBook | None = None  # of the batched envs' own transforms
         self._lock = threading.RLock()
         self._closed = False
         self.config_history = ConfigHistory()
@@ -314,6 +317,8 @@ class Sender:
             rows = fitted if isinstance(fitted, list) else None
             cfg = fitted if isinstance(fitted, dict) else {}
             env = self.env_state_template().fit(env_state) if env_state is not None else {}
+            if envs is not None and any(map(is_batched, env)):
+                self._check_whole_workers(targets)
             version = self._version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}
 
@@ -331,6 +336,18 @@ class Sender:
             return updates, shared if fleet_wide else None
 
         return self._send(prepare, wait=wait, timeout=timeout)
+
+    def _check_whole_workers(self, targets: list[int]) -> None:
+        """A batched env's own entries belong to its worker: a push of them with ``envs=``
+        must target every env of each worker it touches."""
+        chosen = set(targets)
+        touched = {self._fleet.worker_of(e) for e in targets}
+        partial = sorted(w for w in touched if not set(self._fleet.envs_of(w)) <= chosen)
+        if partial:
+            raise ValidationError(
+                f"env_state 'batched.*' belongs to a worker's batched env, shared by all its envs: target whole "
+                f"workers (workers={partial}, or every env of each), not some of their envs"
+            )
 
     def push_each(
         self,
@@ -473,6 +490,7 @@ class Sender:
         env_state: Sequence[str | tuple[str, ...]] | None = None,
         *,
         workers: Sequence[int] | None = None,
+        envs: Sequence[int] | None = None,
         timeout: float = 30.0,
     ) -> TensorDict:
         """Read env-state entries back from workers, at a safe point (a rollout's end, or at
@@ -481,19 +499,23 @@ class Sender:
         Args:
             env_state: entries of the env's ``state_dict()`` by torchrl's keys (or the
                 derived ``stats.*`` moments): whole keys, tuple keys, or dotted prefixes
-                such as ``"transforms.0"`` or ``"_extra_state"`` (default: every entry).
-            workers: fleet indices (default: every worker).
+                such as ``"transforms.0"`` or ``"_extra_state"`` (default: every entry); a
+                batched env's own entries as ``"batched.<key>"`` (see docs/batched.md).
+            workers: fleet indices of workers (every env of each).
+            envs: fleet indices of envs (default, with neither: every env).
             timeout: seconds to wait for the answers.
 
         Returns:
-            A ``TensorDict`` with a leading dim over the targeted workers, shaped like
-            ``env.state_dict()`` (``"loc"``; ``"_extra_state"`` holding its entries).
+            A ``TensorDict`` with a leading dim over the targeted envs (one per worker when
+            unbatched), shaped like ``env.state_dict()`` (``"loc"``; ``"_extra_state"``
+            holding its entries; ``"batched"`` the batched env's own, the same for every
+            env of a worker).
 
         Raises:
             ValidationError: an entry the env does not have, or no collector attached.
             AckTimeout: some workers did not answer in time, or died.
         """
-        return gather.gather(self, env_state, workers, timeout)
+        return gather.gather(self, env_state, workers, timeout, envs)
 
     def sync_stats(self, selector: Selector, *, timeout: float = 30.0) -> int:
         """Merge the running statistics of the selected normalising transforms across every
@@ -502,8 +524,10 @@ class Sender:
         to every worker as one version; a worker that joins later starts from it.
 
         Args:
-            selector: the transforms, as in ``reinit=`` (class, class name or index); each
-                needs a handler with ``export``/``load`` (``VecNorm`` and ``VecNormV2`` have one).
+            selector: the transforms, as in ``reinit=`` (class, class name or index; a
+                batched env's own as ``"batched.<class name or index>"``, merged once per
+                worker); each needs a handler with ``export``/``load`` (``VecNorm`` and
+                ``VecNormV2`` have one).
             timeout: seconds for the gather and for every worker to apply the merge.
 
         Returns:
@@ -519,6 +543,16 @@ class Sender:
     def _applied(self, index: int) -> int:
         attachment, slot = self._fleet.locate(index)
         return attachment.link.status(slot).applied
+    def _stats_book(self, whole: bool, start: Mapping[str, torch.Tensor]) -> StatsBook:
+        """The ``sync_stats`` book of one level (``whole``: the batched envs' own transforms)."""
+        book = self._whole_stats if whole else self._stats
+        if book is None:
+            book = StatsBook(start)
+            if whole:
+                self._whole_stats = book
+            else:
+                self._stats = book
+        return book
 
     def _mirror(self, index: int) -> Flat:
         attachment, worker = self._fleet.locate(index)

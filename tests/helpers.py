@@ -459,3 +459,32 @@ def make_ppo_env() -> Any:
 def set_gravity(env: Any, config: TensorDictBase) -> None:
     """An apply callable: Pendulum-v1's gravity ``g``, read by its every step."""
     env.base_env._env.unwrapped.g = float(config["g"])
+
+
+def make_outer_normed(kind: str = "serial", n: int = 2, first_label: int = 0) -> Any:
+    """A ``SerialEnv``/``ParallelEnv`` of ``n`` VecNormV2'ed OffsetNoiseEnvs labelled
+    ``first_label + i``, itself normalised by a VecNormV2 of its own (the batched level) that
+    writes ``"outer_norm"`` and keeps the raw observation."""
+    from functools import partial
+
+    from torchrl.envs import Compose, ParallelEnv, SerialEnv, TransformedEnv, VecNormV2
+
+    fns = [partial(make_vecnorm_env, first_label + i) for i in range(n)]
+    batched = SerialEnv(n, fns) if kind == "serial" else ParallelEnv(n, fns, mp_start_method=mp.get_start_method())
+    return TransformedEnv(batched, Compose(VecNormV2(in_keys=["observation"], out_keys=["outer_norm"], decay=1.0)))
+
+
+def make_native_normed(n: int = 3, first_label: int = 0) -> Any:
+    """A NativeCounterEnv whose rows are normalised by one ObservationNorm with a row of
+    loc/scale per env (``"observation_norm"`` = (observation - loc) / scale; the raw
+    observation is kept)."""
+    from torchrl.envs import ObservationNorm, TransformedEnv
+
+    norm = ObservationNorm(
+        loc=torch.zeros(n, 3),
+        scale=torch.ones(n, 3),
+        in_keys=["observation"],
+        out_keys=["observation_norm"],
+        standard_normal=True,
+    )
+    return TransformedEnv(NativeCounterEnv(n, 1000, first_label), norm)

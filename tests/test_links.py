@@ -238,7 +238,8 @@ def test_a_killed_owners_file_and_semaphores_are_swept_while_its_forked_child_li
     path, child, names = out[0], int(out[1]), out[2:]
     semaphores = [f"{SHM_DIR}/sem.{n.lstrip('/')}" for n in names]
     try:
-        assert len(semaphores) == 6 and all(os.path.exists(p) for p in [path, *semaphores])
+        # 2 slots: a lock, a wake-up and a relay each; 2 acknowledgement semaphores
+        assert len(semaphores) == 8 and all(os.path.exists(p) for p in [path, *semaphores])
         assert os.path.exists(f"/proc/{child}")
         removed = sweep_stale(SHM_DIR)
         assert path in removed and set(semaphores) <= set(removed)

@@ -139,6 +139,13 @@ class ReceiverLink(Protocol):
     def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         """Answer ``request`` with ``read(asked names)`` and wake the sender."""
 
+    def answered(self) -> int:
+        """The latest request answered on this end's slot."""
+
+    def asked(self, request: int) -> list[str]:
+        """The names ``request`` asks for (a batched env's own entries are its group's to
+        answer, see :mod:`envsync.levels`)."""
+
     def ack_received(self, version: int) -> None:
         """Tell the sender this version is seen and armed."""
 
@@ -161,6 +168,12 @@ class ReceiverLink(Protocol):
 
     def poke(self) -> None:
         """Wake this end's listener (as the sender's notify does)."""
+
+    def poke_relay(self) -> None:
+        """Wake the listener of the slot's relay (a batched env's group, see ``relayed``)."""
+
+    def relayed(self) -> ReceiverLink:
+        """This end, its listener waiting on the slot's relay instead of its wake-up."""
 
     def wait_notice(self, timeout: float) -> bool:
         """Block until the sender notifies this worker or ``timeout`` passes."""

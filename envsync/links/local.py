@@ -38,7 +38,7 @@ class LocalLink(SlotWriter):
         fields, size = plan(leaves, num_workers)
         table = Table(torch.zeros(size, dtype=torch.uint8), fields, num_workers)
         locks = [threading.Lock() for _ in range(num_workers)]
-        wakes = [threading.Semaphore(0) for _ in range(num_workers)]
+        wakes = [threading.Semaphore(0) for _ in range(2 * num_workers)]  # wake-ups, then relays
         super().__init__(table, locks, wakes, (threading.Semaphore(0), threading.Semaphore(0)))
         self.initialise(leaves)
         self._alive = alive
@@ -66,4 +66,5 @@ class LocalHandle:
     def open(self, worker: int) -> SlotReader:
         if not 0 <= worker < self._table.num_workers:
             raise IndexError(f"worker {worker} out of range for {self._table.num_workers} workers")
-        return SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks)
+        relay = self._wakes[self._table.num_workers + worker]
+        return SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks, relay=relay)

@@ -160,7 +160,9 @@ class SharedMemoryLink:
         # locked under a name no sweep looks at, then renamed: a sweep never sees it unlocked
         hidden = os.path.join(SHM_DIR, f".{PREFIX}{token}")
         locks = [ctx.Lock() for _ in range(num_workers)]
-        wakes = [ctx.Semaphore(0) for _ in range(num_workers)]
+        # per slot a wake-up (the sender wakes the receiver), then a relay (a receiver in a
+        # ParallelEnv's sub-process wakes its batched env's group, in the worker)
+        wakes = [ctx.Semaphore(0) for _ in range(2 * num_workers)]
         acks = (ctx.Semaphore(0), ctx.Semaphore(0))
         trailer = _names_trailer([*locks, *wakes, *acks])
         fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -286,7 +288,8 @@ class SharedMemoryHandle:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
-        return SlotReader(self.table(), worker, self.locks[worker], self.wakes[worker], self.acks, owner=self.owner)
+        wake, relay = self.wakes[worker], self.wakes[self.num_workers + worker]
+        return SlotReader(self.table(), worker, self.locks[worker], wake, self.acks, owner=self.owner, relay=relay)
 
 
 def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:

@@ -18,6 +18,7 @@ counter before it releases): it blocks only while a slot still owes the version.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -312,9 +313,13 @@ class SlotWriter:
 
 
 class SlotReader:
-    """One worker's operations on a table (both links use it)."""
+    """One worker's operations on a table (both links use it). ``relay``: the slot's second
+    semaphore, through which a receiver in a ``ParallelEnv``'s sub-process wakes its batched
+    env's group (which listens on :meth:`relayed`)."""
 
-    def __init__(self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, *, owner: int = 0) -> None:
+    def __init__(
+        self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, *, owner: int = 0, relay: Any = None
+    ) -> None:
         self.worker = worker
         self._owner = owner
         self.table = table
@@ -326,8 +331,19 @@ class SlotReader:
         self._asked = [k for k in self._slot if k[0] == "asked"]
         self._lock = lock
         self._wake = wake
+        self._relay = relay
         self._acks = acks
         self._c["pid"][worker] = os.getpid()
+
+    def relayed(self) -> SlotReader:
+        """This end, waiting on the slot's relay instead of its wake-up (for a group's listener)."""
+        end = copy.copy(self)
+        end._wake = self._relay
+        return end
+
+    def poke_relay(self) -> None:
+        """Wake the listener of :meth:`relayed` (the group beside the batched env)."""
+        self._relay.release()
 
     def target(self) -> int:
         return int(self.targets[self.worker])
@@ -356,6 +372,15 @@ class SlotReader:
 
     def request(self) -> int:
         return int(self._c["ask"][self.worker])
+
+    def answered(self) -> int:
+        """The latest request answered on this slot."""
+        return int(self._c["answered"][self.worker])
+
+    def asked(self, request: int) -> list[str]:
+        """The names ``request`` asks this slot for."""
+        with locked(self._lock, "worker %d reading a request", self.worker):
+            return [k[1] for k in self._asked if int(self.table.array(self.worker, k)) == request]
 
     def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         with locked(self._lock, "worker %d replying", self.worker):

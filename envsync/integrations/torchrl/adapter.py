@@ -413,15 +413,19 @@ def wrap_collector(collector: Any, group: Any, hooks: Any, first_env: int) -> No
                 hooks.truncate_last(batch, truncating)
         if truncating or not group.spec.truncates:
             group.apply_if_idle(truncating if group.spec.truncates else None)
+        group.serve()
         return batch
 
     collector.rollout = wrapped
     _guard_commands(collector, group_ref)
 
 
-def serve_env(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, collector: Any) -> Any:
+def serve_env(
+    env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, collector: Any, *, relay: bool = False
+) -> Any:
     """A receiver for the hooked ``env`` on link ``slot``, as fleet env ``env_index``
-    (``collector``: the collector that drives it, or ``None`` for a sub-env)."""
+    (``collector``: the collector that drives it, or ``None`` for a sub-env; ``relay``: a
+    sub-env in another process than its group, see :class:`EnvStateReceiver`)."""
     receiver = EnvStateReceiver(
         link=handle.open(slot),
         spec=hooks.spec,
@@ -430,6 +434,7 @@ def serve_env(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_
         sub_env=collector is None,
         before_idle_apply=hooks.unsettle,
         exclusion=hooks.exclusion,
+        relay=relay,
     )
     hooks.bind(receiver, env_index)
     return receiver

@@ -269,7 +269,7 @@ def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, An
         raise ValidationError(f"from_env: config must be a list of names, got {names!r}")
     built = not isinstance(make_env, EnvBase)
     env = make_env() if built else make_env
-    make_leaf = split(env)[1]
+    make_leaf = split(env).make_leaf
     leaf = env if make_leaf is None else make_leaf()
     try:
         read = getattr(apply, "read", None) or Attributes().read

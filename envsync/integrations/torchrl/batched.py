@@ -7,12 +7,14 @@ otherwise. The wrapped factory swaps the batched env's leaf factories (before it
 own safe points: its own reset (partial resets included), its steps, and its truncation.
 
 What needs the collector lives beside the batched env, in :class:`EnvGroup`: the idle
-listeners (one per sub-env; an idle apply goes to the leaf through the batched env's own
-channel, or as a partial reset of that sub-env through the collector), the busy marks, and
-the tags. A leaf writes into its slot the version its latest step ran under and the one its
-observation comes from, only when they change; :class:`BatchedHooks` reads them after a
-batched step only while some sub-env is unsettled, and writes ``env_version`` and
-``env_index`` once per rollout, row by row.
+listeners (one per sub-env; an idle apply goes to a ``SerialEnv``'s leaf directly, or as a
+partial reset of that sub-env through the collector; a ``ParallelEnv``'s leaves listen
+themselves and wake the group through their slots' relays), the busy marks, the tags, and
+the batched env's own transforms (:class:`~.outer.OuterState`, caught up after a step that
+saw a change and when a rollout begins). A leaf writes into its slot the version its latest
+step ran under and the one its observation comes from, only when they change;
+:class:`BatchedHooks` reads them after a batched step only while some sub-env is unsettled,
+and writes ``env_version`` and ``env_index`` once per rollout, row by row.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from envsync.integrations.torchrl.adapter import (
     truncate_at,
     wrap_collector,
 )
+from envsync.integrations.torchrl.outer import OuterState, outer_env
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.receiver import ApplySpec, EnvStateReceiver, start_listener
@@ -50,6 +53,7 @@ from envsync.state import apply_config
 
 BIND = "_envsync_bind"
 APPLY_NOW = "_envsync_apply_now"
+SERVE = "_envsync_serve"
 HOOKS = "_envsync_batched"
 _MAX_ROUNDS = 8
 
@@ -70,6 +74,7 @@ def prepare_leaf(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) 
     apply_config(env, spec.apply, initial_config)
     env.__dict__[BIND] = _leaf_call(env, hooks, _bind_leaf)
     env.__dict__[APPLY_NOW] = _leaf_call(env, hooks, _apply_now)
+    env.__dict__[SERVE] = _leaf_call(env, hooks, _serve)
     return env
 
 
@@ -88,13 +93,18 @@ def _leaf_call(env: EnvBase, hooks: Any, fn: Callable[..., Any]) -> Callable[...
 
 
 def _bind_leaf(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, listen: bool) -> bool:
-    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None)
+    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None, relay=listen)
     return receiver.start(listen=listen)
 
 
 def _apply_now(env: EnvBase, hooks: Any) -> None:
     if hooks.receiver is not None:
         hooks.receiver.apply_if_idle()
+
+
+def _serve(env: EnvBase, hooks: Any) -> None:
+    if hooks.receiver is not None:
+        hooks.receiver.serve()
 
 
 def prepare_batched(batched: BatchedEnvBase, spec: ApplySpec, wrap_leaf: Callable[[Any], Any]) -> None:
@@ -171,7 +181,13 @@ class BatchedHooks:
     def leaves(self, env: EnvBase) -> Leaves:
         """How the group reaches the envs of the fleet that ``env`` holds."""
         assert isinstance(env, BatchedEnvBase)
-        return SubEnvs(env, self.spec)
+        return SubEnvs(env)
+
+    @staticmethod
+    def own_transforms(env: EnvBase, collector: Any) -> EnvBase | None:
+        """The env that holds the batched env's own transforms: the ``TransformedEnv`` the
+        collector steps, when there is one around the batched env."""
+        return outer_env(collector.env)
 
     def unsettle(self) -> None:
         """Read the sub-envs' versions after the next step (they changed outside a step)."""
@@ -216,6 +232,7 @@ class BatchedHooks:
         group = self.group
         if group is None or (self._settled and group.unchanged()):
             return
+        group.catch_up()  # the batched env's own entries, for the next step
         ran, obs, _, settled = group.read()
         for i in range(self.num_envs):
             _mark(self._next[i], frame, ran[i])
@@ -227,6 +244,7 @@ class BatchedHooks:
         self.frame = 0
         if self.group is None:
             return
+        self.group.catch_up()  # what the worker's envs applied while idle
         _, obs, applied, _ = self.group.read()
         self._root = [[(0, v)] for v in obs]
         self._next = [[(0, v)] for v in applied]
@@ -260,8 +278,8 @@ class Leaves(Protocol):
     """How a group reaches the envs of the fleet one batched env holds."""
 
     listening: bool
-    """Whether the envs' own receivers listen (and apply while idle): the group then only
-    pokes them, and starts no listener of its own."""
+    """Whether the envs' own receivers listen (apply while idle, answer gathers): the group
+    then only pokes them, and listens on the slots' relays for what they hand it."""
 
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
         """Bind env ``i`` to link slot ``first_slot + i`` as fleet env ``first_env + i``;
@@ -271,21 +289,26 @@ class Leaves(Protocol):
         """Apply these envs' pending versions now (the collector is idle; a ``"step"`` version;
         not called when they listen)."""
 
+    def serve(self, indices: list[int]) -> None:
+        """Answer these envs' pending gathers now (the collector is idle or at a rollout's
+        end; not called when they listen)."""
+
 
 class SubEnvs:
     """The sub-envs of a ``SerialEnv`` or ``ParallelEnv``, each with its receiver beside it.
 
-    Unless idle applies reset sub-envs (``"truncate"``, or re-inits that move the env), the
-    receivers of a ``ParallelEnv``'s sub-envs listen in their own processes (the sender wakes
-    them directly) and apply a ``"step"`` version while idle themselves: the group never
-    writes into the ``ParallelEnv``'s channels after binding (the user's thread may use them,
-    e.g. torchrl's attribute forwarding), it only pokes their listeners. Otherwise the
-    group listens and applies (a ``SerialEnv``'s sub-envs run in this process), or resets.
+    The receivers of a ``ParallelEnv``'s sub-envs listen in their own processes (the sender
+    wakes them directly): they answer gathers and apply a ``"step"`` version while idle
+    themselves, so the group never writes into the ``ParallelEnv``'s channels from a
+    listener (the user's thread may use them, e.g. torchrl's attribute forwarding); it only
+    pokes them, and they wake it through their slots' relays for what is the group's (the
+    batched env's own entries; an idle apply that resets the sub-env through the collector).
+    A ``SerialEnv``'s sub-envs run in this process: the group listens, applies and serves.
     """
 
-    def __init__(self, batched: BatchedEnvBase, spec: ApplySpec) -> None:
+    def __init__(self, batched: BatchedEnvBase) -> None:
         self._batched = weakref.ref(batched)
-        self.listening = isinstance(batched, ParallelEnv) and not spec.idle_resets
+        self.listening = isinstance(batched, ParallelEnv)
 
     def _live(self) -> BatchedEnvBase:
         batched = self._batched()
@@ -300,6 +323,10 @@ class SubEnvs:
 
     def apply_now(self, indices: list[int]) -> None:
         call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
+
+    def serve(self, indices: list[int]) -> None:
+        if not self.listening:
+            call_leaves(self._live(), {i: () for i in indices}, SERVE)
 
 
 def call_leaves(batched: BatchedEnvBase, calls: dict[int, tuple[Any, ...]], name: str) -> dict[int, Any]:
@@ -351,6 +378,12 @@ class EnvGroup:
         self.exclusion = Exclusion()  # the group's: its listeners against its collector's rollouts
         self._lock = self.exclusion.lock
         self._closed = False
+        self.outer: OuterState | None = None  # the batched env's own transforms, if any
+
+    @property
+    def applied(self) -> np.ndarray:
+        """The applied-version counters of the group's slots (a live numpy view)."""
+        return self._applied
 
     def unchanged(self) -> bool:
         """Whether no push reached any sub-env since the group last settled."""
@@ -363,6 +396,7 @@ class EnvGroup:
         applied, failed = self._applied.copy(), self._failures.copy()
         ran, obs = self._ran.copy(), self._obs.copy()
         settled = bool(np.all(((targets == applied) | (targets == failed)) & (ran == applied) & (obs == applied)))
+        settled = settled and (self.outer is None or not self.outer.behind())
         if settled:
             self._seen = targets.tobytes()
         return ran.tolist(), obs.tolist(), applied.tolist(), settled
@@ -403,25 +437,42 @@ class EnvGroup:
                 else:
                     self.leaves.apply_now(pending)
 
+    def catch_up(self) -> None:
+        """Load the batched env's own entries the worker's envs all applied (a safe point)."""
+        if self.outer is not None:
+            with self._lock:
+                self.outer.catch_up()
+
+    def serve(self, only: list[int] | None = None) -> None:
+        """Answer pending gathers: the sub-envs' (unless their receivers listen) and the
+        batched env's own (at a rollout's end, or with the collector idle)."""
+        with self._lock:
+            indices = range(self.num_envs) if only is None else only
+            asked = [i for i in indices if self.ends[i].request() != self.ends[i].answered()]
+            if asked:
+                self.leaves.serve(asked)
+            if self.outer is not None:
+                self.outer.serve()
+
     def truncating(self) -> list[int]:
         """The sub-envs whose pending version must end their episode as truncated."""
         return self.pending() if self.spec.truncates else []
 
     def on_wake(self, index: int) -> None:
-        """A listener was woken for sub-env ``index``: acknowledge; apply if idle."""
+        """A listener was woken for sub-env ``index``: acknowledge; apply and serve if idle."""
         with self._lock:
             end = self.ends[index]
             end.ack_received(end.target())
             if not self.exclusion.driven:
                 self.apply_if_idle()
+                self.serve([index])
 
     def start(self) -> None:
-        """Start one idle listener per sub-env (unless the sub-envs' own receivers listen:
-        one listener per wake-up semaphore)."""
-        if self.leaves.listening:
-            return
+        """Start one idle listener per sub-env: on its slot's wake-up, or, when the sub-envs'
+        own receivers listen there, on its relay (one listener per semaphore)."""
         for i, end in enumerate(self.ends):
-            start_listener(self, end, functools.partial(EnvGroup.on_wake, index=i), name=f"envsync-group-{i}")
+            wake = end.relayed() if self.leaves.listening else end
+            start_listener(self, wake, functools.partial(EnvGroup.on_wake, index=i), name=f"envsync-group-{i}")
 
     def close(self) -> None:
         """Stop the listeners."""
@@ -446,9 +497,13 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
         )
     leaves = hooks.leaves(env)
     group = EnvGroup(collector, hooks, leaves, handle, first_slot)
+    own = hooks.own_transforms(env, collector)
+    if own is not None:
+        group.outer = OuterState(own, hooks.spec, group.ends[0], group.applied)
     caught_up = leaves.bind(handle, first_slot, first_env)
     hooks.group = group
     wrap_collector(collector, group, hooks, first_env)
+    group.catch_up()  # the batched env's own entries too, before the reset below sees them
     if caught_up:
         collector.reset()  # the leaves run the latest version: start fresh episodes under it
     group.start()

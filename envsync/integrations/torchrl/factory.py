@@ -6,17 +6,22 @@ replace ``_step`` and ``_reset`` on that instance only.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDictBase
-from torchrl.envs import EnvBase
+from torchrl.envs import EnvBase, SerialEnv, TransformedEnv
+from torchrl.envs.batched_envs import BatchedEnvBase
 
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks
 from envsync.integrations.torchrl.batched import find_batched, prepare_batched, prepare_leaf
 from envsync.integrations.torchrl.native import prepare_native
-from envsync.probe import Probe
+from envsync.levels import split_reinit
+from envsync.probe import Layout, Probe
 from envsync.receiver import ApplySpec
 from envsync.state import apply_config
 
@@ -34,7 +39,8 @@ def prepare_env(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -
     """
     batched = find_batched(env)
     if batched is not None:
-        prepare_batched(batched, spec, lambda fn: LeafFactory(fn, spec, initial_config))
+        leaf = dataclasses.replace(spec, reinit=split_reinit(spec.reinit)[0])  # the sub-envs' own rules
+        prepare_batched(batched, spec, lambda fn: LeafFactory(fn, leaf, initial_config))
         return env
     if env.batch_size:
         prepare_native(env, spec, initial_config)
@@ -44,15 +50,30 @@ def prepare_env(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -
     return env
 
 
-def split(env: EnvBase) -> tuple[int, Callable[[], EnvBase] | None, bool]:
-    """How many envs of the fleet ``env`` holds, a builder of one of its sub-envs, and
-    whether it takes env state (a natively batched env's rows share its transforms)."""
+def split(env: EnvBase) -> Layout:
+    """How many envs of the fleet ``env`` holds, and where their state lives: a sub-env of a
+    ``SerialEnv``/``ParallelEnv`` is built alone to describe one; the transforms around it
+    are copied onto a ``SerialEnv`` of its sub-envs (in this process: the batched env itself
+    stays unstarted); a natively batched env's rows are rows of its own entries."""
+    outer: Callable[[], EnvBase] | None
     batched = find_batched(env)
     if batched is not None:
-        return int(batched.num_workers), lambda: batched.create_env_fn[0](**batched.create_env_kwargs[0]), True
+        outer = functools.partial(_outer_copy, env, batched) if isinstance(env, TransformedEnv) else None
+        return Layout(
+            int(batched.num_workers),
+            lambda: batched.create_env_fn[0](**batched.create_env_kwargs[0]),
+            make_outer=outer,
+            batched=True,
+        )
     if env.batch_size:
-        return int(env.batch_size[0]), None, False
-    return 1, None, True
+        outer = (lambda: env) if isinstance(env, TransformedEnv) else None
+        return Layout(int(env.batch_size[0]), rows=True, make_outer=outer, batched=True)
+    return Layout()
+
+
+def _outer_copy(env: TransformedEnv, batched: BatchedEnvBase) -> EnvBase:
+    fns, kwargs = batched.create_env_fn, batched.create_env_kwargs
+    return TransformedEnv(SerialEnv(batched.num_workers, fns, create_env_kwargs=kwargs), copy.deepcopy(env.transform))
 
 
 class EnvFactory:

@@ -11,13 +11,17 @@ A row's config reaches the env through the user's ``apply``: a method (or callab
 takes an ``env_ids`` keyword is called with the rows being changed and their indices in
 the env; one that does not is called with the whole batch (every row's current config), and
 then per-env ``"reset"`` mode is refused, since changing one row would change them all.
-The rows share the env's transforms: a natively batched env takes config only (no env
-state, no re-initialisation).
+
+A row's env state is its row of every ``state_dict()`` entry whose leading dim is the batch
+size (written in place into that row); the env's transforms as a whole are the batched
+env's own (``batched.*``, :mod:`envsync.levels`), which its group serves. The rows share the
+transforms: re-initialisation policies address them only as ``"batched.*"``.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +32,12 @@ from torchrl.envs import EnvBase
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import truncate_at
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
+from envsync.integrations.torchrl.outer import outer_env
+from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.receiver import ApplySpec, EnvStateReceiver
-from envsync.state import FlatConfig, config_kwargs, find_config_method, flat_names, tensor_of
+from envsync.state import FlatConfig, config_kwargs, env_state_dict, find_config_method, flat_names, tensor_of
 
 
 def _takes_env_ids(fn: Callable[..., Any]) -> bool:
@@ -96,19 +102,26 @@ def _rows(config: FlatConfig) -> TensorDict:
 
 
 class RowAdapter:
-    """A receiver's view of one row of a natively batched env (config only)."""
+    """A receiver's view of one row of a natively batched env: its config through the
+    applier, its state as its row of each per-row entry (views, written in place)."""
 
     has_reinit = False
 
-    def __init__(self, applier: RowApplier, row: int) -> None:
+    def __init__(self, applier: RowApplier, row: int, env: EnvBase) -> None:
         self._applier = applier
         self._row = row
+        self._env = weakref.ref(env)
+        self._n = int(env.batch_size[0])
 
     def apply_config(self, config: FlatConfig) -> None:
         self._applier.apply(self._row, config)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return {}
+        env = self._env()
+        if env is None:
+            raise RuntimeError("the env of this row is gone")
+        n, row = self._n, self._row
+        return {k: v[row] for k, v in env_state_dict(env, keep_vars=True).items() if v.ndim and v.shape[0] == n}
 
     def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
         return None
@@ -131,12 +144,24 @@ class NativeHooks(BatchedHooks):
 
     def __init__(self, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase, applier: RowApplier) -> None:
         super().__init__(env, spec)
+        self.env = weakref.ref(env)
         self.initial_config = initial_config
         self.applier = applier
         self.rows: list[EnvStateReceiver] = []  # one per row once bound
 
     def leaves(self, env: EnvBase) -> Leaves:
         return Rows(self)
+
+    def live_env(self) -> EnvBase:
+        env = self.env()
+        if env is None:
+            raise RuntimeError("the batched env is gone")
+        return env
+
+    @staticmethod
+    def own_transforms(env: EnvBase, collector: Any) -> EnvBase | None:
+        """The hooked env itself holds the transforms its rows share."""
+        return outer_env(env)
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         group = self.group
@@ -195,7 +220,7 @@ class Rows:
             EnvStateReceiver(
                 link=handle.open(first_slot + index),
                 spec=hooks.spec,
-                adapter=RowAdapter(hooks.applier, index),
+                adapter=RowAdapter(hooks.applier, index, hooks.live_env()),
                 initial_config=hooks.initial_config,
                 sub_env=True,
                 before_idle_apply=hooks.unsettle,
@@ -208,6 +233,10 @@ class Rows:
     def apply_now(self, indices: list[int]) -> None:
         for index in indices:
             self._hooks.rows[index].apply_if_idle()
+
+    def serve(self, indices: list[int]) -> None:
+        for index in indices:
+            self._hooks.rows[index].serve()
 
 
 def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:
@@ -222,8 +251,11 @@ def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase
         return
     if len(env.batch_size) != 1:
         raise ValidationError(f"envsync needs a batch size of one dim on a batched env, got {list(env.batch_size)}")
-    if any(policy.kind != "keep" for _, policy in spec.reinit.rules):
-        raise ValidationError("a natively batched env takes config only: its rows share its transforms (no reinit)")
+    if any(policy.kind != "keep" for _, policy in split_reinit(spec.reinit)[0].rules):
+        raise ValidationError(
+            "the rows of a natively batched env share its transforms: a reinit policy cannot run for one row; "
+            "address the env's own transforms as 'batched.<class name or index>' (see docs/batched.md)"
+        )
     flat = flat_names(initial_config)
     applier = RowApplier(env, spec.apply, flat, int(env.batch_size[0]))
     if spec.apply is not None and not applier.by_rows and spec.apply_at is ApplyAt.RESET:

@@ -1,0 +1,137 @@
+"""The batched env's own transforms (:mod:`envsync.levels`), served by its group.
+
+A ``TransformedEnv`` around a ``SerialEnv``/``ParallelEnv`` (or a natively batched env's
+transforms) is shared by every env of the worker, so it has no receiver of its own: the
+worker's envs carry its entries in their slots (``batched.<key>``, pushed to every env of the
+worker), and :class:`OuterState`, beside the batched env in the process that drives it,
+reads them from the worker's first slot. It loads an entry once every env of the worker has
+applied the version that pushed it (so no frame tagged with an older version of every env
+sees it), at the batched env's next step, or before answering a gather; then it runs the
+batched-level ``reinit`` policies once per version the whole worker reached. It answers the
+gather requests that ask for ``batched.*`` entries (the sub-envs' receivers leave those).
+Everything runs under the group's exclusion, never while the collector drives the env.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+from torchrl.envs import EnvBase, TransformedEnv
+
+from envsync.integrations.torchrl.adapter import CollectorAdapter
+from envsync.levels import PREFIX, inner, is_batched, split_reinit
+from envsync.links.base import ReceiverLink
+from envsync.receiver import ApplySpec
+
+
+def outer_env(env: Any) -> TransformedEnv | None:
+    """The env whose own transforms are the batched level: ``env`` (a collector's env, or a
+    natively batched env as hooked) when it is a ``TransformedEnv``. torchrl folds nested
+    ``TransformedEnv`` layers into one, so it holds every transform above the batched env."""
+    return env if isinstance(env, TransformedEnv) else None
+
+
+def outer_spec(spec: ApplySpec) -> ApplySpec:
+    """How the group treats the batched env's own transforms: no config method, the
+    batched-level ``reinit`` rules only."""
+    return ApplySpec(apply=None, apply_at=spec.apply_at, reinit=split_reinit(spec.reinit)[1])
+
+
+class OuterState:
+    """The batched env's own entries, loaded and read beside it (see the module docstring).
+
+    Args:
+        env: the env that holds the batched-level transforms.
+        spec: the sender's apply spec (its batched-level ``reinit`` rules are used).
+        first: the worker's first slot (its envs' entries of the batched level are the same).
+        applied: the applied-version counters of every slot of the worker (numpy view).
+    """
+
+    def __init__(self, env: EnvBase, spec: ApplySpec, first: ReceiverLink, applied: np.ndarray) -> None:
+        self._adapter = CollectorAdapter(None, env, outer_spec(spec))
+        self._end = first
+        self._applied = applied
+        self._loaded: dict[str, int] = {}  # name -> stamp of the value in the env
+        self._snapshot: dict[str, torch.Tensor] = {}  # first-time loads, for an undo
+        self._snapshot_version = 0
+        self.version = 0  # every env of the worker had applied this when last caught up
+        self._answered = 0
+        self._passed = 0  # the latest request left to the sub-env's receiver
+
+    def behind(self) -> bool:
+        """Whether the worker's envs all applied a version this has not caught up with."""
+        return int(self._applied.min()) > self.version
+
+    def catch_up(self) -> None:
+        """Load the batched-level entries of every version the worker's envs all applied,
+        then run the batched-level ``reinit`` policies (caller holds the group's exclusion)."""
+        reached = int(self._applied.min())
+        if reached <= self.version:
+            return
+        header = self._end.read_header()
+        try:
+            if header.undo and header.undo == self._snapshot_version:
+                self._put_back()
+            live = self._adapter.state_tensors()
+            due = [
+                n for n, stamp in header.stamps.items() if is_batched(n) and self._loaded.get(n, 0) < stamp <= reached
+            ]
+            ready = [n for n in due if inner(n) in live]
+            if ready and not self._load(header.version, ready, live, header.stamps):
+                return  # a newer version came meanwhile: the next safe point loads it
+            if len(ready) < len(due):
+                return  # a lazy transform's state appears at its first reset: the next safe point
+            self._adapter.reinit(reached)
+        except Exception:
+            self._end.report_failure(reached, traceback.format_exc())
+        self.version = reached
+
+    def _load(self, version: int, names: list[str], live: dict[str, torch.Tensor], stamps: dict[str, int]) -> bool:
+        first_time = {n for n in names if not self._loaded.get(n)}
+
+        def load(name: str, view: torch.Tensor) -> None:
+            target = live[inner(name)]
+            if name in first_time:
+                self._snapshot[name] = target.detach().clone()
+            target.data.copy_(view)
+
+        if not self._end.load_entries(version, names, load):
+            return False
+        if first_time:
+            self._snapshot_version = max(stamps[n] for n in first_time)
+        self._adapter.commit({inner(n): live[inner(n)] for n in names}, version=max(stamps[n] for n in names))
+        self._loaded.update({n: stamps[n] for n in names})
+        return True
+
+    def _put_back(self) -> None:
+        """A rollback of the version that first pushed some entries: their earlier values."""
+        live = self._adapter.state_tensors()
+        for name, value in self._snapshot.items():
+            live[inner(name)].data.copy_(value)
+            self._loaded[name] = 0
+        self._adapter.commit({inner(n): live[inner(n)] for n in self._snapshot}, version=0, restore=True)
+        self._snapshot, self._snapshot_version = {}, 0
+
+    def serve(self) -> None:
+        """Answer a gather for the batched env's own entries, after catching up (caller holds
+        the group's exclusion, with the collector idle or at a rollout's end)."""
+        end = self._end
+        request = end.request()
+        if request in (self._answered, self._passed):
+            return
+        names = end.asked(request)
+        if not names or not all(is_batched(n) for n in names):
+            self._passed = request  # the sub-env's receiver answers that one
+            return
+        self.catch_up()
+        end.reply(request, self._read)
+        self._answered = request
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        live = self._adapter.state_tensors()
+        out = {inner(name): live[inner(name)] for name in names}
+        self._adapter.note_read(out, self._end.target())
+        return {f"{PREFIX}{key}": value for key, value in out.items()}
