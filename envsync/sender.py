@@ -333,6 +333,8 @@ class Sender:
                 updates = dict.fromkeys(targets, shared)
             else:
                 updates = {e: update(c, e) for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)}
+            if fleet_wide and shared is None and env:  # rows of config, one env state for all
+                shared = desired.leaves({}, env, version)
             return updates, shared if fleet_wide else None
 
         return self._send(prepare, wait=wait, timeout=timeout)
