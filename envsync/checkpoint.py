@@ -19,7 +19,7 @@ from envsync import desired, gather
 from envsync.errors import ValidationError
 from envsync.gather import applied_versions, head
 from envsync.levels import is_batched
-from envsync.state import Leaf, flat_names
+from envsync.state import Leaf, flat_names, nest
 
 if TYPE_CHECKING:
     from envsync.sender import Sender
@@ -37,6 +37,8 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
         own = [_own_entries(sender._mirror(e), sender._default) for e in indices]
         if any(own):
             out["env_state_rows"] = own
+        if not indices and sender._rows is not None:  # a restored checkpoint no collector took yet
+            _keep_restored_rows(sender, out)
         if sender._stats is not None:
             out["stats"] = sender._stats.state_dict(indices, applied_versions(sender, indices))
         if sender._whole_stats is not None:  # kept per env: each env's row is its worker's
@@ -46,6 +48,15 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
     if gather and indices:
         out["worker_env_state"] = sender.gather(None, workers=sorted({sender._fleet.worker_of(e) for e in indices}))
     return out
+
+
+def _keep_restored_rows(sender: Sender, out: dict[str, Any]) -> None:
+    """The per-worker rows a loaded checkpoint holds for the next collector: saved again
+    before that collector exists, they are not lost."""
+    assert sender._rows is not None
+    out["config"] = TensorDict.stack([nest(desired.section(r, "config")) for r in sender._rows])
+    if sender._unchecked_rows is not None:
+        out["env_state_rows"] = [{k: v.clone() for k, v in r.items()} for r in sender._unchecked_rows]
 
 
 def _own_entries(mirror: Mapping[Any, Any], default: Mapping[Any, Any]) -> dict[str, Any]:
