@@ -29,9 +29,11 @@ unit: $(STAMP)
 test: lint typecheck unit docs
 
 # The model-based test with fresh seeds for ENVSYNC_MODEL_SECONDS (default 20 minutes; set
-# ENVSYNC_MODEL_SEED to repeat a run), then the push soak tests; -s shows the model's summary.
+# ENVSYNC_MODEL_SEED to repeat a run), then the push soak tests (-s shows the model's summary),
+# then every Ray cell of the matrix (make test runs those of a Collector only).
 soak: $(STAMP)
 	ENVSYNC_MODEL_SECONDS=$${ENVSYNC_MODEL_SECONDS:-1200} $(BIN)/python -m pytest -q -s tests/test_model.py::test_model_soak tests/test_e2e_soak.py
+	ENVSYNC_MATRIX_ALL=1 $(BIN)/python -m pytest -q tests/test_matrix.py -k test_ray_cell
 
 docs: $(STAMP)
 	test -x $(BIN)/mkdocs || $(BIN)/python -m pip install --quiet -e ".[docs]"

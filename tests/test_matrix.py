@@ -213,4 +213,5 @@ def test_every_test_the_docs_matrix_names_exists() -> None:
 def test_every_cell_appears_in_the_docs_matrix() -> None:
     text = MATRIX.read_text()
     for kind, env_kind in LOCAL_CELLS + RAY_CELLS:
-        assert f"test_matrix.py::{'test_ray_cell' if kind.startswith('ray-') else 'test_cell'}[{kind}-{env_kind}]" in text
+        test = "test_ray_cell" if kind.startswith("ray-") else "test_cell"
+        assert f"`tests/test_matrix.py::{test}[{kind}-{env_kind}]`" in text, (kind, env_kind)
