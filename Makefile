@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak bench docs examples-smoke clean
+.PHONY: demo test lint typecheck unit soak bench docs examples-smoke test-nightly clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,6 +35,21 @@ soak: $(STAMP)
 	ENVSYNC_MODEL_SECONDS=$${ENVSYNC_MODEL_SECONDS:-1200} $(BIN)/python -m pytest -q -s tests/test_model.py::test_model_soak tests/test_e2e_soak.py
 	ENVSYNC_MATRIX_ALL=1 $(BIN)/python -m pytest -q tests/test_matrix.py -k test_ray_cell
 
+# The local cells of the matrix on torchrl-nightly and tensordict-nightly, in a venv of their
+# own on the pinned torch (not part of `make test`); stops first if the nightlies need another torch.
+NIGHTLY := .venv-nightly
+test-nightly:
+	test -x $(NIGHTLY)/bin/python || $(PY) -m venv $(NIGHTLY)
+	$(NIGHTLY)/bin/python -m pip install --quiet --upgrade pip
+	$(NIGHTLY)/bin/python -m pip install --quiet torch==2.13.0
+	$(NIGHTLY)/bin/python -m pip install --dry-run --quiet torch==2.13.0 torchrl-nightly tensordict-nightly \
+		|| { echo "torchrl-nightly/tensordict-nightly need a torch other than 2.13.0: stopping"; exit 1; }
+	$(NIGHTLY)/bin/python -m pip install --quiet torch==2.13.0 torchrl-nightly tensordict-nightly
+	# envsync without its torchrl/tensordict pins (the nightlies stand in for them), then its other needs
+	$(NIGHTLY)/bin/python -m pip install --quiet --no-deps -e .
+	$(NIGHTLY)/bin/python -m pip install --quiet cloudpickle gymnasium numpy tqdm pytest pytest-timeout hypothesis psutil
+	$(NIGHTLY)/bin/python -m pytest -q tests/test_matrix.py -k "not ray"
+
 docs: $(STAMP)
 	test -x $(BIN)/mkdocs || $(BIN)/python -m pip install --quiet -e ".[docs]"
 	$(BIN)/mkdocs build --strict -d build/site
@@ -46,4 +61,4 @@ bench: $(STAMP)
 	$(BIN)/envsync bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NIGHTLY) build *.egg-info
