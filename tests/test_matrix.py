@@ -188,11 +188,17 @@ def test_cell(kind: str, env_kind: str) -> None:
     run_cell(kind, env_kind)
 
 
+SOAK_ONLY = pytest.mark.skipif(
+    not ALL_CELLS, reason="every Ray cell: ENVSYNC_MATRIX_ALL=1 (make soak); make test runs ray-single of each env kind"
+)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("kind", "env_kind"), RAY_CELLS, ids=[f"{k}-{e}" for k, e in RAY_CELLS])
+@pytest.mark.parametrize(
+    ("kind", "env_kind"),
+    [pytest.param(k, e, id=f"{k}-{e}", marks=() if k == "ray-single" else SOAK_ONLY) for k, e in RAY_CELLS],
+)
 def test_ray_cell(cluster: Any, kind: str, env_kind: str) -> None:
-    if kind != "ray-single" and not ALL_CELLS:
-        pytest.skip("every Ray cell: ENVSYNC_MATRIX_ALL=1 (make soak); make test runs ray-single of each env kind")
     run_cell(kind, env_kind)
 
 
