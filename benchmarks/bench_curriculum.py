@@ -38,7 +38,7 @@ import torch
 from bench_common import RESULTS, Report, median, parse_args, save_plot, start_method, target
 from bench_envs import make_stamped_env
 from bench_syllabus import SyllabusRun, syllabus_missing
-from bench_tasks import HALVES, Decision, Ran, Tally, credit, staleness
+from bench_tasks import HALVES, Decision, Ran, Tally, cpu_seconds, credit, staleness
 from tensordict import TensorDictBase
 from tqdm import tqdm
 
@@ -56,9 +56,9 @@ MEASURES = {
 class Args:
     envs: list[int] = field(default_factory=lambda: [1, 4, 8])
     systems: list[str] = field(default_factory=lambda: ["envsync", "syllabus"])
-    rounds: int = 8  # timed windows per variant, variants taking turns (after one warm-up window each)
-    window_frames: int = 3200  # frames per window (envsync: whole batches, at least 2)
-    frames_per_worker: int = 160  # per worker and batch of the MultiSyncCollector
+    rounds: int = 6  # timed windows per variant, variants taking turns (after one warm-up window each)
+    window_frames: int = 6400  # frames per window (envsync: whole batches, at least 2)
+    frames_per_worker: int = 480  # per worker and batch of the MultiSyncCollector
     credit_envs: int = 8
     credit_frames: int = 8000  # frames per system in the mid-episode run
     complete_at: int = 10  # Syllabus's env completes its task at this step of each episode
@@ -144,19 +144,18 @@ class EnvsyncRun:
             if check:
                 self._check(batch)
 
-    def window(self, decide: tuple[float, ...] | None) -> float:
-        """Frames/s over the window's batches, a decision in the middle."""
+    def window(self, decide: tuple[float, ...] | None) -> None:
+        """Time the window's batches (the workers' CPU and this process's), a decision in the middle."""
         count = max(self.args.window_frames // self.batch_frames, 2)
-        start = time.perf_counter()
+        pids = [process.pid for process in self.collector.procs]
+        start, cpu = time.perf_counter(), cpu_seconds(pids)
         for i in range(count):
             if i == count // 2 and decide is not None and self.dr is not None:
                 begin = time.monotonic()
                 self.dr.decide(decide)
                 self.tally.decisions.append(Decision(begin, time.monotonic(), decide))
             self.take()
-        fps = count * self.batch_frames / (time.perf_counter() - start)
-        self.tally.fps.append(fps)
-        return fps
+        self.tally.window(count * self.batch_frames, time.perf_counter() - start, cpu_seconds(pids) - cpu)
 
     def _check(self, batch: TensorDictBase) -> None:
         """Count the frames whose observed difficulty is not their tags' config (``sender.config_at``)."""
@@ -203,6 +202,7 @@ def measure_envs(n: int, args: Args, bar: tqdm) -> list[dict[str, Any]]:
                 runs[name].window(HALVES[(r + 1) % 2])
                 if r == 0:
                     runs[name].tally.fps.clear()
+                    runs[name].tally.cpu_fps.clear()
                 bar.update()
         for run in runs.values():
             if isinstance(run, SyllabusRun):
@@ -229,15 +229,25 @@ def _row(n: int, runs: dict[str, Any], name: str, base: str) -> dict[str, Any]:
         "fps_without": without,
         "fps_with": with_fps,
         "with_over_without": with_fps / without,
+        "cpu_with_over_without": median(tally.cpu_fps) / median(runs[base].tally.cpu_fps),
         "decisions": len(stale),
         "stale_episodes": sum(stale),
         "stale_per_decision": sum(stale) / max(len(stale), 1),
         "decision_to_first_ms": 1e3 * median([f for f in first if f == f]),
         **credit(tally),
-        "samples": {"fps_with": tally.fps, "fps_without": runs[base].tally.fps, "stale": stale, "first_s": first},
+        "samples": {
+            "fps_with": tally.fps,
+            "fps_without": runs[base].tally.fps,
+            "cpu_fps_with": tally.cpu_fps,
+            "cpu_fps_without": runs[base].tally.cpu_fps,
+            "stale": stale,
+            "first_s": first,
+        },
     }
     if name.startswith("envsync"):
-        row["attached_over_without"] = median(runs["envsync attached"].tally.fps) / without
+        attached = runs["envsync attached"].tally
+        row["attached_over_without"] = median(attached.fps) / without
+        row["cpu_attached_over_without"] = median(attached.cpu_fps) / median(runs[base].tally.cpu_fps)
         row["samples"]["fps_attached"] = runs["envsync attached"].tally.fps
     return row
 
@@ -287,6 +297,8 @@ COLUMNS = [
     ("fps_with", "frames/s with"),
     ("with_over_without", "with / without"),
     ("attached_over_without", "envsync attached, no curriculum / without"),
+    ("cpu_with_over_without", "frames per CPU s, with / without"),
+    ("cpu_attached_over_without", "frames per CPU s, attached / without"),
     ("decisions", "decisions"),
     ("stale_per_decision", "stale episodes per decision"),
     ("decision_to_first_ms", "decision -> first episode on it (ms, median)"),
@@ -334,13 +346,14 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     mine = [r for r in rows if r["system"] == "envsync"]
     out = [
         target(
-            f"curriculum, {r['envs']} envs: frames/s with the curriculum / without (envsync)",
-            r["with_over_without"],
+            f"curriculum, {r['envs']} envs: {what} with the curriculum / without (envsync)",
+            r[key],
             0.99,
             higher_is_better=True,
         )
         for r in mine
         if "with_over_without" in r
+        for what, key in (("frames/s", "with_over_without"), ("frames per CPU s", "cpu_with_over_without"))
     ]
     timed = [r for r in mine if "stale_episodes" in r]
     if timed:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from bench_envs import DriftTasks, make_stamped_gym_env
-from bench_tasks import DIFFICULTIES, HALVES, Decision, Ran, Tally
+from bench_tasks import DIFFICULTIES, HALVES, Decision, Ran, Tally, cpu_seconds
 
 
 def syllabus_missing() -> bool:
@@ -44,18 +44,18 @@ class SyllabusRun:
             self.observations.append(obs)
             self.done.append(terminated | truncated)
 
-    def window(self, decide: tuple[float, ...] | None) -> float:
+    def window(self, decide: tuple[float, ...] | None) -> None:
+        """Time ``window_frames`` frames (the workers' CPU and this process's), a decision in the middle."""
         steps = max(self.window_frames // self.n, 2)
-        start = time.perf_counter()
+        pids = [process.pid for process in self.envs.processes]
+        start, cpu = time.perf_counter(), cpu_seconds(pids)
         self.steps(steps // 2)
         if decide is not None and self.curriculum is not None:
             begin = time.monotonic()
             self.curriculum.unwrapped.active = [DIFFICULTIES.index(d) for d in decide]
             self.tally.decisions.append(Decision(begin, time.monotonic(), decide))
         self.steps(steps - steps // 2)
-        fps = steps * self.n / (time.perf_counter() - start)
-        self.tally.fps.append(fps)
-        return fps
+        self.tally.window(steps * self.n, time.perf_counter() - start, cpu_seconds(pids) - cpu)
 
     def settle(self) -> list[Ran]:
         """The finished episodes as they ran, each with the task Syllabus credited it to

@@ -3,7 +3,10 @@ what was credited, and the measures taken from them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import psutil
 
 DIFFICULTIES = tuple(round(0.1 * i, 1) for i in range(8))
 HALVES = (DIFFICULTIES[:4], DIFFICULTIES[4:])
@@ -32,11 +35,27 @@ class Decision:
 
 @dataclass
 class Tally:
-    """What one variant saw: window frames/s, decisions, finished episodes."""
+    """What one variant saw: frames per second and per CPU second of each window, decisions,
+    finished episodes."""
 
     fps: list[float] = field(default_factory=list)
+    cpu_fps: list[float] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     ran: list[Ran] = field(default_factory=list)
+
+    def window(self, frames: int, wall_s: float, cpu_s: float) -> None:
+        self.fps.append(frames / wall_s)
+        self.cpu_fps.append(frames / max(cpu_s, 1e-9))
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU seconds used so far by this process (all its threads) and the processes ``pids``
+    (read from /proc in 10 ms ticks)."""
+    total = 0.0
+    for process in [psutil.Process(), *map(psutil.Process, pids)]:
+        times = process.cpu_times()
+        total += times.user + times.system
+    return total
 
 
 def staleness(tally: Tally) -> tuple[list[int], list[float]]:
