@@ -16,7 +16,10 @@ observation, so the run sees what each episode really ran and when it started.
   gymnasium ``AsyncVectorEnv`` (``context="fork"``: under spawn its workers die at their first
   reset), with one and two prefetched tasks. Baseline: the same vector env without Syllabus.
 
-Frames/s with the curriculum / without come from windows that take turns (medians). A stale
+Frames/s, and frames per CPU second (this process and the variant's workers), with the
+curriculum / without come from windows that take turns (medians). CPU time shows envsync's
+cost through the load of a shared machine; it does not show Syllabus's, which is mostly
+waiting: a worker blocked on the task queue burns no CPU. A stale
 episode starts after a decision has returned on a task of the half it left. Then a second run
 changes tasks mid-episode: envsync with ``apply_at="step"`` (the ledger cuts each episode at
 the change), Syllabus with ``change_task_on_completion=True`` (its env completes its task at
@@ -338,7 +341,7 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
         ax.set_xticks([i + width * (len(labels) - 1) / 2 for i in range(len(envs))], [f"{n} envs" for n in envs])
         ax.set_title(title, fontsize=9)
     axes[0].axhline(0.99, color="grey", ls=":", lw=1)
-    axes[0].legend(fontsize=7, loc="lower left")
+    axes[0].legend(fontsize=7, loc="upper left")
     return save_plot(fig, out, NAME)
 
 
@@ -401,6 +404,9 @@ def _notes(args: Args, skipped: bool) -> list[str]:
         "the start of the decision call (envsync: the push, wait='received'; Syllabus: setting the distribution)",
         "envsync draws a task for an env once the ledger has seen it run its previous draw (at most one push per "
         "batch), so an env may run one draw for several episodes; Syllabus draws one per reset",
+        "torchrl resets an env in the step that ends its episode, so a decision made between batches reaches each "
+        "env at the end of the episode it is running; gymnasium resets at the next step, when Syllabus takes a task",
+        "frames per CPU s misses Syllabus's cost: a worker blocked on its task queue burns no CPU",
         f"mid-episode run: {args.credit_envs} envs, {args.credit_frames} frames per system, untimed",
     ]
     if skipped:
