@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import torch
+from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, Unbounded
 from torchrl.envs import Compose, EnvBase, Transform, TransformedEnv
 
-from envsync.envs import DriftEnv, make_drift_env
+from envsync.envs import MAX_EPISODE_STEPS, DriftEnv, make_drift_env
 
 
 class BusyDriftEnv(DriftEnv):
@@ -142,3 +145,75 @@ def make_vecnorm_env(numel: int) -> Any:
     from torchrl.envs import VecNormV2
 
     return TransformedEnv(WideNoiseEnv(numel), Compose(VecNormV2(in_keys=["observation"], decay=1.0)))
+
+
+class StampedDriftEnv(DriftEnv):
+    """:class:`~envsync.envs.DriftEnv` that never terminates (every episode runs to its time
+    limit, whatever the task, so every task resets at the same rate) and whose observation
+    ``[x, difficulty, start]`` (float64) also shows when its episode began: ``start`` is
+    ``time.monotonic()`` at its reset, one clock for every process of the machine.
+    """
+
+    def __init__(self, difficulty: float = 0.0) -> None:
+        super().__init__(difficulty=difficulty)
+        self.observation_space = spaces.Box(-np.inf, np.inf, shape=(3,), dtype=np.float64)
+        self._start = 0.0
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self._x, self.difficulty, self._start], dtype=np.float64)
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        self._start = time.monotonic()
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: np.ndarray) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        obs, reward, _, truncated, info = super().step(action)
+        return obs, reward, False, truncated, info
+
+
+def make_stamped_gym_env() -> gym.Env:
+    """A :class:`StampedDriftEnv` with DriftEnv's time limit."""
+    return gym.wrappers.TimeLimit(StampedDriftEnv(), MAX_EPISODE_STEPS)
+
+
+def make_stamped_env() -> Any:
+    """A torchrl ``GymWrapper`` of :func:`make_stamped_gym_env`."""
+    from torchrl.envs import GymWrapper
+
+    return GymWrapper(make_stamped_gym_env())
+
+
+class DriftTasks(gym.Wrapper):
+    """A gymnasium env's difficulty as a Syllabus task: the interface Syllabus's
+    ``GymnasiumSyncWrapper`` calls (``reset(new_task=...)``, ``change_task``, ``task``), with
+    task ``i`` meaning difficulty ``difficulties[i]``. ``info["task_completion"]`` is 1.0 at
+    step ``complete_at`` of every episode (0: never): Syllabus then changes the task there,
+    mid-episode, when its wrapper has ``change_task_on_completion=True``.
+    """
+
+    def __init__(self, env: gym.Env, difficulties: Sequence[float], complete_at: int = 0) -> None:
+        super().__init__(env)
+        self.difficulties = tuple(difficulties)
+        self.complete_at = complete_at
+        self.task = 0
+        self.steps = 0
+
+    def change_task(self, new_task: Any) -> None:
+        self.task = int(new_task)
+        self.env.unwrapped.set_difficulty(self.difficulties[self.task])  # type: ignore[attr-defined]
+
+    def reset(self, *, new_task: Any = None, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        if new_task is not None:
+            self.change_task(new_task)
+        self.steps = 0
+        obs, info = self.env.reset(**kwargs)
+        info["task_completion"] = 0.0
+        return obs, info
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.steps += 1
+        info["task_completion"] = 1.0 if self.steps == self.complete_at else 0.0
+        return obs, reward, terminated, truncated, info

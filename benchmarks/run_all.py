@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_batched
+import bench_curriculum
 import bench_hot_path
 import bench_payload
 import bench_rebuild
@@ -33,6 +34,7 @@ BENCHMARKS: list[Any] = [
     bench_sync_stats,
     bench_batched,
     bench_rebuild,
+    bench_curriculum,  # its Syllabus half only where syllabus-rl is installed (the bench extra)
 ]
 if shutil.which("callgrind_control") is not None:  # valgrind: instructions per frame, ~3.5 min (~1 min quick)
     import bench_hot_path_instructions

@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 DOCUMENT_KEYS = {"benchmark", "quick", "args", "machine", "rows", "summary", "targets", "notes"}
 ROW_KEYS = {
+    "bench_curriculum": {"envs", "system", "variant", "episodes", "credited_exact_pct", "frames_right_pct"},
     "bench_switch_latency": {
         "workers",
         "envsync_idle_us",
@@ -49,13 +50,15 @@ ROW_KEYS = {
         "all_applied",
     },
 }
+# Syllabus (syllabus-rl) is a peer under comparison, not part of what these smoke runs check
+EXTRA_ARGS = {"bench_curriculum": ["--systems", "envsync"]}
 
 
 @pytest.mark.timeout(80)
 @pytest.mark.parametrize("module", sorted(ROW_KEYS))
 def test_benchmark_quick_run_writes_its_results(module: str, tmp_path: Path) -> None:
     bench = importlib.import_module(module)
-    returned = bench.main(["--quick", "--out", str(tmp_path)])
+    returned = bench.main(["--quick", "--out", str(tmp_path), *EXTRA_ARGS.get(module, [])])
     document = json.loads((tmp_path / f"{bench.NAME}.json").read_text())
     assert document == json.loads(json.dumps(returned))
     assert set(document) >= DOCUMENT_KEYS and document["quick"] is True
