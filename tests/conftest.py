@@ -55,10 +55,11 @@ def no_leaked_shared_memory() -> Any:
 RAY_STORE = 80 * 2**20  # bytes of object store per node
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
-    """A local two-node Ray cluster (head ``n0``, node ``n1``; 1 CPU each), shared by every
-    Ray test module of the session."""
+    """A local two-node Ray cluster (head ``n0``, node ``n1``; 1 CPU each), shared by the
+    tests of one module: shut down at the module's end, since later modules fork workers
+    (a process that forks with Ray's threads running can hang in the child)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
