@@ -104,9 +104,11 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
                 "restored desired state"
             )
         if "stats" in state:
-            sender._stats = gather.StatsBook.from_state_dict(state["stats"])
+            own_stats = None if own is None else [any(k.startswith("stats.") for k in row) for row in own]
+            sender._stats = gather.StatsBook.from_state_dict(state["stats"], own_stats)
         if "batched_stats" in state:
-            sender._whole_stats = gather.StatsBook.from_state_dict(state["batched_stats"])
+            own_outer = None if own is None else [any(is_batched(k) and ".stats." in k for k in row) for row in own]
+            sender._whole_stats = gather.StatsBook.from_state_dict(state["batched_stats"], own_outer)
         if not indices:
             return _keep_for_attach(sender, int(state["version"]), rows, env_state, own)
         workers = len({sender._fleet.worker_of(e) for e in indices})

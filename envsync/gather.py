@@ -133,11 +133,18 @@ class StatsBook:
         return {"merged": dict(self.merged), "given": [dict(given.get(w, self.merged)) for w in workers]}
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> StatsBook:
-        """Restore a book; rows of ``"given"`` become fleet indices 0, 1, ... (resume order)."""
+    def from_state_dict(cls, state: Mapping[str, Any], own: Sequence[bool] | None = None) -> StatsBook:
+        """Restore a book; rows of ``"given"`` become fleet indices 0, 1, ... (resume order).
+
+        ``own[w]``: whether worker ``w`` resumes from its own checkpointed statistics (a
+        ``state_dict(gather=True)`` row), which its checkpointed baseline describes; a worker
+        that resumes without them starts from the last merge, its baseline from now on."""
         book = cls(state["merged"])
         book.merged = dict(state["merged"])
-        book._given = {w: dict(given) for w, given in enumerate(state["given"])}
+        book._given = {
+            w: dict(given) if own is not None and w < len(own) and own[w] else dict(book.merged)
+            for w, given in enumerate(state["given"])
+        }
         return book
 
 

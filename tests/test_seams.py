@@ -208,3 +208,37 @@ def test_a_transformed_env_rewrapped_for_max_frames_per_traj_is_refused_with_the
             build("single", sender, make_normed_counter_env, frames_per_batch=10, max_frames_per_traj=4)
     finally:
         sender.close()
+
+
+def test_workers_resumed_from_the_merge_are_counted_from_it() -> None:
+    """A checkpoint taken while a merge was pending ("reset" mode: not applied yet): the
+    resumed workers start from the merge, so the next sync counts only what they saw since
+    (found by the model soak: it counted the merge's observations again)."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    makers = [partial(make_slow_vecnorm_env, i, horizon=7) for i in range(2)]
+    with start_method("fork"):
+        collector = build("sync", sender, makers, frames_per_batch=20)
+    try:
+        sender.sync_stats("VecNormV2", timeout=20.0)  # the reset observation of each worker
+        state = sender.state_dict()
+    finally:
+        collector.shutdown()
+        sender.close()
+    merged_count, _ = merged_stats_of(state)
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    sender.load_state_dict(state)
+    with start_method("fork"):
+        collector = build("sync", sender, makers, frames_per_batch=20)
+    try:
+        seen = Seen()
+        seen.add(next(iter(collector)))  # each resumed worker: its reset, then its steps
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        count, _ = merged_stats(sender)
+        assert count == merged_count + seen.count_mean()[0]
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def merged_stats_of(state: dict[str, Any]) -> tuple[int, torch.Tensor]:
+    return int(state["env_state"]["stats.0.observation.count"]), state["env_state"]["stats.0.observation.mean"]
