@@ -284,6 +284,9 @@ class ModelMachine(RuleBasedStateMachine):
         updates = {e: self.setting(e, d, None, None) for e, d in zip(envs, difficulties, strict=True)}
         failure = self.push_failing(version, {"difficulty": torch.tensor(difficulties)}, target)
         self.model.publish(version, updates)
+        # a truncate-mode env resets for the failed version (its apply fails at that reset) and
+        # again for the rollback: two observations each that no frame shows
+        self.observations_bound += 2 * len(envs)
         if failure is None:
             failure = self.surface_failure(version, envs)
         self.raised_once(failure)
