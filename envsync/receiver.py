@@ -345,13 +345,16 @@ class EnvStateReceiver:
         return done
 
     def _undo(self, undo: int) -> None:
-        """A rollback of ``undo``: put back the first-time entries this worker loaded for it."""
+        """A rollback of ``undo``: put back the first-time entries this worker loaded for it,
+        those ``undo`` itself pushed (an env that applied earlier versions in the same apply,
+        at a reset, keeps their entries: the rollback does not undo them)."""
         if undo and undo == self._snapshot_version:
             live = self.adapter.state_tensors()
-            for name in self._kept:
+            undone = [name for name in self._kept if self._stamps.get(name) == undo]
+            for name in undone:
                 live[name].data.copy_(self._snapshot[name])
                 self._stamps[name] = 0
-            self.adapter.commit({name: live[name] for name in self._kept}, version=undo, restore=True)
+            self.adapter.commit({name: live[name] for name in undone}, version=undo, restore=True)
             self._snapshot_version = 0
 
     def _restore(self, loaded: list[str]) -> str:
