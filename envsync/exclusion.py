@@ -17,9 +17,11 @@ Exactly one thread touches an env at a time; ownership passes through the env's
   applying between two steps of a rollout (its own lock hold is then a few µs).
 
 Holding the lock is re-entrant: an apply that steps the env itself (``reinit.recompute``
-rolls out) takes the steps' lock again in the same thread. A natively batched env is one
-env object: its rows share one exclusion. Sub-envs of a ``SerialEnv`` have one each, in
-the worker; those of a ``ParallelEnv`` one each in their own sub-process.
+rolls out) takes the steps' lock again in the same thread. Sub-envs of a ``SerialEnv``
+have one each, in the worker; those of a ``ParallelEnv`` one each in their own
+sub-process. A natively batched env is one env object whose steps take no lock of their
+own: its rows are applied while idle only by its group's listener, under the group's
+exclusion and only while no rollout or command drives the env (the driving mark).
 """
 
 from __future__ import annotations
