@@ -86,7 +86,8 @@ class EnvAdapter(Protocol):
         """Load entries of ``version`` written into :meth:`state_tensors` that are not live
         (``stats.*``): statistics on top of what the env saw since the latest read before
         ``version`` was published (see :meth:`note_read`), unless ``restore`` (the env's own
-        earlier values, put back)."""
+        earlier values, put back) or the same transform's own entries were written too (its
+        whole state: a checkpoint row)."""
 
     @property
     def has_reinit(self) -> bool:

@@ -17,7 +17,7 @@ Teach envsync a new stateful transform with :func:`register`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -294,6 +294,17 @@ def _stats_handlers(env: Any, spec: ReinitSpec) -> list[tuple[int, Transform, An
         if callable(getattr(handler, "export", None)) and callable(getattr(handler, "load", None)):
             found.append((index, transform, handler))
     return found
+
+
+def replaced_stats(env: Any, spec: ReinitSpec, keys: Iterable[str]) -> set[int]:
+    """The chain indices of the transforms with exported statistics whose own ``state_dict``
+    entries are among ``keys``: writing those entries replaced their statistics (a checkpoint
+    row holds them under torchrl's keys beside their ``stats.*`` view)."""
+    raw = [k for k in keys if not k.startswith(f"{STATS}.")]
+    if not raw:
+        return set()
+    prefixes = _state_prefixes(env)
+    return {index for index, _, _ in _stats_handlers(env, spec) if any(k.startswith(prefixes[index]) for k in raw)}
 
 
 def stats_indices(env: Any, spec: ReinitSpec, selector: Selector) -> dict[int, float]:

@@ -176,12 +176,19 @@ def test_a_checkpoint_keeps_what_one_worker_was_pushed(order: str) -> None:
         sender.close()
 
 
-def test_loading_gathered_state_into_an_attached_single_worker_keeps_its_statistics() -> None:
+@pytest.mark.parametrize("synced", [False, True], ids=["fresh", "after-a-sync"])
+def test_loading_gathered_state_into_an_attached_single_worker_keeps_its_statistics(synced: bool) -> None:
+    """After a sync the checkpoint's default env state holds the merge, which the new worker
+    loads first; its own row, loaded next, holds its statistics twice (under torchrl's keys and
+    as ``stats.*``): they are its whole state, not a merge to add to what it saw (found by the
+    model soak: the count doubled at every such resume)."""
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = build("single", sender, make_slow_vecnorm_env, frames_per_batch=20)
     try:
         batches = iter(collector)
         next(batches)
+        if synced:
+            sender.sync_stats("VecNormV2", timeout=20.0)
         next(batches)
         state = sender.state_dict(gather=True)
     finally:

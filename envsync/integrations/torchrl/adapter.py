@@ -316,14 +316,21 @@ class CollectorAdapter:
             self._bases = [*self._bases[-2:], (target, stats)]
 
     def commit(self, written: dict[str, torch.Tensor], *, version: int, restore: bool = False) -> None:
-        stats = {k: v for k, v in written.items() if k.startswith(f"{reinit.STATS}.")}
-        if not stats:
+        if not written:
             return
         env = self._live_env()
-        if not restore:  # a merge of what a gather read before `version` was published
+        # statistics whose transform's own entries were written here are that transform's
+        # whole state, as written: what the env saw since a read is gone with the old state
+        replaced = reinit.replaced_stats(env, self._spec.reinit, written)
+        stats = {k: v for k, v in written.items() if k.startswith(f"{reinit.STATS}.")}
+        if not stats and not replaced:
+            return
+        merged = {k: v for k, v in stats.items() if int(k.split(".")[1]) not in replaced}
+        if merged and not restore:  # a merge of what a gather read before `version` was published
             base = next((read for target, read in reversed(self._bases) if target < version), {})
-            stats = reinit.on_top_of_own(env, self._spec.reinit, stats, base)
-        reinit.load_stats(env, self._spec.reinit, stats)
+            stats = {**stats, **reinit.on_top_of_own(env, self._spec.reinit, merged, base)}
+        if stats:
+            reinit.load_stats(env, self._spec.reinit, stats)
         # earlier reads no longer describe what the env holds: later merges go on top of this
         self._bases = [(version, reinit.stats_entries(env, self._spec.reinit))]
 
