@@ -56,6 +56,16 @@ class BufferTransform(Transform):
         """Copy ``value`` into the buffer (what a ``map_fn`` call would do)."""
         self.buf.copy_(value)
 
+    def table_sum(self) -> float:
+        """The sum of the config ``table`` the env was given last (see :func:`keep_table`)."""
+        return float(self.table.sum())
+
+
+def keep_table(env: Any, config: TensorDictBase) -> None:
+    """A config method for :func:`make_buffer_env` that keeps the config's ``table`` (think a
+    terrain height map the env samples from) on its :class:`BufferTransform`."""
+    env.transform[0].table = config["table"]
+
 
 def apply_difficulty(env: Any, config: TensorDictBase) -> None:
     """A config method for :func:`make_buffer_env` that takes ``difficulty`` and ignores the
@@ -217,3 +227,17 @@ class DriftTasks(gym.Wrapper):
         self.steps += 1
         info["task_completion"] = 1.0 if self.steps == self.complete_at else 0.0
         return obs, reward, terminated, truncated, info
+
+
+class BigPolicy(torch.nn.Module):
+    """A policy for the demo env whose weights hold ``numel`` float32 elements (a table it
+    never reads): what torchrl's ``update_policy_weights_`` moves, the same bytes as a push."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(1, 1)
+        self.table = torch.nn.Parameter(torch.zeros(numel), requires_grad=False)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(observation[..., :1]))
+

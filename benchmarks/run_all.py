@@ -17,6 +17,7 @@ from typing import Any
 import bench_batched
 import bench_curriculum
 import bench_hot_path
+import bench_memory
 import bench_payload
 import bench_rebuild
 import bench_switch_latency
@@ -28,6 +29,7 @@ from bench_common import RESULTS, targets_table
 BENCHMARKS: list[Any] = [
     bench_switch_latency,
     bench_payload,
+    bench_memory,
     bench_hot_path,
     bench_throughput_switch,
     bench_workload,

@@ -103,6 +103,9 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
                 "load the checkpoint before attach_env: an env outside any collector joins from the "
                 "restored desired state"
             )
+        # what the running envs' statistics count from until they apply the checkpoint's
+        before = _baselines(sender, sender._stats, indices)
+        before_whole = _baselines(sender, sender._whole_stats, indices, whole=True)
         if "stats" in state:
             own_stats = None if own is None else [any(k.startswith("stats.") for k in row) for row in own]
             sender._stats = gather.StatsBook.from_state_dict(state["stats"], own_stats)
@@ -117,18 +120,40 @@ def load_state_dict(sender: Sender, state: Mapping[str, Any]) -> int:
         raise ValidationError(
             f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {len(indices)} {what}"
         )
+    # the version at which each env (and each worker's batched env) holds the checkpoint's
+    # statistics: its statistics book counts from there (the env runs on meanwhile)
+    at: dict[int, int] = {}
+    at_whole: dict[int, int] = {}
     if env_state:
-        sender.push(env_state=env_state, wait=None)
+        version = sender.push(env_state=env_state, wait=None)
+        at = dict.fromkeys(indices, version)
+        at_whole = {head(sender, index): version for index in indices}
     for index, entries in zip(indices, own or [{} for _ in indices], strict=True):
         mine = {k: v for k, v in entries.items() if not is_batched(k)}
         if mine:
-            sender.push(env_state=mine, envs=[index], wait=None)
+            at[index] = sender.push(env_state=mine, envs=[index], wait=None)
         whole = {k: v for k, v in entries.items() if is_batched(k)}
         if whole and head(sender, index) == index:  # a batched env's own: its worker's
-            sender.push(env_state=whole, workers=[sender._fleet.worker_of(index)], wait=None)
+            at_whole[index] = sender.push(env_state=whole, workers=[sender._fleet.worker_of(index)], wait=None)
+    if "stats" in state and sender._stats is not None:
+        sender._stats.loaded_into_running(at, indices, before)
+    if "batched_stats" in state and sender._whole_stats is not None:
+        heads = sorted({head(sender, index) for index in indices})
+        sender._whole_stats.loaded_into_running(at_whole, heads, before_whole)
     if len(rows) == 1:
         return sender.push(config=rows[0], wait=None)
     return sender._push_rows(dict(zip(indices, rows, strict=True)), by_env=True, wait=None, timeout=30.0)
+
+
+def _baselines(
+    sender: Sender, book: gather.StatsBook | None, indices: list[int], *, whole: bool = False
+) -> dict[int, dict[str, Any]]:
+    """What each running env (``whole``: each worker's batched env, by its first env) counts
+    its statistics from by ``book`` (none without a book)."""
+    if book is None or not indices:
+        return {}
+    targets = sorted({head(sender, index) for index in indices}) if whole else indices
+    return book.baselines(applied_versions(sender, targets, whole=whole))
 
 
 def _keep_for_attach(sender: Sender, version: int, rows: list[dict[str, Leaf]], env_state: Any, own: Any) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,11 +54,22 @@ def select(known: Sequence[str], requested: Sequence[str | tuple[str, ...]] | No
 @dataclass
 class Pending:
     """The latest merge pushed: its version, the statistics, and what each worker held when
-    it was gathered (a worker's baseline until it applies the merge)."""
+    it was gathered (a worker's baseline until it applies the merge). A checkpoint loaded
+    into running workers gives each its baseline (``after``, default ``merged``) at a version
+    of its own (``at``, default ``version``)."""
 
     version: int
     merged: dict[str, torch.Tensor]
     gathered: dict[int, dict[str, torch.Tensor]]
+    after: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    at: dict[int, int] = field(default_factory=dict)
+
+    def brings(self, worker: int) -> int:
+        """The version whose apply makes ``worker``'s baseline :meth:`baseline_after`."""
+        return self.at.get(worker, self.version)
+
+    def baseline_after(self, worker: int) -> dict[str, torch.Tensor]:
+        return self.after.get(worker, self.merged)
 
 
 class StatsBook:
@@ -80,7 +91,7 @@ class StatsBook:
         """The workers that may have applied the pending merge while they answered a gather
         (their applied version crossed it between the two reads): gather them again."""
         p = self.pending
-        return [] if p is None else [w for w in p.gathered if before.get(w, 0) < p.version <= after.get(w, 0)]
+        return [] if p is None else [w for w in p.gathered if before.get(w, 0) < p.brings(w) <= after.get(w, 0)]
 
     def baselines(self, applied: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor]]:
         """What each worker's statistics are counted up to, given its ``applied`` version: a
@@ -92,7 +103,7 @@ class StatsBook:
         if p is not None:
             for worker, own in p.gathered.items():
                 if worker in applied:
-                    given[worker] = p.merged if applied[worker] >= p.version else own
+                    given[worker] = p.baseline_after(worker) if applied[worker] >= p.brings(worker) else own
         return given
 
     def round(
@@ -146,6 +157,30 @@ class StatsBook:
             for w, given in enumerate(state["given"])
         }
         return book
+
+    def loaded_into_running(
+        self, at: Mapping[int, int], order: Sequence[int], before: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> None:
+        """The book was restored into workers already running (the collector was built
+        before the checkpoint was loaded): the checkpoint's row ``i`` is fleet index
+        ``order[i]``, which holds that row's baseline once it applies version ``at[index]``;
+        until then it holds what it saw since ``before[index]`` (the book the load replaced;
+        the template's empty statistics without one). An index missing from ``at`` got nothing."""
+        empty = {k: torch.zeros_like(v) for k, v in self.merged.items()}
+
+        def prior(index: int) -> dict[str, torch.Tensor]:
+            held = before.get(index)
+            return dict(held) if held is not None and held.keys() == empty.keys() else dict(empty)
+
+        rows = dict(zip(order, self._given.values(), strict=False))
+        self._given = {}
+        self.pending = Pending(
+            max(at.values(), default=0),
+            dict(self.merged),
+            {index: prior(index) for index in order},
+            after={index: rows[index] for index in at if index in rows},
+            at={index: at.get(index, 1 << 62) for index in order},
+        )
 
 
 def gather(

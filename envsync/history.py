@@ -6,7 +6,8 @@ published. :class:`ConfigHistory` keeps, per env, the config of every version pu
 it, and forgets versions no frame can still carry: an env's frames carry its applied version
 or newer ones, and frames already collected (a batch in flight, a batch the user holds) carry
 older ones, so past the version in effect at the env's applied version the history keeps only
-the ``keep`` newest entries of each env.
+the ``keep`` newest entries of each env, and of those only as many as fit in ``keep_bytes``
+(a large config pushed often would otherwise hold ``keep`` payloads).
 
 Leaves are kept by reference, as the sender keeps them (:mod:`envsync.desired`): a published
 tensor is never written again, so a reference keeps its value.
@@ -25,12 +26,19 @@ from envsync.links.base import Flat
 from envsync.state import Leaf, nest
 
 
+def _nbytes(leaf: Leaf) -> int:
+    return int(getattr(leaf, "nbytes", 8))
+
+
 class ConfigHistory:
     """Per env, the config of every version published to it that a frame may still carry.
 
     Args:
         keep: how many entries older than the one in effect at an env's applied version are
             kept for frames already collected (batches in flight or held by the user).
+        keep_bytes: the most bytes those older entries may hold together (leaves they share
+            with a newer entry are counted with that one); the newest of them is kept whatever
+            its size.
 
     Examples:
         >>> import numpy as np
@@ -43,12 +51,17 @@ class ConfigHistory:
         0.5
     """
 
-    def __init__(self, keep: int = 64) -> None:
+    def __init__(self, keep: int = 64, keep_bytes: int = 64 << 20) -> None:
         if not isinstance(keep, int) or keep < 0:
             raise ValidationError(f"keep must be a non-negative int, got {keep!r}")
+        if not isinstance(keep_bytes, int) or keep_bytes < 0:
+            raise ValidationError(f"keep_bytes must be a non-negative int, got {keep_bytes!r}")
         self.keep = keep
+        self.keep_bytes = keep_bytes
         self._versions: dict[int, list[int]] = {}
         self._configs: dict[int, list[dict[str, Leaf]]] = {}
+        self._sizes: dict[int, list[int]] = {}  # per entry, the bytes of the leaves it brought
+        self._held: dict[int, int] = {}  # per env, the sum of its entries' sizes
 
     def record(self, version: int, configs: Mapping[int, Flat], applied: Callable[[int], int] | None = None) -> None:
         """Note that each env in ``configs`` (fleet index to its desired leaves, of which the
@@ -56,23 +69,36 @@ class ConfigHistory:
 
         An env's entries at ``version`` or later are replaced (an env index numbered again
         after every collector left starts over). ``applied(env)`` tells the version an env
-        applied; once an env holds more than twice ``keep`` stale entries, they are pruned.
+        applied; past ``keep`` stale entries (or ``keep_bytes``) the oldest are pruned at once,
+        so that in a steady state each record drops as much as it adds.
         """
         for env, flat in configs.items():
             versions = self._versions.setdefault(env, [])
             entries = self._configs.setdefault(env, [])
+            sizes = self._sizes.setdefault(env, [])
             cut = bisect.bisect_left(versions, version)
-            del versions[cut:], entries[cut:]
+            held = self._held.get(env, 0) - sum(sizes[cut:])
+            del versions[cut:], entries[cut:], sizes[cut:]
+            entry = section(flat, "config")
+            last = entries[-1] if entries else {}
             versions.append(version)
-            entries.append(section(flat, "config"))
-            if applied is not None and len(versions) > 2 * self.keep + 1:
+            entries.append(entry)
+            sizes.append(sum(_nbytes(v) for k, v in entry.items() if last.get(k) is not v))
+            self._held[env] = held + sizes[-1]
+            if applied is not None and (len(versions) > self.keep + 1 or self._held[env] > self.keep_bytes):
                 self._prune(env, applied(env))
 
     def _prune(self, env: int, applied: int) -> None:
-        versions = self._versions[env]
+        versions, sizes = self._versions[env], self._sizes[env]
         in_effect = max(bisect.bisect_right(versions, applied) - 1, 0)
         drop = max(in_effect - self.keep, 0)
-        del versions[:drop], self._configs[env][:drop]
+        # then the oldest of the older entries, while they hold more than keep_bytes
+        older = sum(sizes[drop:in_effect])
+        while drop < in_effect - 1 and older > self.keep_bytes:
+            older -= sizes[drop]
+            drop += 1
+        self._held[env] -= sum(sizes[:drop])
+        del versions[:drop], self._configs[env][:drop], sizes[:drop]
 
     def config(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` ran under ``version`` (a ``TensorDict`` shaped like the

@@ -379,7 +379,8 @@ def _merge_only(loaded: list[str], config: FlatConfig, previous: FlatConfig | No
     ``sync_stats`` merge it would only throw the merge away (or, recomputing, step the env)."""
     if not loaded or any(not name.startswith(f"{STATS}.") for name in loaded) or previous is None:
         return False
-    return previous.keys() == config.keys() and all(np.array_equal(config[k], previous[k]) for k in config)
+    same = previous.keys() == config.keys()
+    return same and all(config[k] is previous[k] or np.array_equal(config[k], previous[k]) for k in config)
 
 
 def start_listener(owner: Any, link: ReceiverLink, wake: Callable[[Any], None], *, name: str) -> None:

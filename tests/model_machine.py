@@ -354,8 +354,7 @@ class ModelMachine(RuleBasedStateMachine):
         lower = self.merged
         if self.cell.idle_between_batches and self.cell.mode != "reset":
             lower = max(lower, self.frames.steps_this_generation)
-        in_flight = 0 if self.cell.idle_between_batches else 2 * 2 * ROLLOUT * self.cell.num_envs
-        upper = self.frames.steps + self.frames.dones + self.observations_bound + in_flight
+        upper = self.frames.steps + self.frames.dones + self.observations_bound + self.in_flight
         expect(lower <= merged <= upper, "sync_stats counts each observation once", f"{lower} <= {merged} <= {upper}")
         self.merged = merged
 
@@ -379,6 +378,15 @@ class ModelMachine(RuleBasedStateMachine):
         self.iterator = iter(self.collector)
         self.frames.new_generation()
         self.observations_bound += self.cell.num_envs
+        # workers that run ahead of the loop (MultiAsyncCollector) observed the frames of the
+        # batches in flight, which the shutdown threw away: their statistics (merged by a sync,
+        # or gathered into the checkpoint) count observations that no collected frame shows
+        self.observations_bound += self.in_flight
+
+    @property
+    def in_flight(self) -> int:
+        """The most frames the workers may have made beyond those collected."""
+        return 0 if self.cell.idle_between_batches else 2 * 2 * ROLLOUT * self.cell.num_envs
 
     def check_checkpoint(self, state: dict[str, Any]) -> None:
         latest = self.model.latest

@@ -63,6 +63,23 @@ def test_pruning_is_bounded_per_env() -> None:
     assert all(len(history.versions(env)) <= 2 * 3 + 1 for env in (0, 1))
 
 
+def test_older_entries_of_a_large_config_are_kept_within_keep_bytes() -> None:
+    """A 1 MB config pushed 40 times with keep=64: the entries older than the one in effect
+    hold at most keep_bytes (3 MB: three of them), not 64 MB; an unchanged leaf shared by
+    every entry is counted once."""
+    history = ConfigHistory(keep=64, keep_bytes=3 << 20)
+    fixed = torch.zeros(1 << 18)  # 1 MB, the same object in every entry
+    for version in range(40):
+        big = {("config", "w"): torch.full((1 << 18,), float(version)), ("config", "fixed"): fixed}
+        history.record(version, {0: big}, lambda env: 39)
+    assert history.versions(0) == list(range(36, 40))
+    assert history.config(0, 36)["w"][0].item() == 36.0
+    with pytest.raises(ValidationError, match="pruned"):
+        history.config(0, 35)
+    with pytest.raises(ValidationError, match="keep_bytes"):
+        ConfigHistory(keep_bytes=-1)
+
+
 def test_an_env_numbered_again_starts_over() -> None:
     history = ConfigHistory()
     history.record(0, {0: leaves(0.0)})

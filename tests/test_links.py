@@ -254,7 +254,7 @@ def test_a_broadcast_is_written_once_and_read_by_every_worker_until_overwritten(
     try:
         ends = [link.handle().open(w) for w in range(2)]
         stamp = {("stamp", "loc"): torch.tensor(1)}
-        link.broadcast(1, {"loc": torch.full((3,), 7.0)}, {0: stamp, 1: stamp})
+        link.broadcast(1, {("env_state", "loc"): torch.full((3,), 7.0)}, {0: stamp, 1: stamp})
         seen = []
         for end in ends:
             assert end.load_entries(1, ["loc"], lambda name, view: seen.append(view.clone()))
@@ -265,5 +265,29 @@ def test_a_broadcast_is_written_once_and_read_by_every_worker_until_overwritten(
         assert own[0].tolist() == [2.0] * 3  # its own value again, not the broadcast
         assert link.read_back(0)[("env_state", "loc")].tolist() == [7.0] * 3
         assert link.read_back(1)[("env_state", "loc")].tolist() == [2.0] * 3
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_config_takes_the_broadcast_path_and_is_copied_out_once_per_write(kind: str) -> None:
+    """Config names take env state's path: one write to the region for every worker, each
+    worker's own row in its slot; a worker copies a name out only when it was written since
+    its last read (a big config is not copied again at every later version)."""
+    link = make(kind)
+    try:
+        ends = [link.handle().open(w) for w in range(2)]
+        link.broadcast(1, {("config", "difficulty"): torch.tensor(7.0)}, {0: {}, 1: {}})
+        firsts = [end.read_header() for end in ends]
+        assert [h.config["difficulty"] for h in firsts] == [7.0, 7.0]
+        assert link.read_back(0)[("config", "difficulty")].item() == 7.0
+        link.write(1, 2, {("config", "level"): torch.tensor(3)})
+        again = ends[1].read_header()
+        assert again.version == 2 and again.config["level"] == 3 and again.config["difficulty"] == 7.0
+        assert again.config["difficulty"] is firsts[1].config["difficulty"]  # not written: not copied
+        link.write(1, 3, {("config", "difficulty"): torch.tensor(2.0)})
+        assert ends[1].read_header().config["difficulty"] == 2.0  # its own row, not the broadcast
+        assert ends[0].read_header().config["difficulty"] == 7.0
+        assert link.read_back(1)[("config", "difficulty")].item() == 2.0
     finally:
         link.close()

@@ -215,7 +215,10 @@ def test_killed_actor_is_reported_dead_promptly(cluster: Any) -> None:
         with pytest.raises(AckTimeout) as info:
             sender.push(config={"difficulty": 0.4}, wait="applied", timeout=30)
         assert time.monotonic() - start < 5.0
-        assert info.value.dead == [2, 3]
+        # the actor's env processes may outlive it for a moment, and one may still apply
+        # the push: every worker of the killed actor that owes it is reported dead
+        assert info.value.dead and info.value.dead == info.value.workers
+        assert set(info.value.dead) <= {2, 3}
     finally:
         collector.shutdown()
         sender.close()
@@ -262,7 +265,10 @@ def test_lost_node_is_reported_dead_and_shutdown_leaves_nothing(cluster: Any) ->
         with pytest.raises(AckTimeout) as info:
             sender.push(config={"difficulty": 0.4}, wait="applied", timeout=30)
         assert time.monotonic() - start < 5.0
-        assert info.value.dead == [2, 3]
+        # the actor's env processes may outlive it for a moment, and one may still apply
+        # the push: every worker of the killed actor that owes it is reported dead
+        assert info.value.dead and info.value.dead == info.value.workers
+        assert set(info.value.dead) <= {2, 3}
     finally:
         collector.shutdown()
         sender.close()

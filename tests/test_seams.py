@@ -249,3 +249,42 @@ def test_workers_resumed_from_the_merge_are_counted_from_it() -> None:
 
 def merged_stats_of(state: dict[str, Any]) -> tuple[int, torch.Tensor]:
     return int(state["env_state"]["stats.0.observation.count"]), state["env_state"]["stats.0.observation.mean"]
+
+
+@pytest.mark.parametrize("kind", ["single", "sync"])
+def test_a_checkpoint_loaded_into_running_reset_mode_workers_counts_from_what_each_holds(kind: str) -> None:
+    """Build the collector, then load a checkpoint that holds a merge ("reset" mode: the
+    workers apply it at their next reset): until then a worker's statistics count from its
+    own start, not from the merge it has not applied (found by the model soak: the next sync
+    raised "old (count 2.0) is not an earlier snapshot of new (count 1.0)")."""
+    makers: Any = make_slow_vecnorm_env if kind == "single" else [partial(make_slow_vecnorm_env, i) for i in range(2)]
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    with start_method("fork"):
+        collector = build(kind, sender, makers, frames_per_batch=20)
+    try:
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        state = sender.state_dict()
+    finally:
+        collector.shutdown()
+        sender.close()
+    merged_count, _ = merged_stats_of(state)
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    with start_method("fork"):
+        collector = build(kind, sender, makers, frames_per_batch=20)  # built first
+    try:
+        sender.load_state_dict(state)  # pending until each worker's next reset
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        count, _ = merged_stats(sender)
+        workers = 1 if kind == "single" else 2
+        assert count == merged_count + workers  # each worker's own reset observation, once
+        seen = Seen()
+        batches = iter(collector)
+        for _ in range(3):
+            seen.add(next(batches))
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        later, _ = merged_stats(sender)
+        assert count <= later <= count + seen.count_mean()[0]
+    finally:
+        collector.shutdown()
+        sender.close()

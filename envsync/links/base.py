@@ -52,6 +52,9 @@ class Header:
     undo: int
 
 
+BROADCAST = ("config", "env_state")
+"""The sections whose leaves a link can write once for all its workers (a broadcast)."""
+
 class SenderLink(Protocol):
     """The main process's side of a link."""
 
@@ -61,10 +64,10 @@ class SenderLink(Protocol):
         """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically."""
 
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
+        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
-        """Like ``write`` to each worker of ``entries``, with the env-state values ``shared``
-        (the same for all of them) written once for all."""
+        """Like ``write`` to each worker of ``entries``, with the config and env-state values
+        ``shared`` (the same for all of them) written once for all."""
 
     def notify(self, worker: int) -> None:
         """Wake the worker's listener: an idle worker applies at once (per the apply mode), a
@@ -187,17 +190,17 @@ class ReceiverLink(Protocol):
 
 def write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
     """Write one link's slots (``group``: slot -> update) under ``version``, notifying each as
-    soon as it is written; env state that is the same tensor for every slot of the link (a
-    fleet-wide push) is written once for all, to the broadcast region."""
+    soon as it is written; a config or env-state value that is the same tensor for every slot
+    of the link (a fleet-wide push) is written once for all, to the broadcast region."""
     first = next(iter(group.values()))
     shared = {
-        k[1]: tensor_of(v)
+        k: tensor_of(v)
         for k, v in first.items()
-        if k[0] == "env_state" and all(update.get(k) is v for update in group.values())
+        if k[0] in BROADCAST and all(update.get(k) is v for update in group.values())
     }
     # only when every worker of the link is written: none may keep reading an older broadcast
     if shared and len(group) == link.num_workers > 1 and not undo_mark:
-        own = {w: {k: v for k, v in u.items() if k[0] != "env_state" or k[1] not in shared} for w, u in group.items()}
+        own = {w: {k: v for k, v in u.items() if k not in shared} for w, u in group.items()}
         link.broadcast(version, shared, own)
         for worker in group:
             link.notify(worker)

@@ -143,11 +143,11 @@ class RayLink:
         self._target[worker] = version
 
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
+        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
         # a shared tensor stays one array in each node's object (see encode)
         for worker, own in entries.items():
-            self.write(worker, version, {**own, **{("env_state", k): v for k, v in shared.items()}})
+            self.write(worker, version, {**own, **shared})
 
     def notify(self, worker: int) -> None:
         return None  # the relay notifies the node's workers when it writes them

@@ -196,7 +196,7 @@ class SharedMemoryLink:
         self._live().write(worker, version, entries, undo=undo)
 
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
+        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
         self._live().broadcast(version, shared, entries)
 

@@ -1,6 +1,10 @@
 """The slot table both links lay out in one block of bytes: per worker, twelve int64
-counters, an error-text buffer, one view per leaf of the desired state, and for every
-env-state entry a reply leaf and an "asked" mark (the worker -> main path of ``gather``).
+counters, an error-text buffer, one view per leaf of the desired state, for every env-state
+entry a reply leaf and an "asked" mark (the worker -> main path of ``gather``), and for every
+config name a write count (a worker copies out only the names written since it last read).
+After the slots, one broadcast region per config name and env-state entry: a value pushed to
+every worker of the link is written there once, and each worker's "source" mark tells it to
+read that name from the region (config and env state take the same path).
 
 A slot is written by the sender and read by its worker under the worker's *slot lock* (a
 process-shared lock for the shared-memory link), so a reader never sees a half-written
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 from envsync.errors import EnvSyncError
-from envsync.links.base import Header, Key
+from envsync.links.base import BROADCAST, Header, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus, any_owes
 from envsync.state import Leaf, numpy_view, tensor_of
 
@@ -90,8 +94,8 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
 
     Examples:
         >>> fields, size = plan({("config", "x"): torch.zeros(2)}, 3)
-        >>> [f.key for f in fields][-1], size % 64
-        (('leaf', 'config', 'x'), 0)
+        >>> [f.key for f in fields][-3:], size % 64
+        ([('leaf', 'writes', 'x'), ('leaf', 'config_source', 'x'), ('broadcast', 'config', 'x')], 0)
     """
     fields = []
     offset = 0
@@ -101,16 +105,18 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
     fields.append(Field(("error",), torch.uint8, (num_workers, ERROR_BYTES), offset))
     offset = _align(offset + num_workers * ERROR_BYTES)
     gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
-    marks = {(kind, k[1]): torch.zeros((), dtype=torch.int64) for k in gathered for kind in ("asked", "source")}
+    mark = torch.zeros((), dtype=torch.int64)
+    marks = {(kind, k[1]): mark for k in gathered for kind in ("asked", "source")}
+    marks |= {(kind, k[1]): mark for k in leaves if k[0] == "config" for kind in ("writes", "config_source")}
     for key, leaf in {**leaves, **gathered, **marks}.items():
         value = tensor_of(leaf)
         field = Field(("leaf", *key), value.dtype, (num_workers, *value.shape), offset)
         fields.append(field)
         offset = _align(offset + field.nbytes)
     for key, leaf in leaves.items():  # the broadcast region: one copy for every worker
-        if key[0] == "env_state":
+        if key[0] in BROADCAST:
             value = tensor_of(leaf)
-            field = Field(("broadcast", key[1]), value.dtype, tuple(value.shape), offset)
+            field = Field(("broadcast", *key), value.dtype, tuple(value.shape), offset)
             fields.append(field)
             offset = _align(offset + field.nbytes)
     return fields, max(offset, _ALIGN)
@@ -132,7 +138,14 @@ class Table:
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
         self.arrays = [{k: numpy_view(v) for k, v in slot.items()} for slot in self.slots]
-        self.broadcast = {k[1]: v for k, v in arrays.items() if k[0] == "broadcast"}
+        self.broadcast: dict[Key, torch.Tensor] = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "broadcast"}
+        self.broadcast_arrays = {k: numpy_view(v) for k, v in self.broadcast.items()}
+
+    @staticmethod
+    def source(key: Key) -> Key:
+        """The mark of a leaf that tells where its worker reads it: 0 its slot, else (the
+        version that wrote it) the broadcast region."""
+        return ("source", key[1]) if key[0] == "env_state" else ("config_source", key[1])
 
     def array(self, worker: int, key: Key) -> np.ndarray:
         """The numpy view of a leaf whose dtype numpy has (every stamp and mark)."""
@@ -219,16 +232,25 @@ class SlotWriter:
                 table.array(worker, key)[...] = value
             else:
                 slot[key].copy_(value)
-            if key[0] == "env_state":
-                table.array(worker, ("source", key[1]))[...] = 0  # this worker's own value, not the broadcast
+            if key[0] in BROADCAST:
+                self._written(worker, key, 0)  # this worker's own value, not the broadcast
         self.table.counters["undo"][worker] = undo
         self.table.counters["target"][worker] = version
 
+    def _written(self, worker: int, key: Key, source: int) -> None:
+        """Mark ``key`` written for ``worker``: read from its slot (``source`` 0) or from the
+        broadcast region; a config name's write count moves on."""
+        table = self.table
+        table.array(worker, table.source(key))[...] = source
+        if key[0] == "config":
+            table.array(worker, ("writes", key[1]))[...] += 1
+
     def broadcast(
-        self, version: int, shared: Mapping[str, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
+        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
     ) -> None:
-        """Publish ``version`` to the workers of ``entries`` (their own leaves: config, stamps)
-        with the env-state values ``shared`` written once, to the broadcast region, for all.
+        """Publish ``version`` to the workers of ``entries`` (their own leaves: stamps, rows)
+        with the config and env-state values ``shared`` written once, to the broadcast
+        region, for all.
 
         Every targeted worker's slot lock is held meanwhile (in worker order: no deadlock with
         a worker, which only ever takes its own): no worker reads the region while it changes,
@@ -236,28 +258,28 @@ class SlotWriter:
         workers = sorted(entries)
         for worker in workers:
             self._check(worker, entries[worker])
-        for name, value in shared.items():
-            region = self.table.broadcast.get(name)
+        for key, value in shared.items():
+            region = self.table.broadcast.get(key)
             if region is None or region.shape != value.shape:
-                raise ValueError(f"broadcast entry {name!r} does not fit the region")
+                raise ValueError(f"broadcast entry {key} does not fit the region")
         with contextlib.ExitStack() as stack:
             for worker in workers:
                 stack.enter_context(locked(self._locks[worker], "broadcasting to worker %d", worker))
-            for name, value in shared.items():
-                self.table.broadcast[name].copy_(value)
+            for key, value in shared.items():
+                self.table.broadcast[key].copy_(value)
             for worker in workers:
                 self._write(worker, version, entries[worker], 0)
-                for name in shared:
-                    self.table.array(worker, ("source", name))[...] = version
+                for key in shared:
+                    self._written(worker, key, version)
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
         slot = self.table.slots[worker]
         with locked(self._locks[worker], "reading back worker %d", worker):
             out = {key: view.clone() for key, view in slot.items()}
-            for name, region in self.table.broadcast.items():
-                if int(self.table.array(worker, ("source", name))) > 0:
-                    out[("env_state", name)] = region.clone()
+            for key, region in self.table.broadcast.items():
+                if int(self.table.array(worker, self.table.source(key))) > 0:
+                    out[key] = region.clone()
             return out
 
     def flush(self, version: int) -> None:
@@ -334,11 +356,15 @@ class SlotReader:
         self._relay = relay
         self._acks = acks
         self._c["pid"][worker] = os.getpid()
+        # the config as last copied out, with each name's write count then
+        self._held: dict[str, Leaf] = {}
+        self._held_writes: dict[str, int] = {}
 
     def relayed(self) -> SlotReader:
         """This end, waiting on the slot's relay instead of its wake-up (for a group's listener)."""
         end = copy.copy(self)
         end._wake = self._relay
+        end._held, end._held_writes = {}, {}
         return end
 
     def poke_relay(self) -> None:
@@ -349,25 +375,38 @@ class SlotReader:
         return int(self.targets[self.worker])
 
     def read_header(self) -> Header:
+        """The slot's header; a config name not written since the last read is the copy made
+        then (a large config pushed once is copied out once, not at every later version)."""
         with locked(self._lock, "worker %d reading", self.worker):
+            table, worker = self.table, self.worker
+            for key in self._config:
+                writes = int(table.array(worker, ("writes", key[1])))
+                if self._held_writes.get(key[1]) != writes:
+                    self._held[key[1]] = self._copy(key)
+                    self._held_writes[key[1]] = writes
             return Header(
-                version=int(self.targets[self.worker]),
-                config={k[1]: self._copy(k) for k in self._config},
-                stamps={k[1]: int(self.table.array(self.worker, k)) for k in self._stamps},
-                undo=int(self._c["undo"][self.worker]),
+                version=int(self.targets[worker]),
+                config=dict(self._held),
+                stamps={k[1]: int(table.array(worker, k)) for k in self._stamps},
+                undo=int(self._c["undo"][worker]),
             )
 
     def _copy(self, key: Key) -> Leaf:
-        view = self.table.arrays[self.worker][key]
-        return view.copy() if view is not None else self._slot[key].clone()
+        table = self.table
+        if int(table.array(self.worker, table.source(key))) > 0:
+            view, tensor = table.broadcast_arrays[key], table.broadcast[key]
+        else:
+            view, tensor = table.arrays[self.worker][key], self._slot[key]
+        return view.copy() if view is not None else tensor.clone()
 
     def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
         with locked(self._lock, "worker %d loading", self.worker):
             if int(self.targets[self.worker]) != version:
                 return False
             for name in names:
+                key = ("env_state", name)
                 shared = int(self.table.array(self.worker, ("source", name))) > 0
-                load(name, self.table.broadcast[name] if shared else self._slot[("env_state", name)])
+                load(name, self.table.broadcast[key] if shared else self._slot[key])
             return True
 
     def request(self) -> int:
