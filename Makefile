@@ -32,7 +32,7 @@ test: lint typecheck unit docs
 # ENVSYNC_MODEL_SEED to repeat a run), then the push soak tests (-s shows the model's summary),
 # then every Ray cell of the matrix (make test runs those of a Collector only).
 soak: $(STAMP)
-	ENVSYNC_MODEL_SECONDS=$${ENVSYNC_MODEL_SECONDS:-1200} $(BIN)/python -m pytest -q -s tests/test_model.py::test_model_soak tests/test_e2e_soak.py
+	ENVSYNC_MODEL_SECONDS=$${ENVSYNC_MODEL_SECONDS:-1200} ENVSYNC_SOAK_FULL=1 $(BIN)/python -m pytest -q -s tests/test_model.py::test_model_soak tests/test_e2e_soak.py
 	ENVSYNC_MATRIX_ALL=1 $(BIN)/python -m pytest -q tests/test_matrix.py -k test_ray_cell
 
 # The local cells of the matrix on torchrl-nightly and tensordict-nightly, in a venv of their

@@ -10,13 +10,13 @@ pushed with ``workers=``/``envs=``, or computed in main for its own config), the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import desired, gather
-from envsync.errors import ValidationError
+from envsync.errors import AckTimeout, ValidationError
 from envsync.gather import applied_versions, head
 from envsync.levels import is_batched
 from envsync.state import Leaf, flat_names, nest
@@ -34,20 +34,66 @@ def state_dict(sender: Sender, *, gather: bool = False) -> dict[str, Any]:
         config = TensorDict.stack(rows) if rows else sender.desired_config()
         env_state = {k: v.clone() for k, v in desired.pushed_env_state(sender._default).items()}
         out: dict[str, Any] = {"version": sender.version, "config": config, "env_state": env_state}
-        own = [_own_entries(sender._mirror(e), sender._default) for e in indices]
+        covers = sender.env_state_template().covers if indices else {}
+        own = [_own_entries(sender._mirror(e), sender._default, covers) for e in indices]
         if any(own):
             out["env_state_rows"] = own
         if not indices and sender._rows is not None:  # a restored checkpoint no collector took yet
             _keep_restored_rows(sender, out)
-        if sender._stats is not None:
-            out["stats"] = sender._stats.state_dict(indices, applied_versions(sender, indices))
-        if sender._whole_stats is not None:  # kept per env: each env's row is its worker's
-            heads = [head(sender, e) for e in indices]
-            applied = applied_versions(sender, sorted(set(heads)), whole=True)
-            out["batched_stats"] = sender._whole_stats.state_dict(heads, applied)
+        heads = [head(sender, e) for e in indices]
+        if not (gather and indices):
+            _stats_of(sender, out, indices, heads, held=False)
     if gather and indices:
-        out["worker_env_state"] = sender.gather(None, workers=sorted({sender._fleet.worker_of(e) for e in indices}))
+        out["worker_env_state"], applied, applied_whole = _gather_settled(sender, indices, heads)
+        with sender._lock:
+            _stats_of(sender, out, indices, heads, held=True, applied=applied, applied_whole=applied_whole)
     return out
+
+
+def _stats_of(
+    sender: Sender,
+    out: dict[str, Any],
+    indices: list[int],
+    heads: list[int],
+    *,
+    held: bool,
+    applied: Mapping[int, int] | None = None,
+    applied_whole: Mapping[int, int] | None = None,
+) -> None:
+    """The statistics books, each worker's baseline that of the env state the checkpoint
+    gives it: what it holds (``held``: its gathered state, at the ``applied`` versions it was
+    read at) or its desired state."""
+    if sender._stats is not None:
+        applied = applied_versions(sender, indices) if applied is None else applied
+        out["stats"] = sender._stats.state_dict(indices, applied, held=held)
+    if sender._whole_stats is not None:  # kept per env: each env's row is its worker's
+        if applied_whole is None:
+            applied_whole = applied_versions(sender, sorted(set(heads)), whole=True)
+        out["batched_stats"] = sender._whole_stats.state_dict(heads, applied_whole, held=held)
+
+
+def _gather_settled(sender: Sender, indices: list[int], heads: list[int]) -> tuple[Any, dict[int, int], dict[int, int]]:
+    """Every env's state, read while each env's applied version was known: gathered again
+    while an env may have applied a pending merge as it answered (its baseline would be
+    unknown)."""
+    workers = sorted({sender._fleet.worker_of(e) for e in indices})
+    unique_heads = sorted(set(heads))
+    for _ in range(_MAX_GATHERS):
+        before = applied_versions(sender, indices)
+        before_whole = applied_versions(sender, unique_heads, whole=True)
+        gathered = sender.gather(None, workers=workers)
+        after = applied_versions(sender, indices)
+        after_whole = applied_versions(sender, unique_heads, whole=True)
+        unclear = sender._stats.unclear(before, after) if sender._stats is not None else []
+        if sender._whole_stats is not None:
+            unclear += sender._whole_stats.unclear(before_whole, after_whole)
+        if not unclear:
+            return gathered, after, after_whole
+    raise AckTimeout(sender.version, unclear, dead=[], until="gathered")
+
+
+_MAX_GATHERS = 5
+"""Gathers a checkpoint tries before it gives up on envs that keep applying merges."""
 
 
 def _keep_restored_rows(sender: Sender, out: dict[str, Any]) -> None:
@@ -59,11 +105,26 @@ def _keep_restored_rows(sender: Sender, out: dict[str, Any]) -> None:
         out["env_state_rows"] = [{k: v.clone() for k, v in r.items()} for r in sender._unchecked_rows]
 
 
-def _own_entries(mirror: Mapping[Any, Any], default: Mapping[Any, Any]) -> dict[str, Any]:
+def _own_entries(
+    mirror: Mapping[Any, Any], default: Mapping[Any, Any], covers: Mapping[str, Sequence[str]]
+) -> dict[str, Any]:
     """The env-state entries pushed to one env that are not the default's (pushed with
-    ``workers=``/``envs=``, or computed in main for its own config)."""
+    ``workers=``/``envs=``, or computed in main for its own config), less those a later push
+    of the same statistics superseded (a ``sync_stats`` merge after a worker's own row)."""
     pushed = desired.pushed_env_state(mirror)
-    return {k: v.clone() for k, v in pushed.items() if default.get(("env_state", k)) is not mirror[("env_state", k)]}
+
+    def stamp(name: str) -> int:
+        return int(mirror.get(("stamp", name), 0))
+
+    stale: set[str] = set()
+    for prefix, keys in covers.items():
+        latest = max((stamp(k) for k in pushed if k.startswith(f"{prefix}.")), default=0)
+        stale |= {k for k in keys if k in pushed and stamp(k) < latest}
+    return {
+        k: v.clone()
+        for k, v in pushed.items()
+        if k not in stale and default.get(("env_state", k)) is not mirror[("env_state", k)]
+    }
 
 
 def _own_rows(state: Mapping[str, Any], count: int) -> list[dict[str, Any]] | None:

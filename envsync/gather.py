@@ -137,10 +137,15 @@ class StatsBook:
         else:
             self._given.update({w: dict(v) for w, v in current.items()})
 
-    def state_dict(self, workers: Sequence[int], applied: Mapping[int, int]) -> dict[str, Any]:
-        """The last merge, and each of ``workers``' baseline (fleet order) by their
-        ``applied`` versions (a resumed worker starts from its checkpointed state)."""
+    def state_dict(self, workers: Sequence[int], applied: Mapping[int, int], *, held: bool) -> dict[str, Any]:
+        """The last merge, and each of ``workers``' baseline (fleet order): with ``held``, of
+        what it holds at its ``applied`` version (its statistics were gathered then); else of
+        its desired state, what it holds once it applies what it was pushed (a resumed worker
+        starts from the checkpointed state)."""
         given = self.baselines(applied)
+        p = self.pending
+        if not held and p is not None:
+            given.update({w: p.baseline_after(w) for w in p.gathered if w in applied})
         return {"merged": dict(self.merged), "given": [dict(given.get(w, self.merged)) for w in workers]}
 
     @classmethod

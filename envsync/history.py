@@ -25,6 +25,10 @@ from envsync.errors import ValidationError
 from envsync.links.base import Flat
 from envsync.state import Leaf, nest
 
+_SLACK = 16
+"""Entries past ``keep`` that an env may gather before it is pruned (a prune reads the env's
+applied version: once per ``_SLACK`` records, not at every push)."""
+
 
 def _nbytes(leaf: Leaf) -> int:
     return int(getattr(leaf, "nbytes", 8))
@@ -69,8 +73,8 @@ class ConfigHistory:
 
         An env's entries at ``version`` or later are replaced (an env index numbered again
         after every collector left starts over). ``applied(env)`` tells the version an env
-        applied; past ``keep`` stale entries (or ``keep_bytes``) the oldest are pruned at once,
-        so that in a steady state each record drops as much as it adds.
+        applied; a few records past ``keep`` stale entries (or at once past ``keep_bytes``)
+        the oldest are pruned, so that in a steady state the history keeps a bounded size.
         """
         for env, flat in configs.items():
             versions = self._versions.setdefault(env, [])
@@ -85,7 +89,7 @@ class ConfigHistory:
             entries.append(entry)
             sizes.append(sum(_nbytes(v) for k, v in entry.items() if last.get(k) is not v))
             self._held[env] = held + sizes[-1]
-            if applied is not None and (len(versions) > self.keep + 1 or self._held[env] > self.keep_bytes):
+            if applied is not None and (len(versions) > self.keep + _SLACK or self._held[env] > self.keep_bytes):
                 self._prune(env, applied(env))
 
     def _prune(self, env: int, applied: int) -> None:

@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
 from envsync.levels import BATCHED, selector_level, split_reinit
-from envsync.reinit import ReinitSpec, compute_in_main, plan, stats_entries, stats_indices
+from envsync.reinit import ReinitSpec, compute_in_main, plan, stats_entries, stats_indices, stats_sources
 from envsync.state import EnvStateTemplate, Leaf, StatePath, apply_config, state_leaves, tensor_of
 
 if TYPE_CHECKING:
@@ -118,19 +118,23 @@ class Probe:
         plan(env, leaf_rules)
         if self.owned or env is not self.env:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
+        covers: dict[str, list[str]] = {}
         if layout.rows:  # a row's state is its row of the env's own entries (no moments of its own)
             entries = _rows_of(state_leaves(env.state_dict(keep_vars=True)), layout.num_envs)
         else:
             entries = _entries(env, leaf_rules)
+            covers = stats_sources(env, leaf_rules)
         outer = self.outer()
         if outer is not None:
             plan(outer, outer_rules)
             if outer is not env:
                 outer.reset()
             entries.update({(BATCHED, *path): v for path, v in _entries(outer, outer_rules).items()})
+            outer_covers = stats_sources(outer, outer_rules)
+            covers |= {f"{BATCHED}.{p}": [f"{BATCHED}.{k}" for k in keys] for p, keys in outer_covers.items()}
         elif outer_rules.rules:
             plan(None, outer_rules)  # nothing to match: raises, naming the selectors
-        return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite)
+        return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite, covers=covers)
 
     def check_configs(self, spec: ApplySpec, configs: Iterable[Mapping[str, Leaf]]) -> None:
         """Let the apply refuse, before a push is published, each distinct whole config an

@@ -296,6 +296,18 @@ def _stats_handlers(env: Any, spec: ReinitSpec) -> list[tuple[int, Transform, An
     return found
 
 
+def stats_sources(env: Any, spec: ReinitSpec) -> dict[str, list[str]]:
+    """Per exported-statistics prefix (``stats.<index>``), the env's own ``state_dict``
+    entries that hold the same statistics (its transform's entries): a push of the prefix
+    supersedes them."""
+    handlers = _stats_handlers(env, spec)
+    if not handlers:
+        return {}
+    keys = list(env_state_dict(env))
+    prefixes = _state_prefixes(env)
+    return {f"{STATS}.{index}": [k for k in keys if k.startswith(prefixes[index])] for index, _, _ in handlers}
+
+
 def replaced_stats(env: Any, spec: ReinitSpec, keys: Iterable[str]) -> set[int]:
     """The chain indices of the transforms with exported statistics whose own ``state_dict``
     entries are among ``keys``: writing those entries replaced their statistics (a checkpoint

@@ -11,7 +11,7 @@ and :meth:`EnvStateTemplate.nest` shapes flat names back like ``env.state_dict()
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -317,8 +317,18 @@ class EnvStateTemplate:
         tensor(5)
     """
 
-    def __init__(self, state_dict: Mapping[Any, Any] | TensorDictBase, *, allow_nonfinite: bool = False) -> None:
+    def __init__(
+        self,
+        state_dict: Mapping[Any, Any] | TensorDictBase,
+        *,
+        allow_nonfinite: bool = False,
+        covers: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
         leaves = {path: v for path, v in state_leaves(state_dict).items() if _is_state_tensor(v)}
+        self.covers = {prefix: list(keys) for prefix, keys in (covers or {}).items()}
+        """Per derived statistics prefix (``stats.<index>``), the entries holding the same
+        statistics under torchrl's keys (a push of the prefix supersedes them); empty for a
+        declared template."""
         self._paths = {state_name(path): path for path in leaves}
         self._flat = {state_name(path): v.detach().to("cpu").clone() for path, v in leaves.items()}
         self.allow_nonfinite = allow_nonfinite

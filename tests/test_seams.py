@@ -288,3 +288,84 @@ def test_a_checkpoint_loaded_into_running_reset_mode_workers_counts_from_what_ea
     finally:
         collector.shutdown()
         sender.close()
+
+
+def _gathered_count(sender: EnvStateSender) -> float:
+    return float(sender.gather(["stats.0.observation.count"]).flatten_keys(".")["stats.0.observation.count"][0])
+
+
+def test_a_merge_supersedes_a_workers_older_own_statistics_in_the_checkpoint() -> None:
+    """A worker resumed from its own gathered statistics, then merged by a sync: the next
+    checkpoint's row for it keeps no stale copy of them under torchrl's keys, so a resume
+    from that checkpoint holds the merge (found by the model soak: the stale row overwrote
+    the merge, and the next sync found its baseline ahead of the env)."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build("single", sender, make_slow_vecnorm_env, frames_per_batch=20)
+    try:
+        next(iter(collector))
+        state = sender.state_dict(gather=True)
+    finally:
+        collector.shutdown()
+        sender.close()
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    sender.load_state_dict(state)
+    collector = build("single", sender, make_slow_vecnorm_env, frames_per_batch=20)
+    try:
+        next(iter(collector))
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        merged, _ = merged_stats(sender)
+        again = sender.state_dict()
+    finally:
+        collector.shutdown()
+        sender.close()
+    stale = [k for row in again.get("env_state_rows", []) for k in row if "_extra_state" in k]
+    assert stale == []
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = build("single", sender, make_slow_vecnorm_env, frames_per_batch=20)  # built first
+    try:
+        sender.wait(sender.load_state_dict(again), until="applied")
+        assert _gathered_count(sender) >= merged
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def test_a_checkpoint_of_a_row_not_applied_yet_gives_the_baseline_of_that_row() -> None:
+    """Reset mode: a checkpoint taken while a worker's own row (loaded into its running
+    collector) still waits for the worker's reset. The checkpoint gives the worker that row,
+    so its baseline must be the row's, not what the worker held before it (found by the
+    model soak: the next sync after resuming counted the row's observations again)."""
+    makers = partial(make_slow_vecnorm_env, horizon=7)
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    collector = build("single", sender, makers, frames_per_batch=20)
+    try:
+        batches = iter(collector)
+        next(batches)
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        next(batches)
+        first = sender.state_dict(gather=True)
+    finally:
+        collector.shutdown()
+        sender.close()
+    own_count = float(first["worker_env_state"].flatten_keys(".")["stats.0.observation.count"][0])
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    collector = build("single", sender, makers, frames_per_batch=20)
+    try:
+        sender.load_state_dict(first)  # the row waits for the worker's next reset
+        second = sender.state_dict()
+    finally:
+        collector.shutdown()
+        sender.close()
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    sender.load_state_dict(second)
+    collector = build("single", sender, makers, frames_per_batch=20)
+    try:
+        seen = Seen()
+        seen.add(next(iter(collector)))
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        count, _ = merged_stats(sender)
+        # the row's observations once, then at most what the resumed worker saw (+ its reset)
+        assert own_count <= count <= own_count + seen.count_mean()[0] + 1
+    finally:
+        collector.shutdown()
+        sender.close()
