@@ -45,6 +45,16 @@ def test_domain_randomization(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.timeout(120)
+def test_terrain_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("terrain_table", tmp_path)
+    result = json.loads((tmp_path / "terrain_table.json").read_text())
+    assert result["failures"] == []
+    assert len(result["table_push_ms"]) == 2 and result["frames_checked"] == 6 * 40
+    assert result["configs_checked"] >= 2 * 6  # every row push reached every worker's frames
+    assert "table[row] of the config its tags name" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
 def test_task_bandit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_smoke("task_bandit", tmp_path)
     result = json.loads((tmp_path / "task_bandit.json").read_text())
