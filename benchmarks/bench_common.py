@@ -84,6 +84,21 @@ def envsync_fingerprint() -> str:
 SOURCE_AT_START = envsync_fingerprint()
 
 
+def _commit() -> str:
+    """The checkout's commit (``+changes`` when envsync's tracked files differ from it)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "envsync"], cwd=root, capture_output=True)
+    except OSError:
+        return "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("+changes" if dirty.returncode else "")
+
+
 def machine() -> dict[str, Any]:
     """The facts a reader needs to weigh the numbers."""
     import gymnasium
@@ -92,6 +107,8 @@ def machine() -> dict[str, Any]:
     import torchrl
 
     return {
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "envsync_source_sha1": envsync_fingerprint(),
         "envsync_source_sha1_at_start": SOURCE_AT_START,
         "cpus": os.cpu_count(),

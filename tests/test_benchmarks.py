@@ -76,3 +76,19 @@ def test_cli_bench_says_where_the_benchmarks_should_be(monkeypatch: pytest.Monke
     monkeypatch.setattr(cli, "BENCHMARKS", tmp_path / "nowhere")
     with pytest.raises(SystemExit, match="run_all.py not found"):
         cli.main(["bench", "--quick"])
+
+
+def test_targets_names_the_run_of_every_figure_and_leaves_quick_runs_out(tmp_path: Path) -> None:
+    import targets
+
+    def document(name: str, quick: bool, commit: str) -> dict[str, object]:
+        target = {"target": f"{name} ratio", "measured": 0.5, "goal": "<= 1x", "met": True}
+        machine = {"commit": commit, "date": "2026-12-01 12:00 UTC", "load_avg_1min": 1.5}
+        return {"benchmark": name, "quick": quick, "machine": machine, "targets": [target]}
+
+    (tmp_path / "payload.json").write_text(json.dumps(document("payload", False, "abc1234")))
+    (tmp_path / "memory.json").write_text(json.dumps(document("memory", True, "def5678")))
+    text = targets.main(["--out", str(tmp_path)])
+    assert "| payload ratio | 0.5 | <= 1x | yes | payload | abc1234 | 2026-12-01 12:00 UTC |" in text
+    assert "memory" not in text  # a quick run is a smoke run, not a figure
+    assert (tmp_path / "targets.md").read_text() == text
