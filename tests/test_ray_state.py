@@ -290,3 +290,64 @@ def test_batched_envs_behind_a_ray_collector_take_a_row_per_env(cluster: Any, ki
     finally:
         collector.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(300)
+def test_workers_pushes_and_reinit_over_ray(cluster: Any) -> None:
+    """A push with ``workers=`` to the second node's workers only: they run the new config
+    and, with ``reinit={"VecNormV2": reinit.reset()}``, start their statistics over; the
+    first node's workers keep theirs and their config."""
+    from envsync import reinit
+
+    sender = EnvStateSender(
+        config={"spread": 0.0}, apply=set_spread, apply_at="step", reinit={"VecNormV2": reinit.reset()}
+    )
+    collector = ray_collector(sender, partial(make_vecnorm_env, 0), sync=True)
+    try:
+        batches = iter(collector)
+        for _ in range(2):
+            next(batches)
+        before = sender.gather(["stats.0"], timeout=60)["stats", "0", "observation", "count"].tolist()
+        assert all(c > 1 for c in before)
+        version = sender.push(config={"spread": 2.0}, workers=[2, 3], wait="applied", timeout=60)
+        assert sender.versions() == [0, 0, version, version]
+        after = sender.gather(["stats.0"], timeout=60)["stats", "0", "observation", "count"].tolist()
+        assert after[:2] == before[:2]  # untouched (idle between batches)
+        assert all(c <= 1 for c in after[2:])  # reset: at most the observation of the reset that follows
+        shown = {int(r["env_index"][0]): float(r["next", "observation"][-1, 0]) for r in rows(next(batches))}
+        assert shown == {0: 0.0, 1: 0.0, 2: 2.0, 3: 2.0}
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(300)
+def test_sync_stats_of_batched_envs_over_ray(cluster: Any) -> None:
+    """Two nodes, each a Collector of a SerialEnv(2) normalised at both levels: a sync of
+    each level over Ray counts every observation once (each sub-env's VecNormV2: all 4
+    sub-envs' observations; each batched env's: its row j over both nodes)."""
+    from helpers import make_outer_normed
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = ray_collector(sender, partial(make_outer_normed, "serial", 2), kind=Collector, sync=True)
+    try:
+        batches = iter(collector)
+        seen: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for b in range(2):
+            for row in rows(next(batches)):
+                env = int(row["env_index"][0])
+                if b == 0:
+                    seen[env].append(row["observation"][:1])
+                seen[env].append(row["next", "observation"])
+        assert sorted(seen) == [0, 1, 2, 3]
+        sender.sync_stats("VecNormV2", timeout=60)
+        sender.sync_stats("batched.VecNormV2", timeout=60)
+        state = sender.gather(["stats.0", "batched.stats.0"], timeout=60)
+        total = sum(o.shape[0] for obs in seen.values() for o in obs)
+        assert state["stats", "0", "observation", "count"].tolist() == [float(total)] * 4
+        for j in range(2):
+            column = sum(o.shape[0] for env in (j, 2 + j) for o in seen[env])
+            assert state["batched", "stats", "0", "observation", "count"].tolist() == [float(column)] * 4
+    finally:
+        collector.shutdown()
+        sender.close()
