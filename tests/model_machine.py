@@ -373,8 +373,12 @@ class ModelMachine(RuleBasedStateMachine):
             self.model.restart(version)
         else:
             self.collector = make_collector(self.cell, self.sender)
+            before = self.sender.version
             version = self.call("load_state_dict", lambda: self.sender.load_state_dict(state))
             self.model.restart(version, intermediate=range(version))
+            # the load publishes several versions (env state, each env's own row, the config
+            # rows): a truncate-mode env applying them one by one resets once for each
+            self.observations_bound += (version - before) * self.cell.num_envs
         self.iterator = iter(self.collector)
         self.frames.new_generation()
         self.observations_bound += self.cell.num_envs
