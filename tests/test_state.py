@@ -116,3 +116,31 @@ def test_an_apply_callable_sees_the_same_env_at_build_time_as_in_a_worker() -> N
     # the user's own env, in a worker as at build time: envsync adds no wrapper layer
     assert seen == ["GymEnv"] and type(env).__name__ == "GymEnv"
     sender.close()
+
+
+def test_large_pushed_copies_reuse_only_buffers_nothing_holds() -> None:
+    """A large pushed tensor is copied into an earlier push's buffer once nothing references
+    it (no allocation per push of a fixed-shape payload), and never into one that something
+    still holds: a reference, a view of its storage, a numpy array of it."""
+    from envsync.state import Buffers
+
+    buffers = Buffers()
+    n = Buffers.MIN_BYTES // 4
+    first = buffers.copy(torch.ones(n), torch.float32)
+    address = first.data_ptr()
+    held = buffers.copy(torch.full((n,), 2.0), torch.float32)  # `first` is still referenced
+    assert held.data_ptr() != address and float(first[0]) == 1.0
+    del first
+    again = buffers.copy(torch.full((n,), 3.0), torch.float32)
+    assert again.data_ptr() == address and float(again[0]) == 3.0  # reused, no allocation
+    view, numpy_view = again[1:], held.numpy()
+    reused = {again.data_ptr(), held.data_ptr()}
+    del again, held
+    fresh = buffers.copy(torch.full((n,), 4.0), torch.float32)
+    assert fresh.data_ptr() not in reused  # a view and a numpy array keep theirs alive
+    assert float(view[0]) == 3.0 and float(numpy_view[0]) == 2.0
+    caller = torch.full((n,), 5.0, dtype=torch.float64)
+    converted = buffers.copy(caller, torch.float32)
+    assert converted.dtype == torch.float32 and converted.data_ptr() != caller.data_ptr()
+    small = torch.ones(4)
+    assert buffers.copy(small, torch.float32).data_ptr() != small.data_ptr()

@@ -35,7 +35,7 @@ import torch
 from envsync.errors import EnvSyncError
 from envsync.links.base import BROADCAST, Header, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus, any_owes
-from envsync.state import Leaf, numpy_view, tensor_of
+from envsync.state import ArrayBuffers, Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
 COUNTERS = (
@@ -359,12 +359,13 @@ class SlotReader:
         # the config as last copied out, with each name's write count then
         self._held: dict[str, Leaf] = {}
         self._held_writes: dict[str, int] = {}
+        self._arrays = ArrayBuffers()  # large config values are copied into arrays let go of
 
     def relayed(self) -> SlotReader:
         """This end, waiting on the slot's relay instead of its wake-up (for a group's listener)."""
         end = copy.copy(self)
         end._wake = self._relay
-        end._held, end._held_writes = {}, {}
+        end._held, end._held_writes, end._arrays = {}, {}, ArrayBuffers()
         return end
 
     def poke_relay(self) -> None:
@@ -397,7 +398,7 @@ class SlotReader:
             view, tensor = table.broadcast_arrays[key], table.broadcast[key]
         else:
             view, tensor = table.arrays[self.worker][key], self._slot[key]
-        return view.copy() if view is not None else tensor.clone()
+        return self._arrays.copy(view) if view is not None else tensor.clone()
 
     def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
         with locked(self._lock, "worker %d loading", self.worker):
