@@ -24,6 +24,8 @@ def rows(folder: Path) -> list[dict[str, Any]]:
         document = json.loads(path.read_text())
         if not isinstance(document, dict) or "targets" not in document or document.get("quick"):
             continue
+        if path.stem != document["benchmark"]:  # a run kept for comparison, not the latest
+            continue
         facts = document.get("machine", {})
         for target in document["targets"]:
             out.append(
