@@ -296,16 +296,23 @@ def _stats_handlers(env: Any, spec: ReinitSpec) -> list[tuple[int, Transform, An
     return found
 
 
+def _stats_prefixes(env: Any, spec: ReinitSpec) -> dict[int, str]:
+    """Per chain index of a transform with exported statistics, the ``state_dict`` key prefix
+    of its own entries (none without such a transform: then the env need not be transformed)."""
+    handlers = _stats_handlers(env, spec)
+    if not handlers:
+        return {}
+    prefixes = _state_prefixes(env)
+    return {index: prefixes[index] for index, _, _ in handlers}
+
+
 def stats_sources(env: Any, spec: ReinitSpec) -> dict[str, list[str]]:
     """Per exported-statistics prefix (``stats.<index>``), the env's own ``state_dict``
     entries that hold the same statistics (its transform's entries): a push of the prefix
     supersedes them."""
-    handlers = _stats_handlers(env, spec)
-    if not handlers:
-        return {}
-    keys = list(env_state_dict(env))
-    prefixes = _state_prefixes(env)
-    return {f"{STATS}.{index}": [k for k in keys if k.startswith(prefixes[index])] for index, _, _ in handlers}
+    owned = _stats_prefixes(env, spec)
+    keys = list(env_state_dict(env)) if owned else []
+    return {f"{STATS}.{index}": [k for k in keys if k.startswith(prefix)] for index, prefix in owned.items()}
 
 
 def replaced_stats(env: Any, spec: ReinitSpec, keys: Iterable[str]) -> set[int]:
@@ -315,8 +322,7 @@ def replaced_stats(env: Any, spec: ReinitSpec, keys: Iterable[str]) -> set[int]:
     raw = [k for k in keys if not k.startswith(f"{STATS}.")]
     if not raw:
         return set()
-    prefixes = _state_prefixes(env)
-    return {index for index, _, _ in _stats_handlers(env, spec) if any(k.startswith(prefixes[index]) for k in raw)}
+    return {index for index, prefix in _stats_prefixes(env, spec).items() if any(k.startswith(prefix) for k in raw)}
 
 
 def stats_indices(env: Any, spec: ReinitSpec, selector: Selector) -> dict[int, float]:

@@ -113,7 +113,7 @@ class Buffers:
 
     def copy(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A copy of ``value`` as a CPU tensor of ``dtype``, never ``value`` itself."""
-        nbytes = value.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = value.numel() * dtype.itemsize
         if nbytes < self.MIN_BYTES or _storage_uses is None:
             return value.to(device="cpu", dtype=dtype, copy=True)
         key = (tuple(value.shape), dtype)
