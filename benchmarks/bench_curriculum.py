@@ -137,13 +137,17 @@ class EnvsyncRun:
             )
         self.batch_frames = n * args.frames_per_worker
         self.batches = iter(self.collector)
+        self.loop_s = 0.0  # seconds the curriculum took in the loop body (observe, decide) so far
         self.dr = DomainRandomization(self.sender, HALVES[0]) if kind == "curriculum" and self.sender else None
         self.wrong_frames = self.frames = 0
 
     def take(self, check: bool = False) -> None:
         batch = next(self.batches)
         if self.dr is not None:
-            self.tally.ran += [ran_of(e) for e in self.dr.observe(with_measures(batch))]
+            begin = time.perf_counter()
+            episodes = self.dr.observe(with_measures(batch))
+            self.loop_s += time.perf_counter() - begin
+            self.tally.ran += [ran_of(e) for e in episodes]
             if check:
                 self._check(batch)
 
@@ -151,14 +155,17 @@ class EnvsyncRun:
         """Time the window's batches (the workers' CPU and this process's), a decision in the middle."""
         count = max(self.args.window_frames // self.batch_frames, 2)
         pids = [process.pid for process in self.collector.procs]
-        start, cpu = time.perf_counter(), cpu_seconds(pids)
+        start, cpu, loop = time.perf_counter(), cpu_seconds(pids), self.loop_s
         for i in range(count):
             if i == count // 2 and decide is not None and self.dr is not None:
                 begin = time.monotonic()
                 self.dr.decide(decide)
                 self.tally.decisions.append(Decision(begin, time.monotonic(), decide))
+                self.loop_s += time.monotonic() - begin
             self.take()
-        self.tally.window(count * self.batch_frames, time.perf_counter() - start, cpu_seconds(pids) - cpu)
+        wall = time.perf_counter() - start
+        self.tally.window(count * self.batch_frames, wall, cpu_seconds(pids) - cpu)
+        self.tally.loop_share.append((self.loop_s - loop) / wall)
 
     def _check(self, batch: TensorDictBase) -> None:
         """Count the frames whose observed difficulty is not their tags' config (``sender.config_at``)."""
@@ -232,6 +239,7 @@ def _row(n: int, runs: dict[str, Any], name: str, base: str) -> dict[str, Any]:
         "fps_without": without,
         "fps_with": with_fps,
         "with_over_without": with_fps / without,
+        "paired_with_over_without": median([w / o for w, o in zip(tally.fps, runs[base].tally.fps, strict=False)]),
         "cpu_with_over_without": median(tally.cpu_fps) / median(runs[base].tally.cpu_fps),
         "decisions": len(stale),
         "stale_episodes": sum(stale),
@@ -248,6 +256,8 @@ def _row(n: int, runs: dict[str, Any], name: str, base: str) -> dict[str, Any]:
         },
     }
     if name.startswith("envsync"):
+        row["loop_share"] = median(tally.loop_share)
+        row["samples"]["loop_share"] = tally.loop_share
         attached = runs["envsync attached"].tally
         row["attached_over_without"] = median(attached.fps) / without
         row["cpu_attached_over_without"] = median(attached.cpu_fps) / median(runs[base].tally.cpu_fps)
@@ -299,6 +309,8 @@ COLUMNS = [
     ("fps_without", "frames/s without"),
     ("fps_with", "frames/s with"),
     ("with_over_without", "with / without"),
+    ("paired_with_over_without", "with / without, paired windows"),
+    ("loop_share", "curriculum's share of the loop's time"),
     ("attached_over_without", "envsync attached, no curriculum / without"),
     ("cpu_with_over_without", "frames per CPU s, with / without"),
     ("cpu_attached_over_without", "frames per CPU s, attached / without"),
@@ -356,7 +368,22 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         for r in mine
         if "with_over_without" in r
-        for what, key in (("frames/s", "with_over_without"), ("frames per CPU s", "cpu_with_over_without"))
+        for what, key in (
+            ("frames/s", "with_over_without"),
+            ("frames/s, paired windows,", "paired_with_over_without"),
+            ("frames per CPU s", "cpu_with_over_without"),
+        )
+    ]
+    out += [
+        target(
+            f"curriculum, {r['envs']} envs: observe + decide in the loop / the loop's wall time (envsync)",
+            r["loop_share"],
+            0.01,
+            higher_is_better=False,
+            unit="",
+        )
+        for r in mine
+        if "loop_share" in r
     ]
     timed = [r for r in mine if "stale_episodes" in r]
     if timed:
@@ -397,8 +424,11 @@ def _notes(args: Args, skipped: bool) -> list[str]:
         f"envs {args.envs}; {args.rounds} timed windows per variant, variants taking turns after a warm-up window "
         f"each, {args.window_frames} frames per window; envsync: MultiSyncCollector, {args.frames_per_worker} frames "
         f"per worker and batch, workers started with fork; Syllabus: AsyncVectorEnv(context='fork'), zero actions",
-        "with / without: medians of the windows; 'without' is the same collector or vector env without envsync or "
-        "Syllabus (envsync's 'attached' column: envsync attached, nothing pushed)",
+        "with / without: medians of the windows ('paired': the median over rounds of one round's two windows' "
+        "ratio); the curriculum's share: the seconds its observe and decide calls took in the loop body / the "
+        "window's wall time (median), the part of the collection the curriculum itself holds up; 'without' is "
+        "the same collector or vector env without envsync or Syllabus (envsync's 'attached' column: envsync "
+        "attached, nothing pushed)",
         "a stale episode starts (env clock, time.monotonic() at its reset) after the decision call returned and "
         "before the next decision, on a task of the half the decision left; 'decision -> first episode' runs from "
         "the start of the decision call (envsync: the push, wait='received'; Syllabus: setting the distribution)",

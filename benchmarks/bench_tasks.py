@@ -42,6 +42,7 @@ class Tally:
     cpu_fps: list[float] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     ran: list[Ran] = field(default_factory=list)
+    loop_share: list[float] = field(default_factory=list)  # share of each window's wall time in the curriculum
 
     def window(self, frames: int, wall_s: float, cpu_s: float) -> None:
         self.fps.append(frames / wall_s)

@@ -5,96 +5,17 @@ span batches."""
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import torch
+from attribution import check_exact, collect
 from helpers import make_native_counters, start_method
-from tensordict import TensorDict, TensorDictBase
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.envs import ParallelEnv
 
 from envsync import EnvStateSender
-from envsync.curriculum import Episode, Ledger
 from envsync.envs import make_drift_env
-
-
-@dataclass
-class Truth:
-    """Episodes cut from the frames themselves, per env, one frame at a time (the slow,
-    obvious way): the difficulties each episode's observations show, its return and length,
-    and the batches its frames came from."""
-
-    shown: int
-    running: dict[int, dict[str, Any]] = field(default_factory=dict)
-    finished: dict[int, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
-
-    def add(self, index: int, batch: TensorDictBase) -> None:
-        flat = batch.reshape(-1)
-        rows = zip(
-            flat["next", "env_index"].tolist(),
-            flat["observation"][:, self.shown].tolist(),
-            flat["next", "observation"][:, self.shown].tolist(),
-            flat["next", "reward"].reshape(-1).tolist(),
-            flat["next", "done"].reshape(-1).tolist(),
-            strict=True,
-        )
-        for env, before, after, reward, done in rows:
-            episode = self.running.setdefault(env, {"shown": set(), "return": 0.0, "length": 0, "batches": set()})
-            episode["shown"] |= {round(before, 5), round(after, 5)}
-            episode["return"] += reward
-            episode["length"] += 1
-            episode["batches"].add(index)
-            if done:
-                self.finished[env].append(self.running.pop(env))
-
-
-def push_rows(sender: EnvStateSender, generator: torch.Generator, round_: int) -> None:
-    """Per-env configs: every env a row of its own, or (every third round) two envs only."""
-    n = sender.num_envs
-    assert n is not None
-    envs = list(range(n)) if round_ % 3 else [round_ % n, (round_ + 1) % n]
-    rows = torch.rand(len(envs), generator=generator) * 2.0
-    sender.push(config=TensorDict(difficulty=rows, batch_size=[len(envs)]), envs=envs)
-
-
-def collect(
-    sender: EnvStateSender, collector: Any, *, shown: int, batches: int, per_env: int
-) -> tuple[list[Episode], Truth]:
-    ledger, truth = Ledger(sender), Truth(shown)
-    generator = torch.Generator().manual_seed(0)
-    episodes: list[Episode] = []
-    for index, batch in enumerate(collector):
-        push_rows(sender, generator, index)
-        truth.add(index, batch)
-        episodes += ledger.observe(batch)
-        if index + 1 >= batches and all(len(truth.finished[e]) >= per_env for e in range(sender.num_envs or 0)):
-            break
-        assert index < 20 * batches, "too few episodes ended"
-    return episodes, truth
-
-
-def check_exact(episodes: list[Episode], truth: Truth, num_envs: int) -> None:
-    by_env: dict[int, list[Episode]] = defaultdict(list)
-    for episode in episodes:
-        by_env[episode.env].append(episode)
-    assert sorted(by_env) == list(range(num_envs))
-    spanning, versions = 0, set()
-    for env in range(num_envs):
-        reported, real = by_env[env], truth.finished[env]
-        assert len(reported) == len(real), f"env {env}: {len(reported)} episodes reported, {len(real)} ran"
-        for got, ran in zip(reported, real, strict=True):
-            assert got.whole
-            assert len(ran["shown"]) == 1, f"env {env}: an episode showed the configs {ran['shown']}"
-            assert round(got.config["difficulty"].item(), 5) == ran["shown"].pop()
-            assert (got.length, got.episode_return) == (ran["length"], pytest.approx(ran["return"]))
-            spanning += len(ran["batches"]) > 1
-            versions.add(got.version)
-    assert spanning >= num_envs, "episodes spanning batches were seen"
-    assert len(versions) >= 8, f"episodes ran under many versions, got {sorted(versions)}"
 
 
 def drift_pair() -> ParallelEnv:

@@ -351,3 +351,24 @@ def test_sync_stats_of_batched_envs_over_ray(cluster: Any) -> None:
     finally:
         collector.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_ledger_credits_every_episode_over_ray_exactly(cluster: Any) -> None:
+    """The curriculum's ledger on batches of a RayCollector (2 nodes x a MultiSyncCollector
+    of 2 workers, batches of the two nodes in whatever order they come) with per-env pushes
+    in reset mode: every episode is credited to exactly the config its observations show,
+    none lost or counted twice, episodes spanning batches included."""
+    from attribution import check_exact, collect
+
+    from envsync.envs import make_drift_env
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
+    collector = ray_collector(sender, make_drift_env, frames_per_batch=60)
+    try:
+        assert sender.num_envs == WORKERS
+        episodes, truth = collect(sender, collector, shown=1, batches=16, per_env=3)
+    finally:
+        collector.shutdown()
+        sender.close()
+    check_exact(episodes, truth, WORKERS)
