@@ -6,18 +6,18 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import matplotlib
+
+from envsync.envs import start_method  # noqa: F401 (the benchmarks build collectors under it)
 
 matplotlib.use("Agg")
 
@@ -58,17 +58,6 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-@contextmanager
-def start_method(method: str) -> Iterator[None]:
-    """Build collectors under ``method`` (``"spawn"`` or ``"fork"``), then restore the previous one."""
-    previous = mp.get_start_method(allow_none=True)
-    mp.set_start_method(method, force=True)
-    try:
-        yield
-    finally:
-        mp.set_start_method(previous or "spawn", force=True)
 
 
 def envsync_fingerprint() -> str:

@@ -240,4 +240,3 @@ class BigPolicy(torch.nn.Module):
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.head(observation[..., :1]))
-

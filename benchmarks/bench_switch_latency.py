@@ -53,7 +53,7 @@ class Args:
 
 
 def quick(args: Args) -> Args:
-    small = replace(args, workers=[1, 2], pushes=5, iter_pushes=3, restarts=1, start_method="fork")
+    small = replace(args, workers=[1], pushes=5, iter_pushes=3, restarts=1, start_method="fork")
     return replace(small, probe_workers=[2], probe_window=1.0)
 
 

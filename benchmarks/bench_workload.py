@@ -59,7 +59,7 @@ class Args:
 
 def quick(args: Args) -> Args:
     # fork: four spawn workers take ~20 s to start here, twice per worker count (build, restart)
-    small = replace(args, workers=[1, 4], frames_per_batch=200, switches=2, window=2, restarts=1, many_restarts=1)
+    small = replace(args, workers=[1, 2], frames_per_batch=200, switches=2, window=2, restarts=1, many_restarts=1)
     return replace(small, start_method="fork")
 
 

@@ -39,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_argument("--switches", type=int, default=8)
     demo.add_argument("--batches-per-switch", type=int, default=4)
     demo.add_argument("--frames-per-batch", type=int, default=200)
+    demo.add_argument(
+        "--start-method", choices=["spawn", "fork"], default="spawn", help="of the workers (torchrl's default: spawn)"
+    )
     runner = commands.add_parser("bench", help="run the benchmarks of benchmarks/ (needs a source checkout)")
     runner.add_argument("--quick", action="store_true", help="a tiny budget (a smoke run)")
     runner.add_argument("--out", default=None, help="results folder (default: benchmarks/results[/quick])")
@@ -47,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from envsync.demo import DemoArgs
         from envsync.demo import main as demo_main
 
-        demo_main(DemoArgs(args.workers, args.switches, args.batches_per_switch, args.frames_per_batch))
+        demo_main(
+            DemoArgs(args.workers, args.switches, args.batches_per_switch, args.frames_per_batch, args.start_method)
+        )
     elif args.command == "bench":
         bench(args.quick, args.out)

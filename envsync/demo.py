@@ -17,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from envsync import EnvStateSender
-from envsync.envs import make_drift_env
+from envsync.envs import make_drift_env, start_method
 
 
 @dataclass
@@ -28,18 +28,20 @@ class DemoArgs:
     switches: int = 8
     batches_per_switch: int = 4
     frames_per_batch: int = 200
+    start_method: str = "spawn"  # of the workers: torchrl's default; "fork" starts them faster
 
 
 def _build(sender: EnvStateSender, args: DemoArgs) -> Any:
     from torchrl.collectors import MultiAsyncCollector
 
-    return MultiAsyncCollector(
-        [sender.env_fn(make_drift_env)] * args.workers,
-        None,
-        frames_per_batch=args.frames_per_batch,
-        total_frames=-1,
-        weight_sync_schemes=sender.schemes(),
-    )
+    with start_method(args.start_method):
+        return MultiAsyncCollector(
+            [sender.env_fn(make_drift_env)] * args.workers,
+            None,
+            frames_per_batch=args.frames_per_batch,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
 
 
 def run(args: DemoArgs) -> dict[str, Any]:

@@ -7,6 +7,9 @@ difficulty itself, so every frame proves which config produced it.
 
 from __future__ import annotations
 
+import multiprocessing as mp
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import gymnasium as gym
@@ -15,6 +18,18 @@ from gymnasium import spaces
 
 ENV_ID = "envsync/Drift-v0"
 MAX_EPISODE_STEPS = 50
+
+
+@contextmanager
+def start_method(method: str) -> Iterator[None]:
+    """Build collectors under ``method`` (``"spawn"`` or ``"fork"``; torchrl reads the global
+    multiprocessing start method when it starts workers), then restore the previous one."""
+    previous = mp.get_start_method(allow_none=True)
+    mp.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(previous or "spawn", force=True)
 
 
 class DriftEnv(gym.Env[np.ndarray, np.ndarray]):

@@ -545,6 +545,7 @@ class Sender:
     def _applied(self, index: int) -> int:
         attachment, slot = self._fleet.locate(index)
         return attachment.link.status(slot).applied
+
     def _stats_book(self, whole: bool, start: Mapping[str, torch.Tensor]) -> StatsBook:
         """The ``sync_stats`` book of one level (``whole``: the batched envs' own transforms)."""
         book = self._whole_stats if whole else self._stats

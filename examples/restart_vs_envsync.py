@@ -24,12 +24,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -39,7 +37,7 @@ from tensordict import TensorDictBase
 from torchrl.collectors import MultiAsyncCollector
 
 from envsync import EnvStateSender
-from envsync.envs import make_drift_env
+from envsync.envs import make_drift_env, start_method
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
@@ -144,16 +142,6 @@ def with_envsync(args: Args) -> Timing:
         sender.close()
     timing.total = time.perf_counter() - start
     return timing
-
-
-@contextmanager
-def start_method(method: str) -> Iterator[None]:
-    previous = mp.get_start_method(allow_none=True)
-    mp.set_start_method(method, force=True)
-    try:
-        yield
-    finally:
-        mp.set_start_method(previous, force=True)
 
 
 def report(args: Args, restart: Timing, envsync: Timing) -> str:

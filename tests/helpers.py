@@ -6,8 +6,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,7 +16,7 @@ from torchrl.envs import EnvBase
 from torchrl.envs.transforms import Transform
 
 from envsync import AckTimeout
-from envsync.envs import make_drift_env
+from envsync.envs import make_drift_env, start_method  # noqa: F401 (start_method: for the tests)
 
 
 def set_action_reward_done_specs(env: EnvBase) -> None:
@@ -79,17 +78,6 @@ def make_counter_env(label: int = 0, max_steps: int = 1000) -> CounterEnv:
 
 def drift_env() -> Any:
     return make_drift_env()
-
-
-@contextmanager
-def start_method(method: str) -> Iterator[None]:
-    """Run a block with ``method`` as the global multiprocessing start method."""
-    previous = mp.get_start_method(allow_none=True)
-    mp.set_start_method(method, force=True)
-    try:
-        yield
-    finally:
-        mp.set_start_method(previous or "spawn", force=True)
 
 
 def push_to_a_killed_process(sender: Any, process: Any, *, timeout: float) -> tuple[AckTimeout, float]:

@@ -106,4 +106,3 @@ def envs_per_worker(env_kind: str) -> int:
 def has_env_state(env_kind: str) -> bool:
     """Whether the env carries the transforms (a natively batched env takes config only)."""
     return env_kind != "native"
-

@@ -24,7 +24,8 @@ def counter_envs(max_steps: int = 1000) -> list[partial[object]]:
 @pytest.mark.timeout(120)
 def test_reset_mode_never_mixes_versions_in_a_trajectory() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
-    collector = build("async", sender, make_drift_env, workers=WORKERS, frames_per_batch=100)
+    with start_method("fork"):  # reset mode does not depend on it (spawn: test_e2e_collectors)
+        collector = build("async", sender, make_drift_env, workers=WORKERS, frames_per_batch=100)
     difficulty = {0: 0.0}
     versions_per_traj: dict[int, set[int]] = defaultdict(set)
     try:

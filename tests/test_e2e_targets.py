@@ -61,12 +61,13 @@ def test_workers_subset_and_push_each_leave_the_others_alone() -> None:
 def test_idle_collectors_take_pushes_as_the_modes_say() -> None:
     modes = ("step", "truncate", "reset")
     senders = {m: EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at=m) for m in modes}
-    collectors = {m: build("sync", senders[m], labelled(max_steps=30), frames_per_batch=40) for m in modes}
+    with start_method("fork"):  # what is checked does not depend on it; spawn is tested below
+        collectors = {m: build("sync", senders[m], labelled(max_steps=30), frames_per_batch=40) for m in modes}
     try:
         iterators = {m: iter(c) for m, c in collectors.items()}
         for it in iterators.values():
             next(it)
-        time.sleep(10)
+        time.sleep(2)  # idle: four of the listeners' wake-up periods, no push pending
         versions = {
             "step": senders["step"].push(config={"difficulty": 1.0}, wait="applied", timeout=10),
             "truncate": senders["truncate"].push(config={"difficulty": 1.0}, wait="applied", timeout=10),

@@ -55,6 +55,7 @@ class Header:
 BROADCAST = ("config", "env_state")
 """The sections whose leaves a link can write once for all its workers (a broadcast)."""
 
+
 class SenderLink(Protocol):
     """The main process's side of a link."""
 

@@ -214,7 +214,9 @@ class Mailbox:
         """A relay stops (its collector is shutting down): stop waiting on its fetches."""
         self._consumed[collector] = 1 << 62
 
-    async def acks(self, after: int, timeout: float) -> tuple[
+    async def acks(
+        self, after: int, timeout: float
+    ) -> tuple[
         int,
         dict[int, tuple[float, list[Acks]]],
         dict[tuple[int, int], str],

@@ -179,12 +179,17 @@ class RayEnvScheme(EnvSchemeBase):
         self.context = context
         self._owner_pid = os.getpid()
         actors = list(remote_collectors if remote_collectors is not None else context.remote_collectors)
-        nodes = ray.get([actor.__ray_call__.remote(_node_info) for actor in actors])
+        # the mailbox's process starts (and imports envsync) while the collectors' actors start
+        mailbox = start_mailbox(len(actors))
+        try:
+            nodes = ray.get([actor.__ray_call__.remote(_node_info) for actor in actors])
+        except BaseException:
+            ray.kill(mailbox)
+            raise
         self._counts = counts = [count for count, _, _ in nodes]
         self._files = [path for _, path, _ in nodes if path]
         node_ids = [node for _, _, node in nodes]
         collector_ref = weakref.ref(context)
-        mailbox = start_mailbox(len(actors))
         made: list[RayLink] = []
 
         def make(leaves: Flat) -> SenderLink:  # one slot per remote env
