@@ -160,8 +160,9 @@ class EnvsyncRun:
             if i == count // 2 and decide is not None and self.dr is not None:
                 begin = time.monotonic()
                 self.dr.decide(decide)
-                self.tally.decisions.append(Decision(begin, time.monotonic(), decide))
-                self.loop_s += time.monotonic() - begin
+                end = time.monotonic()
+                self.tally.decisions.append(Decision(begin, end, decide))
+                self.loop_s += end - begin
             self.take()
         wall = time.perf_counter() - start
         self.tally.window(count * self.batch_frames, wall, cpu_seconds(pids) - cpu)

@@ -212,8 +212,6 @@ def _fit(
         tensor = BUFFERS.copy(value.detach(), like.dtype)
     else:
         raise ValidationError(f"{what} {path!r} must be a number or a tensor, got {type(value).__name__}")
-    if tensor.shape != like.shape:
-        raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(tensor.shape)}")
     if not allow_nonfinite:
         _check_finite(what, path, tensor)
     return tensor
