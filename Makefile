@@ -30,10 +30,12 @@ test: lint typecheck unit docs
 
 # The model-based test with fresh seeds for ENVSYNC_MODEL_SECONDS (default 20 minutes; set
 # ENVSYNC_MODEL_SEED to repeat a run), then the push soak tests (-s shows the model's summary),
-# then every Ray cell of the matrix (make test runs those of a Collector only).
+# then every Ray cell of the matrix (make test runs those of a Collector only), then the
+# model-based test over Ray on every Ray cell for ENVSYNC_MODEL_RAY_SECONDS (default 20 minutes).
 soak: $(STAMP)
 	ENVSYNC_MODEL_SECONDS=$${ENVSYNC_MODEL_SECONDS:-1200} ENVSYNC_SOAK_FULL=1 $(BIN)/python -m pytest -q -s tests/test_model.py::test_model_soak tests/test_e2e_soak.py
 	ENVSYNC_MATRIX_ALL=1 $(BIN)/python -m pytest -q tests/test_matrix.py -k test_ray_cell
+	ENVSYNC_MODEL_RAY_SECONDS=$${ENVSYNC_MODEL_RAY_SECONDS:-1200} $(BIN)/python -m pytest -q -s tests/test_model_ray.py::test_model_ray_soak
 
 # The local cells of the matrix on torchrl-nightly and tensordict-nightly, in a venv of their
 # own on the pinned torch (not part of `make test`); stops first if the nightlies need another torch.

@@ -1,5 +1,8 @@
 """envsync: change environments inside running torchrl collectors, without a restart.
 
+The public names are imported on first use, so that a process importing one light module
+(the Ray mailbox actor, :mod:`envsync.links.mailbox`) does not import torch and torchrl.
+
 Examples:
     >>> import envsync
     >>> sender = envsync.EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
@@ -8,10 +11,16 @@ Examples:
     >>> sender.close()
 """
 
-from envsync import apply as apply  # the module: envsync.apply.attributes(), .rebuild()
-from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
-from envsync.integrations.torchrl import EnvStateSender
-from envsync.receiver import EnvStateReceiver
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from envsync import apply as apply  # the module: envsync.apply.attributes(), .rebuild()
+    from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
+    from envsync.integrations.torchrl import EnvStateSender
+    from envsync.receiver import EnvStateReceiver
 
 __all__ = [
     "AckTimeout",
@@ -22,3 +31,26 @@ __all__ = [
     "WorkerApplyError",
 ]
 __version__ = "0.1.0"
+
+_HOMES = {
+    "AckTimeout": "envsync.errors",
+    "EnvSyncError": "envsync.errors",
+    "ValidationError": "envsync.errors",
+    "WorkerApplyError": "envsync.errors",
+    "EnvStateSender": "envsync.integrations.torchrl",
+    "EnvStateReceiver": "envsync.receiver",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "apply":
+        return importlib.import_module("envsync.apply")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'envsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES, "apply"])

@@ -24,7 +24,7 @@ from functools import wraps
 from typing import Any, NamedTuple
 
 import torch
-from conftest import build
+from conftest import KINDS, build
 from helpers import start_method
 from hypothesis.stateful import RuleBasedStateMachine
 from model_envs import LOC_KEY, envs_per_worker, factories, has_env_state
@@ -50,12 +50,21 @@ SETTLE_BATCHES = 60
 class Cell:
     """One cell of the matrix."""
 
-    kind: str  # "single" | "sync" | "async"
+    kind: str  # "single" | "sync" | "async", or "ray-" and one of them (see make_collector)
     env_kind: str  # "plain" | "serial" | "parallel" | "native"
     mode: str  # "reset" | "step" | "truncate"
 
     def __str__(self) -> str:
         return f"{self.kind}-{self.env_kind}-{self.mode}"
+
+    @property
+    def ray(self) -> bool:
+        return self.kind.startswith("ray-")
+
+    @property
+    def inner(self) -> str:
+        """The collector kind that runs the envs (in each remote actor, over Ray)."""
+        return self.kind.removeprefix("ray-")
 
     @property
     def workers(self) -> int:
@@ -71,12 +80,16 @@ class Cell:
 
     @property
     def frames_per_batch(self) -> int:
+        """One rollout of every env a batch comes from: one worker's (``MultiAsyncCollector``)
+        or every env's (the others; a ``RayCollector(sync=True)`` splits it over its remote
+        collectors)."""
         envs = self.per_worker if self.kind == "async" else self.num_envs
         return ROLLOUT * envs
 
     @property
     def idle_between_batches(self) -> bool:
-        return self.kind != "async"
+        # a RayCollector(sync=True) asks every remote collector for one batch at a time
+        return self.inner != "async"
 
     @property
     def applied_waits(self) -> bool:
@@ -106,6 +119,11 @@ def make_sender(cell: Cell) -> EnvStateSender:
 
 
 def make_collector(cell: Cell, sender: EnvStateSender) -> Any:
+    """The cell's collector; a Ray cell's is a ``RayCollector(sync=True)`` of two remote
+    collectors of the inner kind, one pinned to each node of the test cluster, each of one
+    worker (fleet worker ``w`` is remote collector ``w``)."""
+    if cell.ray:
+        return make_ray_collector(cell, sender)
     with start_method("fork"):
         return build(
             cell.kind,
@@ -114,6 +132,23 @@ def make_collector(cell: Cell, sender: EnvStateSender) -> Any:
             workers=cell.workers,
             frames_per_batch=cell.frames_per_batch,
         )
+
+
+def make_ray_collector(cell: Cell, sender: EnvStateSender) -> Any:
+    from torchrl.collectors.distributed import RayCollector
+
+    nodes = ("n0", "n1")
+    return RayCollector(
+        [sender.env_fn(f) for f in factories(cell.env_kind, cell.workers)],
+        None,
+        collector_class=KINDS[cell.inner],
+        num_workers_per_collector=1,
+        frames_per_batch=cell.frames_per_batch,
+        total_frames=10**9,
+        sync=True,
+        remote_configs=[{"num_cpus": 0.25, "memory": 150 * 2**20, "resources": {n: 0.01}} for n in nodes],
+        **sender.ray_kwargs(start_method="fork"),
+    )
 
 
 def operation(fn: Callable[..., None]) -> Callable[..., None]:

@@ -175,19 +175,19 @@ def test_model(cell: Cell) -> None:
         run(cell, seed_value=seed_value, examples=EXAMPLES, steps=STEPS)
 
 
-@pytest.mark.skipif(not SOAK_SECONDS, reason="the soak run: make soak (ENVSYNC_MODEL_SECONDS)")
-@pytest.mark.timeout(SOAK_SECONDS + 900)
-def test_model_soak() -> None:
+def soak(cells: list[Cell], seconds: float, *, examples: int, steps: int, what: str) -> None:
+    """Run fresh histories over ``cells`` for ``seconds``; print what ran and every
+    violation (each with the history that produced it); fail if there was one."""
     master = os.environ.get("ENVSYNC_MODEL_SEED")
     rng = random.Random(None if master is None else int(master))
-    deadline = time.monotonic() + SOAK_SECONDS
+    deadline = time.monotonic() + seconds
     violations: Counter[str] = Counter()
     start = COUNTS.copy()
     while time.monotonic() < deadline:
-        for cell in rng.sample(CELLS, len(CELLS)):
+        for cell in rng.sample(cells, len(cells)):
             history_seed = rng.getrandbits(32)
             try:
-                run(cell, seed_value=history_seed, examples=3, steps=25, shrink=False)
+                run(cell, seed_value=history_seed, examples=examples, steps=steps, shrink=False)
             except Exception as err:  # every failure is a finding: count it, print it, go on
                 violations[invariant_of(err)] += 1
                 print(f"\nVIOLATION in {cell} (history seed {history_seed}):\n{describe(err)}")
@@ -195,7 +195,13 @@ def test_model_soak() -> None:
                 break
     ran = COUNTS - start
     print(
-        f"\nmodel soak: {ran['histories']} histories, {ran['operations']} operations, "
+        f"\n{what}: {ran['histories']} histories, {ran['operations']} operations, "
         f"{sum(violations.values())} invariant violations {dict(violations)}"
     )
     assert not violations
+
+
+@pytest.mark.skipif(not SOAK_SECONDS, reason="the soak run: make soak (ENVSYNC_MODEL_SECONDS)")
+@pytest.mark.timeout(SOAK_SECONDS + 900)
+def test_model_soak() -> None:
+    soak(CELLS, SOAK_SECONDS, examples=3, steps=25, what="model soak")

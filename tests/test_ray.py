@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import RAY_STORE
@@ -23,8 +24,8 @@ ray = pytest.importorskip("ray")
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
 
+from envsync.links.mailbox import Push, start_mailbox  # noqa: E402
 from envsync.links.ray_relay import RelayHandle  # noqa: E402
-from envsync.links.ray_wire import Push, start_mailbox  # noqa: E402
 
 
 def apply_checked(env: Any, config: TensorDictBase) -> None:
@@ -122,13 +123,20 @@ def test_push_reaches_every_env_on_every_node(cluster: Any, kind: type, monkeypa
         per_collector = size // 2  # two remote collectors
         expected = [(i // per_collector, i % per_collector) for i in range(size)]
         assert [(m.collector, m.worker) for m in sender.fleet()] == expected
+        link = sender._fleet.attachments[0].link
+        before = [t.objects for t in link.traffic]  # the starting state's shares
+
+        def shares() -> list[int]:
+            return [t.objects - b for t, b in zip(link.traffic, before, strict=True)]
+
         puts = counting_puts(monkeypatch)
         version = sender.push(config={"difficulty": 0.5}, wait="applied", timeout=30)
         assert sender.versions() == [version] * size
-        assert len(puts) == 2  # one object per node
+        # one share per node, and a small one travels in the post (no object-store put)
+        assert shares() == [1, 1] and not puts
         last = size - 1
         each = sender.push_each({0: {"difficulty": 0.1}, last: {"difficulty": 0.9}}, wait="applied", timeout=30)
-        assert len(puts) == 4  # each node's own row
+        assert shares() == [2, 2] and not puts  # each node's own row
         assert sender.versions() == [each] + [version] * (size - 2) + [each]
         seen: dict[int, set[float]] = {}
         for i, batch in enumerate(collector):
@@ -385,7 +393,22 @@ def post(mailbox: Any, seq: int, body: Any) -> None:
 
 
 def fetch(mailbox: Any, collector: int, after: int) -> list[tuple[int, Any]]:
-    return list(ray.get(mailbox.fetch.remote(collector, after, 0.0), timeout=30))
+    return list(ray.get(mailbox.fetch.remote(collector, 0, after, 0.0), timeout=30))
+
+
+@pytest.mark.timeout(60)
+def test_the_mailbox_starts_without_torch(cluster: Any) -> None:
+    # it starts beside the remote collectors' actors: importing torch there would cost the
+    # main process's node seconds of CPU while they start
+    def heavy_modules(actor: Any) -> list[str]:  # local: Ray sends it by value, not by module
+        return [m for m in ("torch", "tensordict", "torchrl", "envsync.sender") if m in sys.modules]
+
+    mailbox = start_mailbox(1)
+    try:
+        post(mailbox, 1, Push(({0: (1, 0, {("config", "x"): np.ones(2)})},)))
+        assert ray.get(mailbox.__ray_call__.remote(heavy_modules), timeout=30) == []
+    finally:
+        ray.kill(mailbox)
 
 
 @pytest.mark.timeout(60)
@@ -397,13 +420,16 @@ def test_mailbox_hands_out_posts_in_order_and_once(cluster: Any) -> None:
         for seq in (3, 1, 1, 5, 2, 3):
             post(mailbox, seq, f"push {seq}")
         assert fetch(mailbox, 0, 0) == [(1, "push 1"), (2, "push 2"), (3, "push 3")]  # 5 waits for 4
-        waiting = mailbox.fetch.remote(1, 3, 20.0)
+        waiting = mailbox.fetch.remote(1, 0, 3, 20.0)
         post(mailbox, 4, "push 4")
         assert [seq for seq, _ in ray.get(waiting, timeout=30)] == [4, 5]
         post(mailbox, 2, "push 2, retried")  # after every relay asked past it, too
         post(mailbox, 6, "push 6")
         assert fetch(mailbox, 0, 2) == [(3, "push 3"), (4, "push 4"), (5, "push 5"), (6, "push 6")]
         assert fetch(mailbox, 1, 5) == [(6, "push 6")]
+        # a push reaches each node with that node's share only
+        post(mailbox, 7, Push(("rows of node 0", "rows of node 1")))
+        assert ray.get(mailbox.fetch.remote(1, 1, 6, 0.0), timeout=30) == [(7, Push((None, "rows of node 1")))]
     finally:
         ray.kill(mailbox)
 
@@ -426,7 +452,9 @@ def test_relay_writes_each_push_once_in_order(cluster: Any) -> None:
     mailbox = start_mailbox(1)
     node = RecordingLink({key: torch.zeros(())}, 1)
     relay = RelayHandle(mailbox=mailbox, workers=[1], nodes=[0]).relay(0, node)
-    payloads = {v: Push((ray.put({0: (v, 0, {key: torch.tensor(float(v))})}),)) for v in (1, 2, 3)}
+    rows = {v: {0: (v, 0, {key: torch.tensor(float(v))})} for v in (1, 2, 3)}
+    # pushes 1 and 2 by reference to the object store, 3 in the post itself (a small share)
+    payloads = {v: Push((ray.put(rows[v]) if v < 3 else rows[v],)) for v in (1, 2, 3)}
     try:
         for seq in (2, 1, 1):
             post(mailbox, seq, payloads[seq])

@@ -20,7 +20,7 @@ from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollecto
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
 
 from envsync.integrations.torchrl.ray import relay_traffic  # noqa: E402
-from envsync.links.ray_wire import Traffic  # noqa: E402
+from envsync.links.ray_wire import INLINE, Traffic  # noqa: E402
 
 WORKERS = 4  # 2 nodes x a MultiSyncCollector of 2 workers
 
@@ -231,14 +231,17 @@ def per_node(nodes: list[int], before: list[Traffic], after: list[Traffic]) -> l
 
 @pytest.mark.timeout(300)
 def test_each_node_gets_one_object_of_its_own_rows_per_push_decoded_once(cluster: Any) -> None:
-    # three remote collectors, two of them on n0: those two map the same object of each push
-    table = torch.zeros(256)
+    # three remote collectors, two of them on n0: those two map the same object of each push;
+    # a row of the table is 128 KB, so the first push goes by the object store (each node's
+    # share is over INLINE bytes) and the second, a few bytes, in the post itself
+    table = torch.zeros(32 * 1024)
+    assert table.nbytes > INLINE
     sender = EnvStateSender(config={"difficulty": 0.0, "table": table}, apply=set_difficulty, apply_at="step")
     collector = ray_collector(sender, make_counter_env, kind=Collector, nodes=("n0", "n0", "n1"))
     try:
         link = sender._fleet.attachments[0].link
         assert link.nodes == [0, 0, 1]
-        per_env = TensorDict(difficulty=torch.arange(3.0), table=torch.rand(3, 256), batch_size=[3])
+        per_env = TensorDict(difficulty=torch.arange(3.0), table=torch.rand(3, 32 * 1024), batch_size=[3])
         pushes = [({"config": per_env}, {0, 1, 2}), ({"config": {"difficulty": 5.0}, "envs": [2]}, {2})]
         for kwargs, targets in pushes:
             before, put_before = relays(collector), [(t.objects, t.nbytes) for t in link.traffic]
@@ -252,6 +255,7 @@ def test_each_node_gets_one_object_of_its_own_rows_per_push_decoded_once(cluster
                 # relays decode each byte of it once; a node without rows gets nothing
                 assert put[node][0] == len(ids) == (1 if envs else 0)
                 assert ids == ({link.traffic[node].last} if envs else set())
+                assert all(i.startswith("post-") == ("envs" in kwargs) for i in ids)  # small: in the post
                 assert fetches == len(envs) and decoded == put[node][1]
             if targets == {0, 1, 2}:  # each node only its own rows: n0 two, n1 one
                 assert put[0][1] == 2 * put[1][1] > 0

@@ -1,14 +1,17 @@
-"""The Ray link: one object-store put per node per push, a relay in each remote collector,
-shared memory below.
+"""The Ray link: one share per node per push (small ones in the post, large ones one
+object-store put each), a relay in each remote collector, shared memory below.
 
 The main process holds a :class:`RayLink` to every worker of every remote collector (the
 fleet is numbered collector by collector, then by worker). Per push it buffers each
-worker's leaves (``write``); ``flush`` puts, for each node that has rows in the push, one
-object holding only that node's rows (:func:`~envsync.links.ray_wire.encode`), and posts the
-references, numbered, as one :class:`~envsync.links.ray_wire.Push` to a small
-:class:`~envsync.links.ray_wire.Mailbox` actor on the main process's node; relays get the
-posts in that order, once each (:class:`~envsync.links.ray_wire.Posts`). A gather is posted
-the same way, as one :class:`~envsync.links.ray_wire.Ask` for every worker asked.
+worker's leaves (``write``); ``flush`` makes, for each node that has rows in the push, one
+share holding only that node's rows (:func:`~envsync.links.ray_wire.encode`): the rows
+themselves up to :data:`~envsync.links.ray_wire.INLINE` bytes, else the reference to one
+object put into the object store. It posts the shares, numbered, as one
+:class:`~envsync.links.mailbox.Push` to a small :class:`~envsync.links.mailbox.Mailbox`
+actor on the main process's node; relays get the posts in that order, once each
+(:class:`~envsync.links.mailbox.Posts`), each push holding only their node's share. A
+gather is posted the same way, as one :class:`~envsync.links.mailbox.Ask` for every worker
+asked.
 
 In each remote collector's actor a :class:`~envsync.links.ray_relay.Relay` fetches its
 node's object of each push and writes its collector's workers into the node's own link
@@ -45,8 +48,9 @@ import torch
 
 from envsync.errors import EnvSyncError
 from envsync.links.base import Key
+from envsync.links.mailbox import Ask, Push
 from envsync.links.ray_relay import POLL, RelayHandle
-from envsync.links.ray_wire import Acks, Ask, Push, Reply, Rows, Traffic, encode, leaf_bytes
+from envsync.links.ray_wire import INLINE, Acks, Reply, Rows, Traffic, encode, leaf_bytes, share_id, unwire
 from envsync.protocol import NO_FAILURE, WorkerStatus, any_owes
 from envsync.state import Leaf
 
@@ -77,7 +81,7 @@ class RayLink:
     Args:
         leaves: one worker's starting leaves; every worker gets them with the first flush.
         workers: how many workers each remote collector has (in collector order).
-        mailbox: the :class:`~envsync.links.ray_wire.Mailbox` actor handle.
+        mailbox: the :class:`~envsync.links.mailbox.Mailbox` actor handle.
         actors: the remote collectors' actor handles (in collector order), pinged when
             their relay falls silent; without them silence never counts as death.
         nodes: the Ray node id each remote collector runs on (in collector order); one
@@ -153,19 +157,21 @@ class RayLink:
         return None  # the relay notifies the node's workers when it writes them
 
     def flush(self, version: int) -> None:
-        """Put each node's buffered rows into the object store, one object per node that has
-        any, and post their references to the relays."""
+        """Post each node's buffered rows to the relays, one share per node that has any: in
+        the post itself up to :data:`~envsync.links.ray_wire.INLINE` bytes, else as the
+        reference to one object put into the object store."""
         if not self._pending or self._closed:
             return
         pending, self._pending = self._pending, {}
-        refs: list[Any] = []
+        shares: list[Any] = []
         for node, members in enumerate(self._node_workers):
             rows = encode({w: pending[w] for w in members if w in pending})
-            ref = ray.put(rows) if rows else None
-            if ref is not None:
-                self.traffic[node].add(ref.hex(), sum(leaf_bytes(leaves) for _, _, leaves in rows.values()))
-            refs.append(ref)
-        self._post(Push(tuple(refs)))
+            nbytes = sum(leaf_bytes(leaves) for _, _, leaves in rows.values())
+            share = (rows if nbytes <= INLINE else ray.put(rows)) if rows else None
+            if share is not None:
+                self.traffic[node].add(share_id(self._seq + 1, node, share), nbytes)
+            shares.append(share)
+        self._post(Push(tuple(shares)))
 
     def _post(self, body: Push | Ask) -> None:
         self._seq += 1
@@ -190,7 +196,7 @@ class RayLink:
         missing = [n for n in names if n not in values]
         if missing:
             raise EnvSyncError(f"worker {worker}'s gather answer lacks {missing}")
-        return {n: values[n].clone() for n in names}
+        return {n: unwire(values[n]) for n in names}
 
     def settle(self, timeout: float = 30.0) -> None:
         """Block until the mailbox holds the latest post (before relays first fetch)."""

@@ -13,7 +13,8 @@ from typing import Any
 import ray
 
 from envsync.links.base import SenderLink
-from envsync.links.ray_wire import Acks, Ask, Push, Reply, Rows, Traffic, leaf_bytes
+from envsync.links.mailbox import Ask, Push
+from envsync.links.ray_wire import Acks, Reply, Rows, Traffic, leaf_bytes, share_id, wire
 from envsync.protocol import NO_FAILURE
 
 HEARTBEAT = 0.5
@@ -42,14 +43,16 @@ class RelayHandle:
 class Relay:
     """Copies pushes from the object store into one collector's link and reports back.
 
-    It runs two daemon threads (not actor methods: a non-async actor runs one task at a
-    time, and the collector keeps a ``next()`` pending):
+    It runs daemon threads (not actor methods: a non-async actor runs one task at a time,
+    and the collector keeps a ``next()`` pending):
 
-    * *down*: long-polls the mailbox; per push it fetches its node's object (each node gets
-      one, holding only its workers' rows; the relays of one node map the same object) and
-      writes its own workers into the link; per gather it asks its workers;
-    * *up*: waits on the link's acknowledgements and reports them, failures with their
-      traceback, gather answers, and a heartbeat, to the mailbox.
+    * *down*: long-polls the mailbox; per push it takes its node's share (each node gets
+      one, holding only its workers' rows: in the post when small, else one object that the
+      relays of the node map from its object store) and writes its own workers into the
+      link; per gather it asks its workers;
+    * *up*: woken by two watchers, one per kind of acknowledgement semaphore of the link
+      (a thread waits on one), it reports acknowledgements, failures with their traceback,
+      gather answers, and a heartbeat, to the mailbox.
 
     Args:
         handle: the mailbox and layout.
@@ -71,17 +74,22 @@ class Relay:
         self._asked: dict[int, tuple[int, list[str]]] = {}
         self._replied = [0] * self.count
         self._stopped = False
+        self._woken = threading.Event()
 
     def start(self) -> None:
         """Deliver what is posted already (before the collector's first batch), then relay
-        from two daemon threads."""
-        self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self._after, 0.0)))
+        from daemon threads."""
+        self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self.node, self._after, 0.0)))
         self._report()
         threading.Thread(target=self._down, name=f"envsync-relay-down-{self.collector}", daemon=True).start()
         threading.Thread(target=self._up, name=f"envsync-relay-up-{self.collector}", daemon=True).start()
+        for kind in ("received", "applied"):
+            name = f"envsync-relay-{kind}-{self.collector}"
+            threading.Thread(target=self._watch, args=(kind == "applied",), name=name, daemon=True).start()
 
     def stop(self) -> None:
         self._stopped = True
+        self._woken.set()  # the up thread ends now, without another report
         with contextlib.suppress(Exception):
             self.mailbox.forget.remote(self.collector)
 
@@ -91,12 +99,12 @@ class Relay:
                 continue
             if isinstance(body, Ask):
                 self._ask(body)
-            elif body.refs[self.node] is not None:
-                self._write(body.refs[self.node])
+            elif body.shares[self.node] is not None:
+                self._write(body.shares[self.node], share_id(seq, self.node, body.shares[self.node]))
             self._after = seq
 
-    def _write(self, ref: Any) -> None:
-        rows: Rows = ray.get(ref)
+    def _write(self, share: Any, object_id: str) -> None:
+        rows: Rows = share if isinstance(share, dict) else ray.get(share)
         mine = [w for w in range(self.first, self.first + self.count) if w in rows]
         for worker in mine:
             version, undo, entries = rows[worker]
@@ -104,7 +112,7 @@ class Relay:
             self.link.notify(worker - self.first)
         if mine:
             self.link.flush(rows[mine[-1]][0])
-        self.traffic.add(ref.hex(), sum(leaf_bytes(rows[w][2]) for w in mine))
+        self.traffic.add(object_id, sum(leaf_bytes(rows[w][2]) for w in mine))
 
     def _ask(self, ask: Ask) -> None:
         for worker, names in ask.names.items():
@@ -117,18 +125,30 @@ class Relay:
     def _down(self) -> None:
         while not self._stopped:
             try:
-                self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self._after, POLL)))
+                self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self.node, self._after, POLL)))
             except Exception:
                 if self._stopped:
                     return
                 time.sleep(POLL)
 
+    def _watch(self, applied: bool) -> None:
+        """Wake the *up* thread at each acknowledgement of one kind: received, or applied
+        (which a failure and a gather answer release too)."""
+        while not self._stopped:
+            try:
+                woken = self.link.wait_acks(HEARTBEAT, applied=applied)
+            except Exception:  # the link closed under a collector shutting down
+                return
+            if woken:
+                self._woken.set()
+
     def _up(self) -> None:
         last = 0.0
         while not self._stopped:
-            self.link.wait_acks(0.02, applied=False)
-            while self.link.wait_acks(0.0, applied=True):  # drained: statuses are compared below
-                pass
+            self._woken.wait(HEARTBEAT)
+            if self._stopped:
+                return
+            self._woken.clear()  # before reading statuses: an ack after this wakes us again
             now = time.monotonic()
             if self._changed() or now - last >= HEARTBEAT:
                 with contextlib.suppress(Exception):
@@ -151,7 +171,7 @@ class Relay:
         for w, status in enumerate(statuses):
             request, names = self._asked.get(w, (0, []))
             if status[4] > self._replied[w] and status[4] == request:
-                out[w] = (request, self.link.read_reply(w, names))
+                out[w] = (request, wire(self.link.read_reply(w, names)))
         return out
 
     def _report(self) -> None:

@@ -41,9 +41,10 @@ from envsync.integrations.torchrl.scheme import (
     worker_link,
 )
 from envsync.links.base import Flat, LinkHandle, SenderLink
+from envsync.links.mailbox import start_mailbox
 from envsync.links.ray import RayLink
 from envsync.links.ray_relay import Relay, RelayHandle
-from envsync.links.ray_wire import Traffic, start_mailbox
+from envsync.links.ray_wire import Traffic
 from envsync.links.shared_memory import sweep_until_gone
 
 if TYPE_CHECKING:

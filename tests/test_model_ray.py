@@ -1,0 +1,46 @@
+"""The model-based test of ``test_model.py`` over Ray: the same operations, reference model
+and per-frame checks, on a ``RayCollector(sync=True)`` of two remote collectors (one per node
+of the local two-node cluster, one worker each) of every collector kind, env kind and apply
+mode.
+
+A Ray history is slow (every collector it builds, at its start and at each resume, starts
+two actors: ~8 s here), so ``make test`` runs one history of the cheapest cell of each
+collector kind; ``make soak`` runs every cell (``test_model_ray_soak``, for
+``ENVSYNC_MODEL_RAY_SECONDS`` seconds). Its own module: the cluster must be down before
+another module forks workers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+from model_envs import ENV_KINDS
+from model_machine import Cell
+from test_model import MODES, STEPS, run, soak
+
+pytest.importorskip("ray")
+
+RAY_KINDS = ("ray-single", "ray-sync", "ray-async")
+RAY_CELLS = [Cell(kind, env_kind, mode) for kind in RAY_KINDS for env_kind in ENV_KINDS for mode in MODES]
+CHEAPEST = [
+    Cell("ray-single", "plain", "step"),
+    Cell("ray-sync", "serial", "reset"),
+    Cell("ray-async", "native", "truncate"),
+]
+"""One cell per collector kind in ``make test``, each env kind but ``parallel`` and each mode once."""
+SEED = int(os.environ.get("ENVSYNC_MODEL_SEED", "18"))
+SOAK_SECONDS = float(os.environ.get("ENVSYNC_MODEL_RAY_SECONDS", "0"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cell", CHEAPEST, ids=str)
+def test_model_over_ray(cluster: Any, cell: Cell) -> None:
+    run(cell, seed_value=SEED * 1000 + 500 + RAY_CELLS.index(cell), examples=1, steps=STEPS)
+
+
+@pytest.mark.skipif(not SOAK_SECONDS, reason="the soak run: make soak (ENVSYNC_MODEL_RAY_SECONDS)")
+@pytest.mark.timeout(SOAK_SECONDS + 900)
+def test_model_ray_soak(cluster: Any) -> None:
+    soak(RAY_CELLS, SOAK_SECONDS, examples=2, steps=20, what="model soak over Ray")
