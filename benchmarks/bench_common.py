@@ -38,7 +38,9 @@ def parse_args(argv: Sequence[str] | None, cls: type[A], doc: str | None, quick:
             continue
         value = getattr(defaults, field.name)
         flag = f"--{field.name.replace('_', '-')}"
-        if isinstance(value, list):
+        if isinstance(value, bool):
+            parser.add_argument(flag, action="store_true", default=None)
+        elif isinstance(value, list):
             parser.add_argument(flag, nargs="+", type=type(value[0]), default=None)
         else:
             parser.add_argument(flag, type=type(value), default=None)

@@ -16,8 +16,9 @@ mid-episode: each piece is then credited to its own config and marked ``whole=Fa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -72,9 +73,9 @@ class Episode:
     whole: bool = True
 
 
-@dataclass
-class _Piece:
-    """A run of one env's frames under one version, within one episode."""
+class _Piece(NamedTuple):
+    """A run of one env's frames under one version, within one episode (``"mean"`` measures
+    still as sums)."""
 
     env: int
     version: int
@@ -92,10 +93,12 @@ class _Piece:
         total = self.episode_return + later.episode_return
         return _Piece(self.env, self.version, total, self.length + later.length, merged, self.whole)
 
-    def finished(self, reductions: Mapping[str, str]) -> Episode:
-        """The record of this piece (running sums of ``"mean"`` measures become means)."""
-        values = {n: v / self.length if reductions[n] == "mean" else v for n, v in self.values.items()}
-        return Episode(self.env, self.version, TensorDict(), self.episode_return, self.length, values, self.whole)
+    def finished(self, config: TensorDict, means: Sequence[str]) -> Episode:
+        """The record of this piece (the running sums of the ``means`` become means)."""
+        values = self.values
+        if means:
+            values = {n: v / self.length if n in means else v for n, v in values.items()}
+        return Episode(self.env, self.version, config, self.episode_return, self.length, values, self.whole)
 
 
 class Ledger:
@@ -145,113 +148,114 @@ class Ledger:
         self.frames += batch.batch_size.numel()
         if cuts is None:
             return []
-        episodes = cuts.episodes(self._open)
+        pieces = cuts.pieces(self._open)
         configs: dict[tuple[int, int], TensorDict] = {}
-        for i, episode in enumerate(episodes):
-            key = (episode.env, episode.version)
+        for piece in pieces:
+            key = (piece.env, piece.version)
             if key not in configs:
                 configs[key] = self.sender.config_at(*key)
-            episodes[i] = replace(episode, config=configs[key])
-        self.latest.update(cuts.latest())
+        means = [name for name, m in self.measures.items() if m.reduce == "mean"]
+        episodes = [p.finished(configs[p.env, p.version], means) for p in pieces]
+        self.latest.update(zip(cuts.envs, cuts.versions, strict=True))  # an env's last piece comes last
         return episodes
 
 
 class _Cuts:
     """One batch's frames, sorted by env (stable: each env's frames stay in time order),
-    cut into pieces at episode ends and version changes, each reduced by tensor ops."""
+    cut into pieces at episode ends and version changes, each reduced by tensor ops; each
+    piece's env, version, return, length and measures then as Python lists."""
 
     def __init__(self, env: torch.Tensor, version: torch.Tensor, done: torch.Tensor, reward: torch.Tensor) -> None:
-        self.env, self.version, self.done = env, version, done
         n = env.numel()
-        self.first = torch.ones(n, dtype=torch.bool)
-        self.first[1:] = env[1:] != env[:-1]
-        self.start = self.first.clone()
-        self.start[1:] |= done[:-1] | (version[1:] != version[:-1])
-        self.last = torch.ones(n, dtype=torch.bool)
-        self.last[:-1] = self.start[1:]
-        self.segment = self.start.cumsum(0) - 1
-        self.count = int(self.segment[-1]) + 1
-        self.returns = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.segment, reward)
-        self.lengths = torch.bincount(self.segment, minlength=self.count)
-        self.values: dict[str, tuple[str, torch.Tensor]] = {}
+        start = torch.ones(n, dtype=torch.bool)
+        start[1:] = (env[1:] != env[:-1]) | (version[1:] != version[:-1]) | done[:-1]
+        self.segment = start.cumsum(0) - 1
+        self.starts = start.nonzero().squeeze(1)
+        self.lasts = torch.cat((self.starts[1:] - 1, self.starts.new_full((1,), n - 1)))
+        self.count = self.starts.numel()
+        returns = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.segment, reward)
+        self.envs: list[int] = env[self.starts].tolist()
+        self.versions: list[int] = version[self.starts].tolist()
+        self.ended: list[bool] = done[self.lasts].tolist()
+        self.returns: list[float] = returns.tolist()
+        firsts = self.starts.tolist()
+        self.lengths = [b - a for a, b in zip(firsts, [*firsts[1:], n], strict=True)]
+        self.values: dict[str, list[float]] = {}
+        self.reductions: dict[str, str] = {}
 
     @classmethod
     def of(cls, batch: TensorDictBase, measures: Mapping[str, Measure]) -> _Cuts | None:
         n = batch.batch_size.numel()
         if n == 0:
             return None
-        keys = batch.keys(include_nested=True)
-        for key in [*TAGS, *(m.key for m in measures.values())]:
-            if key not in keys:
+        keys = [*TAGS, *(m.key for m in measures.values())]
+        found = [batch.get(key, None) for key in keys]
+        for key, value in zip(keys, found, strict=True):
+            if value is None:
                 raise ValidationError(
                     f"the batch has no {key!r}: build the collector with sender.env_fn(...) and "
                     f"weight_sync_schemes=sender.schemes(), and name measures by keys of the batch"
                 )
-        env = batch.get(TAGS[0]).reshape(n)
-        order = torch.sort(env, stable=True).indices
+        env = found[0].reshape(n)
+        # a collector gives each env's frames in a row: the frames are most often sorted already
+        order = None if bool((env[1:] >= env[:-1]).all()) else torch.sort(env, stable=True).indices
+
+        def sort(frames: torch.Tensor) -> torch.Tensor:
+            return frames if order is None else frames[order]
+
         cuts = cls(
-            env[order],
-            batch.get(TAGS[1]).reshape(n)[order],
-            batch.get(TAGS[2]).reshape(n, -1).any(-1)[order],
-            batch.get(TAGS[3]).reshape(n, -1).sum(-1).to(torch.float64)[order],
+            sort(env),
+            sort(found[1].reshape(n)),
+            sort(found[2].reshape(n, -1).any(-1)),
+            sort(found[3].reshape(n, -1).sum(-1).to(torch.float64)),
         )
-        for name, measure in measures.items():
-            values = batch.get(measure.key).reshape(n, -1)
+        for (name, measure), value in zip(measures.items(), found[len(TAGS) :], strict=True):
+            values = value.reshape(n, -1)
             if values.shape[1] != 1:
                 count = values.shape[1]
                 raise ValidationError(f"measure {name!r}: {measure.key!r} has {count} numbers per frame, not 1")
-            cuts.reduce(name, measure.reduce, values[:, 0].to(torch.float64)[order])
+            cuts.reduce(name, measure.reduce, sort(values[:, 0].to(torch.float64)))
         return cuts
 
     def reduce(self, name: str, how: str, values: torch.Tensor) -> None:
         """Reduce ``values`` over each piece; ``"mean"`` is kept as a sum until the piece ends."""
         if how == "first":
-            out = values[self.start]
+            out = values[self.starts]
         elif how == "last":
-            out = values[self.last]
+            out = values[self.lasts]
         elif how in ("sum", "mean"):
             out = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.segment, values)
         else:
             out = torch.zeros(self.count, dtype=torch.float64)
             out.scatter_reduce_(0, self.segment, values, "amax" if how == "max" else "amin", include_self=False)
-        self.values[name] = (how, out)
+        self.values[name] = out.tolist()
+        self.reductions[name] = how
 
-    def latest(self) -> dict[int, int]:
-        ends = torch.ones_like(self.first)
-        ends[:-1] = self.first[1:]
-        return dict(zip(self.env[ends].tolist(), self.version[ends].tolist(), strict=True))
-
-    def episodes(self, running: dict[int, _Piece]) -> list[Episode]:
-        """The episodes (pieces) that ended in this batch, without their configs; ``running``
-        (per env, the piece still running) is merged into each env's first piece and
-        replaced by its last one."""
-        envs = self.env[self.start].tolist()
-        versions = self.version[self.start].tolist()
-        firsts = self.first[self.start].tolist() + [True]
-        ended = self.done[self.last].tolist()
-        after_done = torch.cat([torch.ones(1, dtype=torch.bool), self.done[:-1]])[self.start].tolist()
-        returns, lengths = self.returns.tolist(), self.lengths.tolist()
-        values = {name: out.tolist() for name, (_, out) in self.values.items()}
-        reductions = {name: how for name, (how, _) in self.values.items()}
-        out: list[Episode] = []
-        for i, (env, version) in enumerate(zip(envs, versions, strict=True)):
-            piece = _Piece(env, version, returns[i], lengths[i], {n: v[i] for n, v in values.items()}, after_done[i])
-            if firsts[i]:
+    def pieces(self, running: dict[int, _Piece]) -> list[_Piece]:
+        """The pieces that ended in this batch; ``running`` (per env, the piece still running)
+        is merged into each env's first piece and replaced by its last one."""
+        envs, ended, reductions = self.envs, self.ended, self.reductions
+        out: list[_Piece] = []
+        for i, env in enumerate(envs):
+            values = {name: v[i] for name, v in self.values.items()}
+            # a piece after another of its env starts after a done or a version change (mid-episode)
+            piece = _Piece(env, self.versions[i], self.returns[i], self.lengths[i], values, i > 0 and ended[i - 1])
+            if i == 0 or envs[i - 1] != env:
                 piece = _continued(running.pop(env, None), piece, reductions, out)
             if ended[i]:
-                out.append(piece.finished(reductions))
-            elif firsts[i + 1]:
+                out.append(piece)
+            elif i + 1 == len(envs) or envs[i + 1] != env:
                 running[env] = piece
             else:  # cut by a version change mid-episode ("step" mode)
-                out.append(replace(piece, whole=False).finished(reductions))
+                out.append(piece._replace(whole=False))
         return out
 
 
-def _continued(before: _Piece | None, piece: _Piece, reductions: Mapping[str, str], out: list[Episode]) -> _Piece:
+def _continued(before: _Piece | None, piece: _Piece, reductions: Mapping[str, str], out: list[_Piece]) -> _Piece:
     """An env's first piece in a batch: it continues the piece the env left running, if any."""
     if before is None:  # a new episode (an env first seen is taken to start one)
-        return replace(piece, whole=True)
+        return piece._replace(whole=True)
     if before.version != piece.version:
-        out.append(replace(before, whole=False).finished(reductions))
-        return replace(piece, whole=False)
+        out.append(before._replace(whole=False))
+        return piece._replace(whole=False)
     return before.then(piece, reductions)

@@ -1,0 +1,219 @@
+"""What a curriculum costs the collection loop, in CPU time per batch: ``Ledger.observe``
+alone, and the whole ``Strategy.observe`` (ledger, decision rule, push) of the
+domain-randomisation strategy of ``bench_curriculum.py``, of ``ADR`` and of ``Lessons``.
+
+The loop-share figure of ``bench_curriculum.py`` is a few tenths of a percent of a window's
+wall time, which moves by 15-25% on a shared machine; CPU time of the calling thread
+(``time.thread_time()``) is steadier. Each strategy first runs live on a
+``MultiSyncCollector`` of ``n`` workers (one ``StampedDriftEnv`` each, ``apply_at="reset"``,
+as ``bench_curriculum.py`` builds it), and its batches are kept. They are then replayed, with
+the collector idle, through a fresh strategy of the same seed on the same sender: its
+versions shifted by the versions published since the live run began, the replay makes the
+same decisions at the same batches and pushes the same number of versions (checked), so each
+replayed pass costs what the live run cost, without the collection's noise around it. The
+figures are medians over passes of the CPU microseconds per batch.
+
+    python benchmarks/bench_ledger.py [--quick] [--envs 1 4 8] [--profile]
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench_common import RESULTS, Report, median, parse_args, start_method
+from bench_curriculum import MEASURES, DomainRandomization, with_measures
+from bench_envs import make_stamped_env
+from bench_tasks import DIFFICULTIES, HALVES
+from tensordict import TensorDictBase
+
+from envsync import EnvStateSender, curriculum
+
+NAME = "ledger"
+VERSION_KEYS = ("env_version", ("next", "env_version"))
+
+
+@dataclass
+class Args:
+    envs: list[int] = field(default_factory=lambda: [1, 4, 8])
+    frames_per_worker: int = 480  # per worker and batch, as bench_curriculum.py
+    batches: int = 8  # batches kept from each strategy's live run
+    passes: int = 7  # timed replays of them (after one warm-up pass)
+    profile: bool = False  # print cProfile's top entries of the replays at the most envs
+    quick: bool = False
+    out: Path = RESULTS
+
+
+def quick(args: Args) -> Args:
+    return replace(args, envs=[2], frames_per_worker=70, batches=4, passes=2)
+
+
+def strategies(sender: EnvStateSender) -> dict[str, Callable[[], Any]]:
+    """Each strategy measured, built afresh (same seed) for every run of it."""
+    lessons = [curriculum.Lesson({"difficulty": d}, threshold=40.0, min_lesson_length=8) for d in DIFFICULTIES]
+    return {
+        "domain randomisation": lambda: DomainRandomization(sender, HALVES[0]),
+        "ADR": lambda: curriculum.ADR(
+            sender,
+            ranges={"difficulty": (0.0, 0.2)},
+            bounds={"difficulty": (0.0, 0.7)},
+            delta=0.05,
+            queue=8,
+            thresholds=(30.0, 42.0),
+            measures=MEASURES,
+        ),
+        "Lessons": lambda: curriculum.Lessons(sender, lessons, measures=MEASURES),
+    }
+
+
+@dataclass
+class Recorded:
+    """A strategy's live run: its batches, the version the run began at, the versions it pushed."""
+
+    batches: list[TensorDictBase]
+    start: int
+    pushed: int
+    live_us: list[float]
+
+
+def record(build: Callable[[], Any], sender: EnvStateSender, batches: Any, count: int) -> Recorded:
+    start = sender.version
+    strategy = build()
+    kept, live = [], []
+    for _ in range(count):
+        batch = with_measures(next(batches)).clone()
+        begin = time.thread_time()
+        strategy.observe(batch)
+        live.append(1e6 * (time.thread_time() - begin))
+        kept.append(batch)
+    return Recorded(kept, start, sender.version - start, live)
+
+
+def shifted(recorded: Recorded, sender: EnvStateSender) -> list[TensorDictBase]:
+    """The batches as the run beginning at the sender's version now would have tagged them."""
+    by = sender.version - recorded.start
+    out = []
+    for batch in recorded.batches:
+        batch = batch.clone()
+        for key in VERSION_KEYS:
+            batch.set(key, batch.get(key) + by)
+        out.append(batch)
+    return out
+
+
+def replay(
+    build: Callable[[], Any], recorded: Recorded, sender: EnvStateSender, profiler: cProfile.Profile | None = None
+) -> float:
+    """CPU microseconds per batch of one replay through a fresh strategy (or ledger)."""
+    batches = shifted(recorded, sender)
+    start = sender.version
+    strategy = build()
+    spent = 0.0
+    for batch in batches:
+        if profiler is not None:
+            profiler.enable()
+        begin = time.thread_time()
+        strategy.observe(batch)
+        spent += time.thread_time() - begin
+        if profiler is not None:
+            profiler.disable()
+    if sender.version - start != recorded.pushed:
+        raise RuntimeError(f"the replay pushed {sender.version - start} versions, the live run {recorded.pushed}")
+    return 1e6 * spent / len(batches)
+
+
+def measure(n: int, args: Args) -> list[dict[str, Any]]:
+    from torchrl.collectors import MultiSyncCollector
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
+    sender.config_history.keep, sender.config_history.keep_bytes = 1 << 30, 1 << 40  # every replayed version stays
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            [sender.env_fn(make_stamped_env)] * n,
+            None,
+            frames_per_batch=n * args.frames_per_worker,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
+    try:
+        batches = iter(collector)
+        builds = strategies(sender)
+        recorded = {name: record(build, sender, batches, args.batches) for name, build in builds.items()}
+        # the ledger alone, on the batches of the first strategy (it pushes nothing: no shift)
+        builds["ledger only"] = lambda: curriculum.Ledger(sender, measures=MEASURES)
+        first = recorded[next(iter(recorded))]
+        recorded["ledger only"] = Recorded(first.batches, first.start, 0, [])
+        samples: dict[str, list[float]] = {name: [] for name in builds}
+        for p in range(args.passes + 1):
+            for name, build in builds.items():
+                us = replay(build, recorded[name], sender)
+                if p > 0:
+                    samples[name].append(us)
+        if args.profile and n == max(args.envs):
+            profile(builds, recorded, sender)
+    finally:
+        collector.shutdown()
+        sender.close()
+    return [_row(n, name, recorded[name], samples[name]) for name in builds]
+
+
+def _row(n: int, name: str, recorded: Recorded, samples: list[float]) -> dict[str, Any]:
+    frames = sum(b.numel() for b in recorded.batches) / len(recorded.batches)
+    return {
+        "envs": n,
+        "what": name,
+        "frames_per_batch": frames,
+        "pushes_per_batch": recorded.pushed / len(recorded.batches),
+        "cpu_us_per_batch": median(samples),
+        "cpu_ns_per_frame": 1e3 * median(samples) / frames,
+        "live_cpu_us_per_batch": median(recorded.live_us),
+        "samples": {"cpu_us_per_batch": samples, "live_cpu_us_per_batch": recorded.live_us},
+    }
+
+
+def profile(builds: dict[str, Callable[[], Any]], recorded: dict[str, Recorded], sender: EnvStateSender) -> None:
+    """Print the functions that took the most time in observe (wall clock: a CPU-time timer
+    is a system call, whose cost would swamp the small functions)."""
+    for name in ("ledger only", "domain randomisation"):
+        profiler = cProfile.Profile()
+        for _ in range(3):
+            replay(builds[name], recorded[name], sender, profiler)
+        print(f"\n---- cProfile: {name}, 3 replays of {len(recorded[name].batches)} batches")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+
+
+COLUMNS = [
+    ("envs", "envs"),
+    ("what", "observe of"),
+    ("frames_per_batch", "frames per batch"),
+    ("pushes_per_batch", "pushes per batch"),
+    ("cpu_us_per_batch", "CPU µs per batch (replayed, median)"),
+    ("cpu_ns_per_frame", "CPU ns per frame"),
+    ("live_cpu_us_per_batch", "CPU µs per batch (live run, median)"),
+]
+
+
+def run(args: Args) -> dict[str, Any]:
+    rows = [row for n in args.envs for row in measure(n, args)]
+    notes = [
+        "CPU time of the calling thread (time.thread_time()) in observe(batch): the ledger's "
+        "attribution, and for a strategy its rule and its pushes (wait='received'; the wait "
+        "itself costs no CPU of this thread)",
+        "replayed: the batches of a live run through a fresh strategy with the collector idle, "
+        "median over passes; live: the median batch of the live run",
+    ]
+    report = Report(NAME, args, rows, [("CPU per batch", COLUMNS)], {"plots": []}, [], notes)
+    return report.write(args.out)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    return run(parse_args(argv, Args, __doc__, quick))
+
+
+if __name__ == "__main__":
+    main()
