@@ -53,4 +53,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES, "apply"])
+    return sorted([*__all__, "apply", "__version__"])

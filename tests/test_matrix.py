@@ -3,10 +3,13 @@ MultiAsyncCollector, a RayCollector of each} x {plain env, SerialEnv(2), Paralle
 natively batched env of 2}, each with real workers (and, for Ray, the two-node local cluster).
 
 Every cell asserts truthful tags (each frame shows the config row its ``env_version`` names,
-for the env its ``env_index`` names), the gathered state (an env-state entry pushed to one env
-comes back from that env only) and a checkpoint round trip (``state_dict()`` loaded into a new
-sender gives back the same config and env-state rows). ``docs/matrix.md`` is checked against
-this module: every test it names exists, and every cell appears in it.
+for the env its ``env_index`` names), ``reinit`` (each env's ObservationNorm recomputed under
+its own new row, on the main process's probe env; not for the natively batched env, whose
+rows share one), the gathered state
+(an env-state entry pushed to one env comes back from that env only) and a checkpoint round
+trip (``state_dict()`` loaded into a new sender gives back the same config and env-state rows).
+``docs/matrix.md`` is checked against this module: every test it names exists, and every cell
+appears in it.
 
 The Ray cells of a ``Collector`` run in ``make test``; those of ``MultiSyncCollector`` and
 ``MultiAsyncCollector`` (two more Ray clusters' worth of actors each) run with
@@ -30,7 +33,7 @@ from tensordict import TensorDictBase
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
 from torchrl.envs import ObservationNorm, ParallelEnv, SerialEnv, TransformedEnv
 
-from envsync import EnvStateSender
+from envsync import EnvStateSender, reinit
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -127,8 +130,9 @@ def collect_until_shown(it: Any, version: int, num_envs: int, check: Any) -> Ten
     raise AssertionError(f"version {version} not shown by every env within 40 batches")
 
 
-def exercise(sender: EnvStateSender, collector: Any, labelled: bool) -> dict[str, Any]:
-    """Tags, gathered state and a checkpoint of a running cell; returns the checkpoint."""
+def exercise(sender: EnvStateSender, collector: Any, labelled: bool, recomputed: bool) -> dict[str, Any]:
+    """Tags, gathered state and a checkpoint of a running cell; returns the checkpoint.
+    ``recomputed``: the sender recomputes every env's ObservationNorm at a config change."""
     it = iter(collector)
     n = sender.num_envs
     difficulty: dict[int, dict[int, float]] = {e: {0: 0.0} for e in range(n)}
@@ -146,7 +150,13 @@ def exercise(sender: EnvStateSender, collector: Any, labelled: bool) -> dict[str
     loc = sender.gather(["loc"], timeout=60)["loc"]
     assert loc.shape[0] == n
     for env in range(n):
-        assert loc[env].equal(SHIFT if env == target else torch.zeros(3)), (env, loc[env])
+        if env == target:
+            assert loc[env].equal(SHIFT), (env, loc[env])
+        elif recomputed:  # under the env's own row (on the main process's probe env, and
+            # sent with the row): the constant difficulty is only centred (loc = -mean)
+            assert abs(float(loc[env][0]) + float(values[env])) < 1e-5, (env, loc[env])
+        else:
+            assert loc[env].equal(torch.zeros(3)), (env, loc[env])
     one = sender.gather(["loc"], envs=[target], timeout=60)["loc"]
     assert one.shape[0] == 1 and one[0].equal(SHIFT)
     return sender.state_dict()
@@ -166,12 +176,18 @@ def check_round_trip(checkpoint: dict[str, Any]) -> None:
 def run_cell(kind: str, env_kind: str) -> None:
     """Build the cell's collector, exercise it and check its checkpoint round trip."""
     remote = kind.startswith("ray-")
-    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    # a natively batched env's rows share one ObservationNorm: its reinit is refused at
+    # attach (tests/test_batched_state.py), so that cell runs without. where="main": each
+    # row's statistics travel with it as env state, so the env-state push after it (which
+    # in-worker recomputation would recompute over) comes back as pushed
+    recomputed = env_kind != "native"
+    policies = {"ObservationNorm": reinit.recompute(8, where="main")} if recomputed else None
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step", reinit=policies)
     try:
         build = ray_collector if remote else local_collector
         collector = build(kind.removeprefix("ray-"), env_kind, sender)
         try:
-            checkpoint = exercise(sender, collector, labelled=not remote)
+            checkpoint = exercise(sender, collector, labelled=not remote, recomputed=recomputed)
         finally:
             collector.shutdown()
     finally:
