@@ -13,13 +13,14 @@ actor on the main process's node; relays get the posts in that order, once each
 gather is posted the same way, as one :class:`~envsync.links.mailbox.Ask` for every worker
 asked.
 
-In each remote collector's actor a :class:`~envsync.links.ray_relay.Relay` fetches its
-node's object of each push and writes its collector's workers into the node's own link
+In each remote collector's actor a :class:`~envsync.links.ray_relay.Relay` takes its
+node's share of each push and writes its collector's workers into the node's own link
 (shared memory or in process), exactly as a local sender would; the relays of one node map
-that one object from the node's object store (numpy arrays are not copied on ``ray.get``),
-so the node receives each push once and each byte is decoded once, into its worker's slot.
-The relay hands gather requests to its workers through the same link, and reports
-acknowledgements, failures, gather answers (tensors) and a heartbeat back to the mailbox.
+a large share's one object from the node's object store (numpy arrays are not copied on
+``ray.get``), so the node receives each push once and each byte is decoded once, into its
+worker's slot. The relay hands gather requests to its workers through the same link, and
+reports acknowledgements, failures, gather answers (numpy arrays) and a heartbeat back to
+the mailbox.
 
 The main process reads reports through one polling thread into a local table, so
 ``status``, ``alive``, ``answered`` and ``wait_acks`` cost what they cost on one machine.

@@ -41,7 +41,8 @@ class RelayHandle:
 
 
 class Relay:
-    """Copies pushes from the object store into one collector's link and reports back.
+    """Copies pushes (from the post, or from the object store) into one collector's link
+    and reports back.
 
     It runs daemon threads (not actor methods: a non-async actor runs one task at a time,
     and the collector keeps a ``next()`` pending):
