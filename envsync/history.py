@@ -18,13 +18,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping
 
-import torch
 from tensordict import TensorDict
 
 from envsync.desired import section
 from envsync.errors import ValidationError
 from envsync.links.base import Flat
-from envsync.state import Leaf
+from envsync.state import Leaf, nest
 
 _SLACK = 16
 """Entries past ``keep`` that an env may gather before it is pruned (a prune reads the env's
@@ -121,9 +120,7 @@ class ConfigHistory:
                 f"env {env} has no config at version {version}: its oldest kept version is {versions[0]} "
                 f"(older ones were never published to it, or were pruned: raise the sender's config_history.keep)"
             )
-        # one TensorDict of copies (a nest() of the kept leaves, then a clone, builds two)
-        entry = self._configs[env][at]
-        return TensorDict({tuple(k.split(".")): torch.as_tensor(v).clone() for k, v in entry.items()}, batch_size=[])
+        return nest(self._configs[env][at], copy=True)
 
     def versions(self, env: int) -> list[int]:
         """The versions kept for env ``env``, oldest first (each starts a config)."""

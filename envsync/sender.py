@@ -621,11 +621,11 @@ class Sender:
         """The desired config of a worker (its first env's, for a batched worker), or of
         env ``env``; with neither, the config a worker joining later starts from."""
         if worker is None and env is None:
-            return nest(desired.section(self._default, "config")).clone()
+            return nest(desired.section(self._default, "config"), copy=True)
         with self._lock:
             self._prune()
             index = self._fleet.targets(None if worker is None else [worker], None if env is None else [env])[0]
-            return nest(desired.section(self._mirror(index), "config")).clone()
+            return nest(desired.section(self._mirror(index), "config"), copy=True)
 
     def config_at(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` (fleet index) ran under ``version``: what a frame tagged

@@ -79,9 +79,13 @@ def _flatten_config(values: Any) -> dict[str, Any]:
     return _flatten(values, what="config", expected="a mapping of names to values")
 
 
-def nest(flat: Mapping[str, Leaf]) -> TensorDict:
-    """Flat leaves by dotted name as a nested ``TensorDict`` (numpy leaves wrapped, not copied)."""
-    return TensorDict({tuple(k.split(".")): tensor_of(v) for k, v in flat.items()}, batch_size=[])
+def nest(flat: Mapping[str, Leaf], *, copy: bool = False) -> TensorDict:
+    """Flat leaves by dotted name as a nested ``TensorDict``: numpy leaves wrapped, not
+    copied, or (``copy``) a ``TensorDict`` of copies of its own, built once."""
+    return TensorDict(
+        {tuple(k.split(".")): torch.as_tensor(v).clone() if copy else tensor_of(v) for k, v in flat.items()},
+        batch_size=[],
+    )
 
 
 def _check_finite(what: str, path: str, value: torch.Tensor) -> None:

@@ -132,6 +132,7 @@ class Ledger:
     def __init__(self, sender: Sender, *, measures: Mapping[str, NestedKey | Measure] | None = None) -> None:
         self.sender = sender
         self.measures = {name: m if isinstance(m, Measure) else Measure(m) for name, m in (measures or {}).items()}
+        self._means = [name for name, m in self.measures.items() if m.reduce == "mean"]
         self.latest: dict[int, int] = {}
         """Per env: the version of the newest frame seen (an env's versions never go back)."""
         self.frames = 0
@@ -154,8 +155,7 @@ class Ledger:
             key = (piece.env, piece.version)
             if key not in configs:
                 configs[key] = self.sender.config_at(*key)
-        means = [name for name, m in self.measures.items() if m.reduce == "mean"]
-        episodes = [p.finished(configs[p.env, p.version], means) for p in pieces]
+        episodes = [p.finished(configs[p.env, p.version], self._means) for p in pieces]
         self.latest.update(zip(cuts.envs, cuts.versions, strict=True))  # an env's last piece comes last
         return episodes
 

@@ -100,8 +100,8 @@ class Relay:
                 continue
             if isinstance(body, Ask):
                 self._ask(body)
-            elif body.shares[self.node] is not None:
-                self._write(body.shares[self.node], share_id(seq, self.node, body.shares[self.node]))
+            elif (share := body.shares[self.node]) is not None:
+                self._write(share, share_id(seq, self.node, share))
             self._after = seq
 
     def _write(self, share: Any, object_id: str) -> None:
