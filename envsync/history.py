@@ -25,9 +25,9 @@ from envsync.errors import ValidationError
 from envsync.links.base import Flat
 from envsync.state import Leaf, nest
 
-_SLACK = 16
+SLACK = 16
 """Entries past ``keep`` that an env may gather before it is pruned (a prune reads the env's
-applied version: once per ``_SLACK`` records, not at every push)."""
+applied version: once per ``SLACK`` records, not at every push)."""
 
 
 def _nbytes(leaf: Leaf) -> int:
@@ -89,7 +89,7 @@ class ConfigHistory:
             entries.append(entry)
             sizes.append(sum(_nbytes(v) for k, v in entry.items() if last.get(k) is not v))
             self._held[env] = held + sizes[-1]
-            if applied is not None and (len(versions) > self.keep + _SLACK or self._held[env] > self.keep_bytes):
+            if applied is not None and (len(versions) > self.keep + SLACK or self._held[env] > self.keep_bytes):
                 self._prune(env, applied(env))
 
     def _prune(self, env: int, applied: int) -> None:

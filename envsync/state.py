@@ -167,6 +167,18 @@ BUFFERS = Buffers()
 """The buffers of this process's pushes."""
 
 
+def _number(value: bool | int | float, like: torch.Tensor, numpy_dtype: np.dtype | None) -> Leaf:
+    """``value`` as a 0-d numpy array of ``numpy_dtype`` (else a tensor of ``like``'s dtype);
+    a float past the dtype's range becomes inf, without numpy's overflow warning (the caller
+    refuses it unless non-finite values are allowed)."""
+    if numpy_dtype is None:
+        return torch.as_tensor(value, dtype=like.dtype)
+    if isinstance(value, float) and numpy_dtype.kind == "f" and abs(value) > np.finfo(numpy_dtype).max:
+        with np.errstate(over="ignore"):  # entered only then: it is a context change per call
+            return np.asarray(value, dtype=numpy_dtype)
+    return np.asarray(value, dtype=numpy_dtype)
+
+
 def _fit(
     what: str,
     path: str,
@@ -194,12 +206,7 @@ def _fit(
                 f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
             )
         try:
-            with np.errstate(over="ignore"):
-                number: Leaf = (
-                    np.asarray(value, dtype=numpy_dtype)
-                    if numpy_dtype is not None
-                    else torch.as_tensor(value, dtype=like.dtype)
-                )
+            number = _number(value, like, numpy_dtype)
         except (OverflowError, ValueError, RuntimeError) as err:  # numpy's, torch's
             raise ValidationError(f"{what} {path!r} does not fit dtype {like.dtype}: {value!r}") from err
         if not allow_nonfinite and isinstance(value, float) and not math.isfinite(number.item()):

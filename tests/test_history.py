@@ -60,7 +60,7 @@ def test_pruning_is_bounded_per_env() -> None:
     history = ConfigHistory(keep=3)
     for version in range(200):
         history.record(version, {0: leaves(float(version)), 1: leaves(0.0)}, lambda env: 199)
-    # keep older ones, the one in effect, and at most 16 more before a prune (history._SLACK)
+    # keep older ones, the one in effect, and at most 16 more before a prune (history.SLACK)
     assert all(len(history.versions(env)) <= 3 + 1 + 16 for env in (0, 1))
 
 
