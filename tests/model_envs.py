@@ -1,10 +1,15 @@
 """The envs of the model-based test (``test_model.py``) and the factories that give every env
 of a fleet its label (its fleet index: worker by worker, then sub-env order).
 
-Every env observes ``[difficulty, label, step]``, so each frame shows the config it ran under
-and which env produced it. ``set_difficulty(difficulty, delay)`` sleeps ``delay`` seconds
-first (a slow config method) and raises, after changing the env, for a negative difficulty
-(the marked value of a failing apply: envsync must put the previous config back).
+Every env observes ``[difficulty, label, step, table]``, so each frame shows the config it ran
+under and which env produced it: ``table`` is a 1 MB config value (:data:`TABLE` floats, as
+large as the sender's reusable buffers start, and past what a Ray post carries inline), which
+the env keeps by reference as given and shows one element of at every step, read live (a
+buffer handed out again while the env holds it would show in the frames).
+``set_difficulty(difficulty, delay, table)`` sleeps ``delay`` seconds first (a slow config
+method), refuses a table that holds more than one value (a torn copy), and raises, after
+changing the env, for a negative difficulty (the marked value of a failing apply: envsync must
+put the previous config back).
 Unbatched envs carry two stateful transforms: a counting ``VecNormV2`` (for ``sync_stats``)
 and an ``ObservationNorm`` whose ``loc`` is the env state the test pushes; its output
 ``observation_shifted = observation + loc`` shows that env state in every frame too.
@@ -19,12 +24,25 @@ from typing import Any
 
 import torch
 from helpers import CounterEnv, NativeCounterEnv
+from torchrl.data import Composite, Unbounded
 
 ENV_KINDS = ("plain", "serial", "parallel", "native")
 SUB_ENVS = 2
 """Envs per worker of the batched env kinds."""
 LOC_KEY = "transforms.1.loc"
 """The pushed env-state entry: the same key in ``env.state_dict()`` and in envsync."""
+OBSERVATION = 4
+"""Numbers per observation: ``[difficulty, label, step, table]``."""
+TABLE = 1 << 18
+"""Floats of the ``table`` config value (1 MB: ``envsync.state.Buffers.MIN_BYTES``)."""
+
+
+def uniform(table: torch.Tensor) -> float:
+    """The one value a pushed table holds (every element equal: a torn copy is refused)."""
+    first = float(table.reshape(-1)[0])
+    if not bool((table == first).all()):
+        raise ValueError(f"table holds more than one value: torn between {float(table.min())} and {float(table.max())}")
+    return first
 
 
 def _configure(env: Any, difficulty: float, delay: float) -> None:
@@ -36,24 +54,49 @@ def _configure(env: Any, difficulty: float, delay: float) -> None:
 
 
 class LabelEnv(CounterEnv):
-    """A :class:`~helpers.CounterEnv` with a slow, sometimes failing config method; episodes
-    of ``horizon`` steps."""
+    """A :class:`~helpers.CounterEnv` with a slow, sometimes failing config method and a
+    table; episodes of ``horizon`` steps."""
 
-    def set_difficulty(self, difficulty: float, delay: float = 0.0) -> None:  # type: ignore[override]
+    def __init__(self, label: int, max_steps: int) -> None:
+        super().__init__(label=label, max_steps=max_steps)
+        self.table = torch.zeros(TABLE)
+        self.observation_spec = Composite(observation=Unbounded((OBSERVATION,), dtype=torch.float32))
+
+    def set_difficulty(  # type: ignore[override]
+        self, difficulty: float, delay: float = 0.0, table: Any = None
+    ) -> None:
+        if table is not None:
+            table = torch.as_tensor(table)  # kept as given (a numpy copy out of shared memory)
+            uniform(table)
+            self.table = table
         _configure(self, difficulty, delay)
+
+    def _obs(self) -> torch.Tensor:
+        return torch.tensor([self.difficulty, self.label, float(self.count), float(self.table[-1])])
 
 
 class NativeLabelEnv(NativeCounterEnv):
     """A natively batched env (``batch_size=[2]``) taking per-row config through ``env_ids``."""
 
+    def __init__(self, n: int, horizon: int, first_label: int) -> None:
+        super().__init__(n, horizon, first_label)
+        self.table = torch.zeros(n, TABLE)
+        self.observation_spec = Composite(observation=Unbounded((n, OBSERVATION), dtype=torch.float32), shape=(n,))
+
     def set_difficulty(  # type: ignore[override]
-        self, difficulty: torch.Tensor, delay: torch.Tensor, env_ids: torch.Tensor
+        self, difficulty: torch.Tensor, delay: torch.Tensor, table: torch.Tensor, env_ids: torch.Tensor
     ) -> None:
+        for row in table:
+            uniform(row)
+        self.table[env_ids] = table.to(torch.float32)
         if float(delay.max()) > 0:
             time.sleep(float(delay.max()))
         self.difficulty[env_ids] = difficulty.to(torch.float32)
         if bool((difficulty < 0).any()):
             raise ValueError(f"difficulty {difficulty.tolist()} is marked to fail")
+
+    def _obs(self) -> torch.Tensor:
+        return torch.stack([self.difficulty, self.labels, self.count, self.table[:, -1]], -1)
 
 
 def horizon_of(label: int) -> int:
@@ -69,7 +112,10 @@ def make_label_env(label: int) -> Any:
 
     norm = VecNormV2(in_keys=["observation"], out_keys=["observation_norm"], decay=1.0)
     shift = ObservationNorm(
-        loc=torch.zeros(3), scale=torch.ones(3), in_keys=["observation"], out_keys=["observation_shifted"]
+        loc=torch.zeros(OBSERVATION),
+        scale=torch.ones(OBSERVATION),
+        in_keys=["observation"],
+        out_keys=["observation_shifted"],
     )
     return TransformedEnv(LabelEnv(label=label, max_steps=horizon_of(label)), Compose(norm, shift))
 

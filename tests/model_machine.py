@@ -27,7 +27,7 @@ import torch
 from conftest import KINDS, build
 from helpers import start_method
 from hypothesis.stateful import RuleBasedStateMachine
-from model_envs import LOC_KEY, envs_per_worker, factories, has_env_state
+from model_envs import LOC_KEY, OBSERVATION, TABLE, envs_per_worker, factories, has_env_state
 from model_ref import Frames, Model, Setting, Violation, expect
 from tensordict import TensorDict
 
@@ -115,7 +115,8 @@ class Target(NamedTuple):
 
 
 def make_sender(cell: Cell) -> EnvStateSender:
-    return EnvStateSender(config={"difficulty": 0.0, "delay": 0.0}, apply="set_difficulty", apply_at=cell.mode)
+    config = {"difficulty": 0.0, "delay": 0.0, "table": torch.zeros(TABLE)}
+    return EnvStateSender(config=config, apply="set_difficulty", apply_at=cell.mode)
 
 
 def make_collector(cell: Cell, sender: EnvStateSender) -> Any:
@@ -229,9 +230,18 @@ class ModelMachine(RuleBasedStateMachine):
         self.observations_bound += len(updates)  # a truncate-mode apply may reset an env once
         return version
 
-    def setting(self, env: int, difficulty: float, delay: float | None, loc: float | None) -> Setting:
+    def setting(
+        self, env: int, difficulty: float, delay: float | None, loc: float | None, table: bool = False
+    ) -> Setting:
+        """Env ``env``'s setting after a push of these values (``None``, ``False``: not pushed;
+        a pushed table holds the env's new difficulty)."""
         current = self.model.current[env]
-        return Setting(difficulty, current.delay if delay is None else delay, current.loc if loc is None else loc)
+        return Setting(
+            difficulty,
+            current.delay if delay is None else delay,
+            current.loc if loc is None else loc,
+            difficulty if table else current.table,
+        )
 
     def waited(self, version: int, envs: list[int], result: Any) -> None:
         """A ``wait="applied"`` for ``version`` on ``envs`` returned (or timed out, in reset mode)."""
@@ -242,7 +252,9 @@ class ModelMachine(RuleBasedStateMachine):
 
     # ---- operations ----------------------------------------------------------------------------
 
-    def do_push(self, target: Target, rows: str, delay: float | None, loc: bool, wait: str | None) -> None:
+    def do_push(
+        self, target: Target, rows: str, delay: float | None, loc: bool, wait: str | None, table: bool = False
+    ) -> None:
         version = self.model.latest + 1
         envs = target.envs(self.cell)
         n = len(envs)
@@ -250,20 +262,23 @@ class ModelMachine(RuleBasedStateMachine):
         config: Any
         if rows == "one":
             config = {"difficulty": difficulties[0]} | ({} if delay is None else {"delay": delay})
+            config |= {"table": torch.full((TABLE,), difficulties[0])} if table else {}
         else:
             columns = {"difficulty": torch.tensor(difficulties)}
             if delay is not None:
                 columns["delay"] = torch.full((n,), delay)
+            if table:
+                columns["table"] = torch.tensor(difficulties).unsqueeze(1).expand(n, TABLE).contiguous()
             config = TensorDict(columns, batch_size=[n]) if rows == "tensordict" else columns
         loc_value = 1000.0 + version if loc else None
-        env_state = None if loc_value is None else {LOC_KEY: torch.full((3,), loc_value)}
+        env_state = None if loc_value is None else {LOC_KEY: torch.full((OBSERVATION,), loc_value)}
         timeout = SHORT if wait == "applied" and self.cell.mode == "reset" else TIMEOUT
         result = self.call(
             f"push {version}",
             lambda: self.sender.push(config, env_state, wait=wait, timeout=timeout, **target.kwargs()),
             may_time_out=wait == "applied" and self.cell.mode == "reset",
         )
-        updates = {e: self.setting(e, d, delay, loc_value) for e, d in zip(envs, difficulties, strict=True)}
+        updates = {e: self.setting(e, d, delay, loc_value, table) for e, d in zip(envs, difficulties, strict=True)}
         self.published(updates, default_loc=loc_value if target.kind == "all" else None)
         self.scribble(config, env_state)
         if wait == "applied":
@@ -435,11 +450,14 @@ class ModelMachine(RuleBasedStateMachine):
         config = state["config"]
         expect(tuple(config.batch_size) == (self.cell.num_envs,), "checkpoint", f"config rows {config.batch_size}")
         for env, setting in enumerate(self.model.current):
-            row = (float(config[env]["difficulty"]), float(config[env]["delay"]))
+            table = config[env]["table"]
+            row = (float(config[env]["difficulty"]), float(config[env]["delay"]), float(table[0]), float(table[-1]))
             expect(
-                abs(row[0] - setting.difficulty) < 1e-4 and abs(row[1] - setting.delay) < 1e-6,
+                abs(row[0] - setting.difficulty) < 1e-4
+                and abs(row[1] - setting.delay) < 1e-6
+                and all(abs(x - setting.table) < 1e-4 for x in row[2:]),
                 "checkpoint holds the desired state",
-                f"env {env}: (difficulty, delay) {row}, the model says {setting}",
+                f"env {env}: (difficulty, delay, table's first and last) {row}, the model says {setting}",
             )
         if self.model.default_loc:
             pushed = TensorDict(state["env_state"]).flatten_keys(".").get(LOC_KEY, None)

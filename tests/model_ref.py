@@ -22,11 +22,13 @@ START = 0
 
 @dataclass(frozen=True, order=True)
 class Setting:
-    """What one env runs: its config (``difficulty``, ``delay``) and the pushed ``loc``."""
+    """What one env runs: its config (``difficulty``, ``delay``, the value of every element of
+    its ``table``) and the pushed ``loc``."""
 
     difficulty: float = 0.0
     delay: float = 0.0
     loc: float = 0.0
+    table: float = 0.0
 
 
 class Violation(AssertionError):
@@ -106,10 +108,11 @@ class Model:
 def _mixes(restored: Setting) -> set[Setting]:
     fresh = Setting()
     return {
-        Setting(d, dl, lc)
+        Setting(d, dl, lc, tb)
         for d in {fresh.difficulty, restored.difficulty}
         for dl in {fresh.delay, restored.delay}
         for lc in {fresh.loc, restored.loc}
+        for tb in {fresh.table, restored.table}
     }
 
 
@@ -191,9 +194,11 @@ class Frames:
     def _check_obs(self, row: TensorDictBase, t: int, env: int, version: int, obs_key: str | tuple[str, ...]) -> None:
         allowed = self.model.settings(version, env)
         difficulty = float(row[obs_key][t, 0])
-        shown = [s for s in allowed if _near(s.difficulty, difficulty)]
+        table = float(row[obs_key][t, 3])
+        shown = [s for s in allowed if _near(s.difficulty, difficulty) and _near(s.table, table)]
         where = f"env {env}, version {version}, {obs_key!r} frame {t}"
-        expect(bool(shown), "tags are truthful", f"{where}: difficulty {difficulty}, the model says {sorted(allowed)}")
+        detail = f"{where}: difficulty {difficulty}, table {table}, the model says {sorted(allowed)}"
+        expect(bool(shown), "tags are truthful", detail)
         if self.with_loc:
             key = "observation_shifted" if obs_key == "observation" else ("next", "observation_shifted")
             locs = (row[key][t] - row[obs_key][t]).tolist()

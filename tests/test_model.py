@@ -77,10 +77,11 @@ def machine_for(cell: Cell) -> type[ModelMachine]:
             delay=DELAYS,
             loc=st.booleans() if state else st.just(False),
             wait=waits,
+            table=st.booleans(),
         )
         @operation
-        def push(self, to: Target, rows: str, delay: float | None, loc: bool, wait: str | None) -> None:
-            self.do_push(to, rows, delay, loc, wait)
+        def push(self, to: Target, rows: str, delay: float | None, loc: bool, wait: str | None, table: bool) -> None:
+            self.do_push(to, rows, delay, loc, wait, table)
 
         @rule(workers=subsets(cell.workers), delay=DELAYS, wait=waits)
         @operation
