@@ -22,7 +22,10 @@ kernel time and torch's intra-op threads under load weigh nothing), and waiting 
 instructions. A ``MultiSyncCollector``'s workers wait for the loop body, so the curriculum's
 wall time in the loop holds the collection up whatever it costs in CPU: each ``n`` is also run
 without valgrind (forked workers, as ``bench_curriculum.py`` has them) to time the
-curriculum's ``observe`` and ``decide`` calls against the loop's wall time.
+curriculum's ``observe`` and ``decide`` calls against the loop's wall time. And what follows
+the wall clock counts as work: a worker's listener checks that the sender lives after each
+quiet 0.5 s, which valgrind's slowdown (40-200 ms a frame here) makes a per-frame cost of
+the attached and curriculum variants that a native frame seldom pays.
 
 ``--quick`` runs the children without valgrind (the loop's timing only): under valgrind
 each process takes ~50 s to import torch, more than a smoke run may take.
