@@ -34,6 +34,7 @@ ROW_KEYS = {
     "bench_payload": {"size", "workers", "envsync_ms", "config_ms", "map_fn_ms", "policy_ms", "memcpy_ms"},
     "bench_memory": {"workers", "small_traced_bytes_per_push", "big_peak_payloads", "big_held_payloads"},
     "bench_ledger": {"envs", "what", "cpu_us_per_batch", "live_cpu_us_per_batch"},
+    "bench_curriculum_instructions": {"envs", "frames", "pushes", "episodes", "loop_share", "timed_pushes"},
     "bench_hot_path": {"env", "collector", "fps_without", "fps_with", "overhead_pct", "overhead_cpu_pct"},
     "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
     "bench_sync_stats": {"size", "workers", "sync_ms", "floor_ms", "sync_over_floor"},

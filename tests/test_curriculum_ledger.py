@@ -98,6 +98,22 @@ def test_measures_reduce_over_the_whole_episode_across_batches(sender: EnvStateS
     assert episode.measures == {"best": 5.0, "worst": 0.5, "mean": 9.5 / 4, "first": 3.0, "success": 0.0}
 
 
+def test_measures_of_any_dtype_and_a_tensor_that_carries_a_grad(sender: EnvStateSender) -> None:
+    """The ledger reads the batch's columns through numpy: a dtype numpy lacks (bfloat16), a
+    tensor that requires grad and an integer column reduce as the float ones do."""
+    batch = frames(0, [1, 1, 1], [1, 2, 4], [0, 0, 1])
+    rewards = batch["next", "reward"]
+    batch["next", "bf16"] = rewards.to(torch.bfloat16)
+    batch["next", "ints"] = rewards.to(torch.int64)
+    batch["next", "grad"] = rewards.clone().requires_grad_()
+    measures = {"bf16": Measure(("next", "bf16"), "sum"), "ints": Measure(("next", "ints"), "max")}
+    measures["grad"] = Measure(("next", "grad"), "mean")
+    (episode,) = Ledger(sender, measures=measures).observe(batch)
+    assert episode.measures == {"bf16": 7.0, "ints": 4.0, "grad": 7.0 / 3}
+    assert all(type(v) is float for v in episode.measures.values())
+    assert type(episode.env) is int and type(episode.length) is int
+
+
 def test_bad_input_is_a_validation_error(sender: EnvStateSender) -> None:
     with pytest.raises(ValidationError, match="reduce"):
         Measure("x", "median")

@@ -4,7 +4,7 @@ A frame names its env (``("next", "env_index")``) and the version its step ran u
 (``("next", "env_version")``); the sender names the config of each ``(env, version)``
 (:meth:`~envsync.sender.Sender.config_at`). The :class:`Ledger` cuts each env's frames into
 pieces at episode ends (``("next", "done")``) and at version changes, sums rewards and
-reduces the user's measures over each piece with tensor operations (no Python loop over
+reduces the user's measures over each piece with array operations (no Python loop over
 frames), and carries the piece still running at the end of a batch into the next batch of
 that env. Each env's frames come from one worker, whose batches arrive in order, so batches
 of different workers may interleave in any order.
@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -56,7 +57,8 @@ class Episode:
     Args:
         env: the fleet index of the env that ran it.
         version: the version it ran under.
-        config: the exact config it ran under (a ``TensorDict`` shaped like the template).
+        config: the exact config it ran under (a ``TensorDict`` shaped like the template,
+            one for all the records of that env and version: read it, do not write into it).
         episode_return: the sum of its rewards.
         length: its number of steps.
         measures: the user's measures, by name.
@@ -137,6 +139,7 @@ class Ledger:
         """Per env: the version of the newest frame seen (an env's versions never go back)."""
         self.frames = 0
         self._open: dict[int, _Piece] = {}
+        self._configs: dict[int, tuple[int, TensorDict]] = {}
 
     def observe(self, batch: TensorDictBase) -> list[Episode]:
         """Take one batch; return the episodes (pieces) that ended in it, env by env, in order.
@@ -149,37 +152,51 @@ class Ledger:
         self.frames += batch.batch_size.numel()
         if cuts is None:
             return []
-        pieces = cuts.pieces(self._open)
-        configs: dict[tuple[int, int], TensorDict] = {}
-        for piece in pieces:
-            key = (piece.env, piece.version)
-            if key not in configs:
-                configs[key] = self.sender.config_at(*key)
-        episodes = [p.finished(configs[p.env, p.version], self._means) for p in pieces]
+        episodes = [p.finished(self._config(p.env, p.version), self._means) for p in cuts.pieces(self._open)]
         self.latest.update(zip(cuts.envs, cuts.versions, strict=True))  # an env's last piece comes last
         return episodes
+
+    def _config(self, env: int, version: int) -> TensorDict:
+        """The config of ``(env, version)``, looked up once: an env's newest version seen is
+        kept, as its episodes under that version often end in the next batch."""
+        kept = self._configs.get(env)
+        if kept is not None and kept[0] == version:
+            return kept[1]
+        config = self.sender.config_at(env, version)
+        if kept is None or kept[0] < version:
+            self._configs[env] = (version, config)
+        return config
 
 
 class _Cuts:
     """One batch's frames, sorted by env (stable: each env's frames stay in time order),
-    cut into pieces at episode ends and version changes, each reduced by tensor ops; each
-    piece's env, version, return, length and measures then as Python lists."""
+    cut into pieces at episode ends and version changes, each reduced over the batch's
+    columns as numpy arrays; each piece's env, version, return, length and measures then as
+    Python lists.
 
-    def __init__(self, env: torch.Tensor, version: torch.Tensor, done: torch.Tensor, reward: torch.Tensor) -> None:
-        n = env.numel()
-        start = torch.ones(n, dtype=torch.bool)
-        start[1:] = (env[1:] != env[:-1]) | (version[1:] != version[:-1]) | done[:-1]
-        self.segment = start.cumsum(0) - 1
-        self.starts = start.nonzero().squeeze(1)
-        self.lasts = torch.cat((self.starts[1:] - 1, self.starts.new_full((1,), n - 1)))
-        self.count = self.starts.numel()
-        returns = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.segment, reward)
+    numpy, not torch: the columns are views of the batch's CPU tensors, and each of the
+    dozen small operations here costs a numpy call's microsecond, where a torch call costs
+    several (more under intra-op threads on a loaded machine). Sums go through
+    ``np.bincount``, which adds each piece's frames one by one in time order.
+    """
+
+    def __init__(self, env: np.ndarray, version: np.ndarray, done: np.ndarray, reward: np.ndarray) -> None:
+        n = env.size
+        start = np.empty(n + 1, dtype=bool)  # and one past the end, so that every piece has its bounds
+        start[0] = start[n] = True
+        np.not_equal(env[1:], env[:-1], out=start[1:n])
+        start[1:n] |= version[1:] != version[:-1]
+        start[1:n] |= done[:-1]
+        bounds = np.flatnonzero(start)
+        self.starts, self.lasts = bounds[:-1], bounds[1:] - 1
+        self.count = self.starts.size
+        self.segment = np.cumsum(start[:n]) - 1
+        lengths = bounds[1:] - self.starts
         self.envs: list[int] = env[self.starts].tolist()
         self.versions: list[int] = version[self.starts].tolist()
         self.ended: list[bool] = done[self.lasts].tolist()
-        self.returns: list[float] = returns.tolist()
-        firsts = self.starts.tolist()
-        self.lengths = [b - a for a, b in zip(firsts, [*firsts[1:], n], strict=True)]
+        self.returns: list[float] = self._sums(reward).tolist()
+        self.lengths: list[int] = lengths.tolist()
         self.values: dict[str, list[float]] = {}
         self.reductions: dict[str, str] = {}
 
@@ -196,39 +213,42 @@ class _Cuts:
                     f"the batch has no {key!r}: build the collector with sender.env_fn(...) and "
                     f"weight_sync_schemes=sender.schemes(), and name measures by keys of the batch"
                 )
-        env = found[0].reshape(n)
+        env, version, done, reward = (_columns(value, n) for value in found[: len(TAGS)])
+        env = env[:, 0]
         # a collector gives each env's frames in a row: the frames are most often sorted already
-        order = None if bool((env[1:] >= env[:-1]).all()) else torch.sort(env, stable=True).indices
+        order = None if bool((env[1:] >= env[:-1]).all()) else np.argsort(env, kind="stable")
 
-        def sort(frames: torch.Tensor) -> torch.Tensor:
+        def sort(frames: np.ndarray) -> np.ndarray:
             return frames if order is None else frames[order]
 
         cuts = cls(
             sort(env),
-            sort(found[1].reshape(n)),
-            sort(found[2].reshape(n, -1).any(-1)),
-            sort(found[3].reshape(n, -1).sum(-1).to(torch.float64)),
+            sort(version[:, 0]),
+            sort(np.logical_or.reduce(done, axis=1)),
+            sort(reward[:, 0] if reward.shape[1] == 1 else reward.sum(1)),
         )
         for (name, measure), value in zip(measures.items(), found[len(TAGS) :], strict=True):
-            values = value.reshape(n, -1)
+            values = _columns(value, n)
             if values.shape[1] != 1:
                 count = values.shape[1]
                 raise ValidationError(f"measure {name!r}: {measure.key!r} has {count} numbers per frame, not 1")
-            cuts.reduce(name, measure.reduce, sort(values[:, 0].to(torch.float64)))
+            cuts.reduce(name, measure.reduce, sort(values[:, 0]))
         return cuts
 
-    def reduce(self, name: str, how: str, values: torch.Tensor) -> None:
+    def _sums(self, values: np.ndarray) -> np.ndarray:
+        return np.bincount(self.segment, weights=values, minlength=self.count)
+
+    def reduce(self, name: str, how: str, values: np.ndarray) -> None:
         """Reduce ``values`` over each piece; ``"mean"`` is kept as a sum until the piece ends."""
         if how == "first":
             out = values[self.starts]
         elif how == "last":
             out = values[self.lasts]
         elif how in ("sum", "mean"):
-            out = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.segment, values)
+            out = self._sums(values)
         else:
-            out = torch.zeros(self.count, dtype=torch.float64)
-            out.scatter_reduce_(0, self.segment, values, "amax" if how == "max" else "amin", include_self=False)
-        self.values[name] = out.tolist()
+            out = (np.maximum if how == "max" else np.minimum).reduceat(values, self.starts)
+        self.values[name] = out.astype(np.float64, copy=False).tolist()
         self.reductions[name] = how
 
     def pieces(self, running: dict[int, _Piece]) -> list[_Piece]:
@@ -249,6 +269,16 @@ class _Cuts:
             else:  # cut by a version change mid-episode ("step" mode)
                 out.append(piece._replace(whole=False))
         return out
+
+
+def _columns(value: torch.Tensor, n: int) -> np.ndarray:
+    """A batch entry as ``n`` rows of numbers: a view of a CPU tensor's memory (a copy of
+    another device's, and of a dtype numpy lacks as float64)."""
+    try:
+        rows = value.numpy(force=True)
+    except TypeError:  # bfloat16 and the like
+        rows = value.detach().to("cpu", torch.float64).numpy()
+    return rows.reshape(n, -1)
 
 
 def _continued(before: _Piece | None, piece: _Piece, reductions: Mapping[str, str], out: list[_Piece]) -> _Piece:
