@@ -8,7 +8,9 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -210,3 +212,22 @@ def save_plot(fig: Any, out: Path, name: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def require_callgrind() -> None:
+    """Exit with how to install valgrind when it (or ``callgrind_control``) is missing."""
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind (with callgrind_control) is not installed: apt-get install valgrind")
+
+
+def callgrind_control(*args: str, timeout: float = 300) -> None:
+    """``callgrind_control`` with ``args`` (``-i on|off PID`` switches counting, ``-d PID`` dumps)."""
+    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=timeout)
+
+
+def callgrind_total(path: Path) -> int:
+    """The instructions a callgrind output file counts (its ``totals:`` line; 0 if none)."""
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("totals:"):
+            return int(line.split()[1])
+    return 0

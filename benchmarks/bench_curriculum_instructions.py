@@ -46,7 +46,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench_common import RESULTS, Report, parse_args, save_plot, start_method, target
+from bench_common import (
+    RESULTS,
+    Report,
+    callgrind_control,
+    callgrind_total,
+    parse_args,
+    require_callgrind,
+    save_plot,
+    start_method,
+    target,
+)
 
 NAME = "curriculum_instructions"
 VARIANTS = ("plain", "attached", "curriculum")
@@ -190,10 +200,6 @@ class Child:
         self.process.wait()
 
 
-def _control(*args: str) -> None:
-    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=300)
-
-
 def _window(done: list[str]) -> dict[str, Any]:
     frames, pushes, episodes = (int(v) for v in done[:3])
     spent, loop = (float(v) for v in done[3:])
@@ -207,19 +213,21 @@ def count(plan: Plan) -> dict[str, Any]:
     try:
         pids = child.line("ready")
         for pid in pids:
-            _control("-i", "on", pid)
+            callgrind_control("-i", "on", pid)
         start = time.perf_counter()
         child.go()
         window = _window(child.line("done"))
         seconds = time.perf_counter() - start
         for pid in pids:
-            _control("-i", "off", pid)
-            _control("-d", pid)  # dump now: a worker may be stopped before it exits
+            callgrind_control("-i", "off", pid)
+            callgrind_control("-d", pid)  # dump now: a worker may be stopped before it exits
         child.go()
         child.process.wait(timeout=600)
         # a process's counts: its dump (cg.<pid>.1) and what it wrote at exit (cg.<pid>)
-        main = sum(_total(path) for path in folder.glob(f"cg.{pids[0]}*") if path.name.split(".")[1] == pids[0])
-        total = sum(_total(path) for path in folder.iterdir())
+        main = sum(
+            callgrind_total(path) for path in folder.glob(f"cg.{pids[0]}*") if path.name.split(".")[1] == pids[0]
+        )
+        total = sum(callgrind_total(path) for path in folder.iterdir())
     finally:
         child.close()
         shutil.rmtree(folder, ignore_errors=True)
@@ -244,13 +252,6 @@ def timed(plan: Plan) -> dict[str, Any]:
     finally:
         child.close()
     return window
-
-
-def _total(path: Path) -> int:
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("totals:"):
-            return int(line.split()[1])
-    return 0
 
 
 def measure(n: int, args: Args) -> dict[str, Any]:
@@ -354,8 +355,8 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run(args: Args) -> dict[str, Any]:
-    if args.count and (shutil.which("valgrind") is None or shutil.which("callgrind_control") is None):
-        raise SystemExit("valgrind (with callgrind_control) is not installed: apt-get install valgrind")
+    if args.count:
+        require_callgrind()
     rows = [measure(n, args) for n in args.envs]
     report = Report(
         name=NAME,

@@ -28,7 +28,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench_common import RESULTS, Report, parse_args, save_plot, target
+from bench_common import (
+    RESULTS,
+    Report,
+    callgrind_control,
+    callgrind_total,
+    parse_args,
+    require_callgrind,
+    save_plot,
+    target,
+)
 
 NAME = "hot_path_instructions"
 VARIANTS = ("without", "with")
@@ -88,10 +97,6 @@ def child(variant: str, kind: str, frames: int) -> None:
         sender.close()
 
 
-def _control(*args: str) -> None:
-    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=120)
-
-
 def _count(variant: str, kind: str, frames: int) -> dict[str, Any]:
     """Run one variant under callgrind; the instructions of its counted frames, all processes."""
     folder = Path(tempfile.mkdtemp(prefix="envsync-callgrind-"))
@@ -122,7 +127,7 @@ def _count(variant: str, kind: str, frames: int) -> dict[str, Any]:
             raise RuntimeError(f"the {variant} child did not start under valgrind")
         pids = ready[1:]
         for pid in pids:
-            _control("-i", "on", pid)
+            callgrind_control("-i", "on", pid)
         start = time.perf_counter()
         process.stdin.write("\n")
         process.stdin.flush()
@@ -132,12 +137,12 @@ def _count(variant: str, kind: str, frames: int) -> dict[str, Any]:
         frames = int(done[1])
         seconds = time.perf_counter() - start
         for pid in pids:
-            _control("-i", "off", pid)
-            _control("-d", pid)  # dump now: a worker may be stopped before it exits
+            callgrind_control("-i", "off", pid)
+            callgrind_control("-d", pid)  # dump now: a worker may be stopped before it exits
         process.stdin.write("\n")
         process.stdin.flush()
         process.wait(timeout=300)
-        total = sum(_total(path) for path in folder.iterdir())
+        total = sum(callgrind_total(path) for path in folder.iterdir())
     finally:
         if process.poll() is None:
             process.kill()
@@ -149,13 +154,6 @@ def _count(variant: str, kind: str, frames: int) -> dict[str, Any]:
         "valgrind_s": seconds,
         "processes": len(pids),
     }
-
-
-def _total(path: Path) -> int:
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("totals:"):
-            return int(line.split()[1])
-    return 0
 
 
 def _measure(kind: str, args: Args) -> dict[str, Any]:
@@ -202,8 +200,7 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
 
 
 def run(args: Args) -> dict[str, Any]:
-    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
-        raise SystemExit("valgrind (with callgrind_control) is not installed: apt-get install valgrind")
+    require_callgrind()
     rows = [_measure(kind, args) for kind in args.collectors]
     report = Report(
         name=NAME,
