@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 
 from tensordict import TensorDict
 
-from envsync.desired import section
 from envsync.errors import ValidationError
 from envsync.links.base import Flat
 from envsync.state import Leaf, nest
@@ -77,19 +76,27 @@ class ConfigHistory:
         the oldest are pruned, so that in a steady state the history keeps a bounded size.
         """
         for env, flat in configs.items():
-            versions = self._versions.setdefault(env, [])
-            entries = self._configs.setdefault(env, [])
-            sizes = self._sizes.setdefault(env, [])
-            cut = bisect.bisect_left(versions, version)
-            held = self._held.get(env, 0) - sum(sizes[cut:])
-            del versions[cut:], entries[cut:], sizes[cut:]
-            entry = section(flat, "config")
+            versions = self._versions.get(env)
+            if versions is None:
+                versions, self._configs[env], self._sizes[env] = [], [], []
+                self._versions[env] = versions
+            entries, sizes = self._configs[env], self._sizes[env]
+            held = self._held.get(env, 0)
+            if versions and versions[-1] >= version:
+                cut = bisect.bisect_left(versions, version)
+                held -= sum(sizes[cut:])
+                del versions[cut:], entries[cut:], sizes[cut:]
+            entry = {k[1]: v for k, v in flat.items() if k[0] == "config"}
             last = entries[-1] if entries else {}
+            size = 0
+            for name, value in entry.items():
+                if last.get(name) is not value:
+                    size += _nbytes(value)
             versions.append(version)
             entries.append(entry)
-            sizes.append(sum(_nbytes(v) for k, v in entry.items() if last.get(k) is not v))
-            self._held[env] = held + sizes[-1]
-            if applied is not None and (len(versions) > self.keep + SLACK or self._held[env] > self.keep_bytes):
+            sizes.append(size)
+            self._held[env] = held + size
+            if applied is not None and (len(versions) > self.keep + SLACK or held + size > self.keep_bytes):
                 self._prune(env, applied(env))
 
     def _prune(self, env: int, applied: int) -> None:

@@ -21,7 +21,6 @@ counter before it releases): it blocks only while a slot still owes the version.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import threading
@@ -34,7 +33,7 @@ import torch
 
 from envsync.errors import EnvSyncError
 from envsync.links.base import BROADCAST, Header, Key
-from envsync.protocol import NO_FAILURE, WorkerStatus, any_owes
+from envsync.protocol import NO_FAILURE, WorkerStatus
 from envsync.state import ArrayBuffers, Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
@@ -54,6 +53,8 @@ COUNTERS = (
 )
 _ALIGN = 64
 _LOCK_TIMEOUT = 10.0
+_MARKS = ("source", "config_source", "writes", "asked")
+"""The sections of per-worker int64 marks (beside the leaves of the desired state)."""
 
 
 def pid_alive(pid: int) -> bool:
@@ -136,6 +137,8 @@ class Table:
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
         self.error = arrays[("error",)].numpy()
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
+        # every worker's value of a mark at once (a push to all workers sets each in one write)
+        self.columns = {k: v.numpy() for k, v in leaves.items() if k[0] in _MARKS}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
         self.arrays = [{k: numpy_view(v) for k, v in slot.items()} for slot in self.slots]
         self.broadcast: dict[Key, torch.Tensor] = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "broadcast"}
@@ -164,6 +167,13 @@ class Table:
         return bytes(self.error[worker, :length]).decode("utf-8", errors="replace")
 
 
+def _acquire(lock: Any, what: str, *args: Any) -> None:
+    """Take a slot lock; one held longer than any write takes means a dead holder: raise,
+    naming ``what % args`` (formatted only then: this is on every push's path)."""
+    if not lock.acquire(timeout=_LOCK_TIMEOUT):
+        raise EnvSyncError(f"{what % args}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
+
+
 class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
     """Hold a slot lock for a ``with`` block: ``with locked(lock, "writing worker %d", w)``.
     A lock held longer than any write takes means a dead holder: raise, naming ``what % args``
@@ -172,8 +182,7 @@ class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
     __slots__ = ("_lock",)
 
     def __init__(self, lock: Any, what: str, *args: Any) -> None:
-        if not lock.acquire(timeout=_LOCK_TIMEOUT):
-            raise EnvSyncError(f"{what % args}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
+        _acquire(lock, what, *args)
         self._lock = lock
 
     def __enter__(self) -> None:
@@ -226,6 +235,11 @@ class SlotWriter:
                 raise ValueError(f"leaf {key} of shape {tuple(value.shape)} does not fit the slot's {held}")
 
     def _write(self, worker: int, version: int, entries: Mapping[Key, Leaf], undo: int) -> None:
+        self._write_leaves(worker, entries)
+        self.table.counters["undo"][worker] = undo
+        self.table.counters["target"][worker] = version
+
+    def _write_leaves(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
         table, slot = self.table, self.table.slots[worker]
         for key, value in entries.items():
             if isinstance(value, np.ndarray):
@@ -234,8 +248,6 @@ class SlotWriter:
                 slot[key].copy_(value)
             if key[0] in BROADCAST:
                 self._written(worker, key, 0)  # this worker's own value, not the broadcast
-        self.table.counters["undo"][worker] = undo
-        self.table.counters["target"][worker] = version
 
     def _written(self, worker: int, key: Key, source: int) -> None:
         """Mark ``key`` written for ``worker``: read from its slot (``source`` 0) or from the
@@ -262,15 +274,29 @@ class SlotWriter:
             region = self.table.broadcast.get(key)
             if region is None or region.shape != value.shape:
                 raise ValueError(f"broadcast entry {key} does not fit the region")
-        with contextlib.ExitStack() as stack:
+        locks = [self._locks[worker] for worker in workers]
+        held = 0
+        try:
             for worker in workers:
-                stack.enter_context(locked(self._locks[worker], "broadcasting to worker %d", worker))
+                _acquire(locks[held], "broadcasting to worker %d", worker)
+                held += 1
             for key, value in shared.items():
                 self.table.broadcast[key].copy_(value)
             for worker in workers:
-                self._write(worker, version, entries[worker], 0)
-                for key in shared:
-                    self._written(worker, key, version)
+                if entries[worker]:
+                    self._write_leaves(worker, entries[worker])
+            # the marks and counters of every worker at once (workers are sorted and distinct)
+            rows: Any = slice(None) if len(workers) == self.num_workers else workers
+            table = self.table
+            for key in shared:
+                table.columns[table.source(key)][rows] = version
+                if key[0] == "config":
+                    table.columns[("writes", key[1])][rows] += 1
+            table.counters["undo"][rows] = 0
+            table.counters["target"][rows] = version
+        finally:
+            for lock in locks[:held]:
+                lock.release()
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
@@ -312,12 +338,25 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
+    def _owing(self, slots: Sequence[int], version: int, applied: bool) -> bool:
+        """Whether any of ``slots`` still owes ``version`` (:func:`~envsync.protocol.owes`,
+        read for all of them at once)."""
+        c = self.table.counters
+        rows: Any = slice(None) if len(slots) == self.num_workers else list(slots)  # distinct slots
+        owed = np.minimum(c["target"][rows], version)
+        acked = c["applied" if applied else "received"][rows]
+        return bool(((acked < owed) & (c["failed"][rows] < owed)).any())
+
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         """Block until an acknowledgement wakes the sender, or ``timeout`` passes. With the
         ``slots`` that still owe ``version`` (up to their target), return at once when none
         owes it any more. A thread waiting alone on the link first takes back the releases
         made so far (the counters show them), so that they do not wake it for nothing;
-        threads waiting together leave them to each other."""
+        threads waiting together leave them to each other.
+
+        It returns at the first acknowledgement rather than sleeping on while other slots
+        still owe: the caller's reading of the counters takes about as long as the next
+        acknowledgement, and a sleep (a futex wait and wake) costs more than either."""
         semaphore = self._acks[1 if applied else 0]
         with self._waiters_lock:
             self._waiters += 1
@@ -326,7 +365,7 @@ class SlotWriter:
             if alone and slots:
                 while semaphore.acquire(False):
                     pass
-            if slots and not any_owes((self.table.status(s) for s in slots), version, applied):
+            if slots and not self._owing(slots, version, applied):
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
         finally:
