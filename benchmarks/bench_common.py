@@ -12,6 +12,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -231,3 +232,96 @@ def callgrind_total(path: Path) -> int:
         if line.startswith("totals:"):
             return int(line.split()[1])
     return 0
+
+
+class CountedChild:
+    """A benchmark's child process (``script --child *args``), under valgrind's callgrind
+    with counting off at start when ``count`` (``trace_children``: its own children too, each
+    its own valgrind). The child prints ``ready <pids>``, waits for a line, runs the counted
+    part, prints ``done <fields>``, waits for a line and exits: :meth:`counted` switches
+    counting on for those pids around the counted part and dumps their counts.
+    ``env``: extra environment variables; the benchmarks' folder goes on ``PYTHONPATH``."""
+
+    def __init__(
+        self,
+        script: str,
+        args: Sequence[str],
+        *,
+        count: bool,
+        trace_children: bool = True,
+        env: dict[str, str] | None = None,
+        what: str = "child",
+    ) -> None:
+        self.what = what
+        self.folder = Path(tempfile.mkdtemp(prefix="envsync-callgrind-")) if count else None
+        command = [sys.executable, script, "--child", *args]
+        if self.folder is not None:
+            command = [
+                "valgrind",
+                "--tool=callgrind",
+                "--instr-atstart=no",
+                f"--trace-children={'yes' if trace_children else 'no'}",
+                f"--callgrind-out-file={self.folder}/cg.%p",
+                *command,
+            ]
+        here = str(Path(script).resolve().parent)
+        environment = {
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+        }
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=environment,
+        )
+
+    def line(self, word: str) -> list[str]:
+        """The fields of the child's next line, which must start with ``word``."""
+        assert self.process.stdout is not None
+        got = self.process.stdout.readline().split()
+        if not got or got[0] != word:
+            raise RuntimeError(f"the {self.what} did not say {word!r}")
+        return got[1:]
+
+    def go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("\n")
+        self.process.stdin.flush()
+
+    def counted(self, timeout: float = 600) -> tuple[list[str], list[str], float]:
+        """Run the counted part (counting on for the pids the child names, when counting);
+        return those pids, the ``done`` fields and the part's wall seconds; the child exits."""
+        pids = self.line("ready")
+        if self.folder is not None:
+            for pid in pids:
+                callgrind_control("-i", "on", pid)
+        start = time.perf_counter()
+        self.go()
+        done = self.line("done")
+        seconds = time.perf_counter() - start
+        if self.folder is not None:
+            for pid in pids:
+                callgrind_control("-i", "off", pid)
+                callgrind_control("-d", pid)  # dump now: a worker may be stopped before it exits
+        self.go()
+        self.process.wait(timeout=timeout)
+        return pids, done, seconds
+
+    def instructions(self, pid: str | None = None) -> int:
+        """The instructions counted in process ``pid`` (its dump ``cg.<pid>.1`` and what it
+        wrote at exit, ``cg.<pid>``), or in every process (``None``); 0 when not counting."""
+        if self.folder is None:
+            return 0
+        paths = [p for p in self.folder.iterdir() if pid is None or p.name.split(".")[1] == pid]
+        return sum(callgrind_total(path) for path in paths)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)

@@ -36,10 +36,7 @@ each process takes ~50 s to import torch, more than a smoke run may take.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -48,9 +45,8 @@ from typing import Any
 
 from bench_common import (
     RESULTS,
+    CountedChild,
     Report,
-    callgrind_control,
-    callgrind_total,
     parse_args,
     require_callgrind,
     save_plot,
@@ -156,81 +152,32 @@ def child(plan: Plan) -> None:
             sender.close()
 
 
-class Child:
-    """A child process running one :class:`Plan`, under callgrind or not."""
-
-    def __init__(self, plan: Plan, folder: Path | None) -> None:
-        command = [sys.executable, __file__, "--child", *plan.argv()]
-        if folder is not None:
-            command = [
-                "valgrind",
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                "--trace-children=yes",
-                f"--callgrind-out-file={folder}/cg.%p",
-                *command,
-            ]
-        here = str(Path(__file__).parent)
-        # one thread per process: an idle intra-op pool's spinning would follow the wall clock
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
-        }
-        self.plan = plan
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-        )
-
-    def line(self, word: str) -> list[str]:
-        assert self.process.stdout is not None
-        got = self.process.stdout.readline().split()
-        if not got or got[0] != word:
-            raise RuntimeError(f"the {self.plan.variant} child ({self.plan.envs} envs) did not say {word!r}")
-        return got[1:]
-
-    def go(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write("\n")
-        self.process.stdin.flush()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-
-
 def _window(done: list[str]) -> dict[str, Any]:
     frames, pushes, episodes = (int(v) for v in done[:3])
     spent, loop = (float(v) for v in done[3:])
     return {"frames": frames, "pushes": pushes, "episodes": episodes, "spent": spent, "loop": loop}
 
 
+def _child(plan: Plan, count: bool) -> CountedChild:
+    # one thread per process: an idle intra-op pool's spinning would follow the wall clock
+    return CountedChild(
+        __file__,
+        plan.argv(),
+        count=count,
+        env={"OMP_NUM_THREADS": "1"},
+        what=f"{plan.variant} child ({plan.envs} envs)",
+    )
+
+
 def count(plan: Plan) -> dict[str, Any]:
     """Run one variant under callgrind; its counted batches' instructions, main and workers."""
-    folder = Path(tempfile.mkdtemp(prefix="envsync-callgrind-"))
-    child = Child(plan, folder)
+    child = _child(plan, count=True)
     try:
-        pids = child.line("ready")
-        for pid in pids:
-            callgrind_control("-i", "on", pid)
-        start = time.perf_counter()
-        child.go()
-        window = _window(child.line("done"))
-        seconds = time.perf_counter() - start
-        for pid in pids:
-            callgrind_control("-i", "off", pid)
-            callgrind_control("-d", pid)  # dump now: a worker may be stopped before it exits
-        child.go()
-        child.process.wait(timeout=600)
-        # a process's counts: its dump (cg.<pid>.1) and what it wrote at exit (cg.<pid>)
-        main = sum(
-            callgrind_total(path) for path in folder.glob(f"cg.{pids[0]}*") if path.name.split(".")[1] == pids[0]
-        )
-        total = sum(callgrind_total(path) for path in folder.iterdir())
+        pids, done, seconds = child.counted()
+        window = _window(done)
+        main, total = child.instructions(pids[0]), child.instructions()
     finally:
         child.close()
-        shutil.rmtree(folder, ignore_errors=True)
     return window | {
         "main": main,
         "workers": total - main,
@@ -242,16 +189,12 @@ def count(plan: Plan) -> dict[str, Any]:
 
 def timed(plan: Plan) -> dict[str, Any]:
     """Run one variant without valgrind: the curriculum's seconds in the loop, and the loop's."""
-    child = Child(plan, None)
+    child = _child(plan, count=False)
     try:
-        child.line("ready")
-        child.go()
-        window = _window(child.line("done"))
-        child.go()
-        child.process.wait(timeout=300)
+        _, done, _ = child.counted(timeout=300)
+        return _window(done)
     finally:
         child.close()
-    return window
 
 
 def measure(n: int, args: Args) -> dict[str, Any]:

@@ -18,26 +18,13 @@ largest); a busy-waiting env would count its spin, which follows the wall clock.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench_common import (
-    RESULTS,
-    Report,
-    callgrind_control,
-    callgrind_total,
-    parse_args,
-    require_callgrind,
-    save_plot,
-    target,
-)
+from bench_common import RESULTS, CountedChild, Report, parse_args, require_callgrind, save_plot, target
 
 NAME = "hot_path_instructions"
 VARIANTS = ("without", "with")
@@ -99,54 +86,13 @@ def child(variant: str, kind: str, frames: int) -> None:
 
 def _count(variant: str, kind: str, frames: int) -> dict[str, Any]:
     """Run one variant under callgrind; the instructions of its counted frames, all processes."""
-    folder = Path(tempfile.mkdtemp(prefix="envsync-callgrind-"))
-    command = [
-        "valgrind",
-        "--tool=callgrind",
-        "--instr-atstart=no",
-        "--trace-children=yes",
-        f"--callgrind-out-file={folder}/cg.%p",
-        sys.executable,
-        __file__,
-        "--child",
-        variant,
-        kind,
-        str(frames),
-    ]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
-    }
-    process = subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-    )
-    assert process.stdin is not None and process.stdout is not None
+    child = CountedChild(__file__, [variant, kind, str(frames)], count=True, what=f"{variant} child")
     try:
-        ready = process.stdout.readline().split()
-        if not ready or ready[0] != "ready":
-            raise RuntimeError(f"the {variant} child did not start under valgrind")
-        pids = ready[1:]
-        for pid in pids:
-            callgrind_control("-i", "on", pid)
-        start = time.perf_counter()
-        process.stdin.write("\n")
-        process.stdin.flush()
-        done = process.stdout.readline().split()
-        if not done or done[0] != "done":
-            raise RuntimeError(f"the {variant} child failed while counting")
-        frames = int(done[1])
-        seconds = time.perf_counter() - start
-        for pid in pids:
-            callgrind_control("-i", "off", pid)
-            callgrind_control("-d", pid)  # dump now: a worker may be stopped before it exits
-        process.stdin.write("\n")
-        process.stdin.flush()
-        process.wait(timeout=300)
-        total = sum(callgrind_total(path) for path in folder.iterdir())
+        pids, done, seconds = child.counted(timeout=300)
+        total = child.instructions()
     finally:
-        if process.poll() is None:
-            process.kill()
-        shutil.rmtree(folder, ignore_errors=True)
+        child.close()
+    frames = int(done[0])
     return {
         "instructions": total,
         "frames": frames,

@@ -38,6 +38,8 @@ def wait(sender: Sender, version: int, mode: Until, targets: list[int], timeout:
         while link is not None:
             slots = [located[e][1] for e in pending if located[e][0].link is link]
             woken = _block(link, slots, version, mode, deadline - time.monotonic())
+            if woken and len(slots) == len(pending) and _settled(sender, link, slots, version, mode):
+                return
             # liveness (a syscall per worker) only when no acknowledgement came in a slice
             link = _progress(sender, pending, located, version, mode, check_liveness=not woken)
             if link is not None and time.monotonic() >= deadline:
@@ -61,6 +63,15 @@ def _block(link: SenderLink, slots: list[int], version: int, mode: Until, remain
         return link.wait_acks(timeout, applied=mode is Until.APPLIED, version=version, slots=slots)
     except RuntimeError:
         return True
+
+
+def _settled(sender: Sender, link: SenderLink, slots: list[int], version: int, mode: Until) -> bool:
+    """The common end of a wait, in one read of the link: every slot waited for has
+    acknowledged ``version`` and none ever failed (nothing to raise), and the link's
+    collector is still attached (else :func:`_progress` tells what happened)."""
+    with sender._lock:
+        attached = any(a.link is link for a in sender._fleet.attachments)
+        return attached and link.settled(slots, version, applied=mode is Until.APPLIED)
 
 
 def _progress(

@@ -35,6 +35,7 @@ ROW_KEYS = {
     "bench_memory": {"workers", "small_traced_bytes_per_push", "big_peak_payloads", "big_held_payloads"},
     "bench_ledger": {"envs", "what", "cpu_us_per_batch", "live_cpu_us_per_batch"},
     "bench_curriculum_instructions": {"envs", "frames", "pushes", "episodes", "loop_share", "timed_pushes"},
+    "bench_push_instructions": {"workers", "pushes", "envsync_us_per_push", "gym_us_per_call", "counted"},
     "bench_hot_path": {"env", "collector", "fps_without", "fps_with", "overhead_pct", "overhead_cpu_pct"},
     "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
     "bench_sync_stats": {"size", "workers", "sync_ms", "floor_ms", "sync_over_floor"},

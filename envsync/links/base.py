@@ -108,6 +108,10 @@ class SenderLink(Protocol):
         ``slots`` waited for, return at once when none of them owes ``version`` any more
         (see :func:`~envsync.protocol.owes`)."""
 
+    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
+        """Whether every one of ``slots`` is done with ``version`` (see
+        :func:`~envsync.protocol.is_done`) and none has ever failed a version."""
+
     def handle(self) -> LinkHandle:
         """What a worker needs to open its end (picklable for the shared-memory link)."""
 

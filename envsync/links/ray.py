@@ -52,7 +52,7 @@ from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Push
 from envsync.links.ray_relay import POLL, RelayHandle
 from envsync.links.ray_wire import INLINE, Acks, Reply, Rows, Traffic, encode, leaf_bytes, share_id, unwire
-from envsync.protocol import NO_FAILURE, WorkerStatus, any_owes
+from envsync.protocol import NO_FAILURE, Until, WorkerStatus, any_owes, is_done
 from envsync.state import Leaf
 
 QUIET_AFTER = 1.5
@@ -239,6 +239,11 @@ class RayLink:
             del self._pings[collector]
             self._lost[collector] = _died(ping)
             return self._lost[collector]
+
+    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
+        until = Until.APPLIED if applied else Until.RECEIVED
+        statuses = [self.status(s) for s in slots]
+        return all(is_done(st, version, until) and st.failed == NO_FAILURE for st in statuses)
 
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         if self._closed:

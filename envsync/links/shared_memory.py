@@ -233,6 +233,9 @@ class SharedMemoryLink:
         pid = int(self._live().table.counters["pid"][worker])
         return not pid or pid == os.getpid() or pid_alive(pid)
 
+    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
+        return self._live().settled(slots, version, applied=applied)
+
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         return self._live().wait_acks(timeout, applied=applied, version=version, slots=slots)
 

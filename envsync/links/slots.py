@@ -338,6 +338,13 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
+    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
+        c = self.table.counters
+        rows: Any = slice(None) if len(slots) == self.num_workers else list(slots)  # distinct slots
+        owed = np.minimum(c["target"][rows], version)
+        acked = c["applied" if applied else "received"][rows]
+        return bool((acked >= owed).all() and (c["failed"][rows] == NO_FAILURE).all())
+
     def _owing(self, slots: Sequence[int], version: int, applied: bool) -> bool:
         """Whether any of ``slots`` still owes ``version`` (:func:`~envsync.protocol.owes`,
         read for all of them at once)."""
