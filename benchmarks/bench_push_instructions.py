@@ -42,6 +42,7 @@ WARM_UP = 50
 class Args:
     workers: list[int] = field(default_factory=lambda: [4, 16])
     pushes: int = 500  # counted calls per system and worker count
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
     count: bool = True  # count instructions (quick leaves valgrind out)
     quick: bool = False
     out: Path = RESULTS
@@ -118,7 +119,8 @@ def _count(system: str, workers: int, pushes: int, count: bool) -> dict[str, Any
 
 
 def _measure(workers: int, args: Args) -> dict[str, Any]:
-    counts = {system: _count(system, workers, args.pushes, args.count) for system in SYSTEMS}
+    none = {"instructions": None, "seconds": float("nan")}
+    counts = {s: _count(s, workers, args.pushes, args.count) if s in args.systems else none for s in SYSTEMS}
     per_call = {s: (c["instructions"] / args.pushes if c["instructions"] else None) for s, c in counts.items()}
     envsync, gym = per_call["envsync"], per_call["gymnasium"]
     return {

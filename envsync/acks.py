@@ -38,8 +38,12 @@ def wait(sender: Sender, version: int, mode: Until, targets: list[int], timeout:
         while link is not None:
             slots = [located[e][1] for e in pending if located[e][0].link is link]
             woken = _block(link, slots, version, mode, deadline - time.monotonic())
-            if woken and len(slots) == len(pending) and _settled(sender, link, slots, version, mode):
-                return
+            if woken and len(slots) == len(pending):
+                settled = _settled(sender, link, slots, version, mode)
+                if settled:
+                    return
+                if settled is False and time.monotonic() < deadline:
+                    continue  # nothing failed, nobody left: block again
             # liveness (a syscall per worker) only when no acknowledgement came in a slice
             link = _progress(sender, pending, located, version, mode, check_liveness=not woken)
             if link is not None and time.monotonic() >= deadline:
@@ -65,13 +69,18 @@ def _block(link: SenderLink, slots: list[int], version: int, mode: Until, remain
         return True
 
 
-def _settled(sender: Sender, link: SenderLink, slots: list[int], version: int, mode: Until) -> bool:
-    """The common end of a wait, in one read of the link: every slot waited for has
-    acknowledged ``version`` and none ever failed (nothing to raise), and the link's
-    collector is still attached (else :func:`_progress` tells what happened)."""
+def _settled(sender: Sender, link: SenderLink, slots: list[int], version: int, mode: Until) -> bool | None:
+    """The common ends of a wake-up, in one or two reads of the link: ``True`` when every
+    slot waited for has acknowledged ``version`` and none ever failed; ``False`` when some
+    still owe it but no slot of the link ever failed (nothing to raise: block again);
+    ``None`` when :func:`_progress` must look (a failure somewhere, or the link's collector
+    left the fleet)."""
     with sender._lock:
-        attached = any(a.link is link for a in sender._fleet.attachments)
-        return attached and link.settled(slots, version, applied=mode is Until.APPLIED)
+        if not any(a.link is link for a in sender._fleet.attachments):
+            return None
+        if link.settled(slots, version, applied=mode is Until.APPLIED):
+            return True
+        return False if all(failed == NO_FAILURE for failed in link.failed()) else None
 
 
 def _progress(

@@ -34,6 +34,7 @@ from envsync.reinit import Policy, ReinitSpec, Selector
 from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, Leaf, nest, tensor_of
 
 Prepare = Callable[[], tuple[dict[int, Flat], Flat | None]]
+_UNTIL = {until.value: until for until in Until}  # a dict look-up: an enum call costs more per push
 
 
 class Sender:
@@ -693,10 +694,10 @@ class Sender:
     def _check_wait(wait: str | None) -> Until | None:
         if wait is None:
             return None
-        try:
-            return Until(wait)
-        except ValueError:
-            raise ValidationError(f"wait={wait!r}; expected 'received', 'applied' or None") from None
+        until = _UNTIL.get(wait) if isinstance(wait, str) else None
+        if until is None:
+            raise ValidationError(f"wait={wait!r}; expected 'received', 'applied' or None")
+        return until
 
     def close(self) -> None:
         """Release every link, the probe env and in-process listeners; idempotent."""

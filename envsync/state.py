@@ -10,6 +10,7 @@ and :meth:`EnvStateTemplate.nest` shapes flat names back like ``env.state_dict()
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -167,13 +168,18 @@ BUFFERS = Buffers()
 """The buffers of this process's pushes."""
 
 
+@functools.cache
+def _float_max(numpy_dtype: np.dtype) -> float:
+    return float(np.finfo(numpy_dtype).max)
+
+
 def _number(value: bool | int | float, like: torch.Tensor, numpy_dtype: np.dtype | None) -> Leaf:
     """``value`` as a 0-d numpy array of ``numpy_dtype`` (else a tensor of ``like``'s dtype);
     a float past the dtype's range becomes inf, without numpy's overflow warning (the caller
     refuses it unless non-finite values are allowed)."""
     if numpy_dtype is None:
         return torch.as_tensor(value, dtype=like.dtype)
-    if isinstance(value, float) and numpy_dtype.kind == "f" and abs(value) > np.finfo(numpy_dtype).max:
+    if isinstance(value, float) and numpy_dtype.kind == "f" and abs(value) > _float_max(numpy_dtype):
         with np.errstate(over="ignore"):  # entered only then: it is a context change per call
             return np.asarray(value, dtype=numpy_dtype)
     return np.asarray(value, dtype=numpy_dtype)

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from envsync.protocol import WorkerStatus
-from envsync.state import Leaf, tensor_of
+from envsync.state import Leaf
 
 Key = tuple[str, str]
 """A leaf of a worker's desired state: ``(section, dotted name)``. Sections: ``"config"``
@@ -64,9 +64,7 @@ class SenderLink(Protocol):
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically."""
 
-    def broadcast(
-        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
-    ) -> None:
+    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
         """Like ``write`` to each worker of ``entries``, with the config and env-state values
         ``shared`` (the same for all of them) written once for all."""
 
@@ -200,13 +198,9 @@ def write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mar
     updates = list(group.values())
     first = updates[0]
     if all(update is first for update in updates):  # one update for all (a push to every env)
-        shared = {k: tensor_of(v) for k, v in first.items() if k[0] in BROADCAST}
+        shared = {k: v for k, v in first.items() if k[0] in BROADCAST}
     else:
-        shared = {
-            k: tensor_of(v)
-            for k, v in first.items()
-            if k[0] in BROADCAST and all(update.get(k) is v for update in updates)
-        }
+        shared = {k: v for k, v in first.items() if k[0] in BROADCAST and all(update.get(k) is v for update in updates)}
     # only when every worker of the link is written: none may keep reading an older broadcast
     if shared and len(group) == link.num_workers > 1 and not undo_mark:
         own = {w: {k: v for k, v in u.items() if k not in shared} for w, u in group.items()}

@@ -147,9 +147,7 @@ class RayLink:
         self._pending[worker] = (version, undo, held)
         self._target[worker] = version
 
-    def broadcast(
-        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
-    ) -> None:
+    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
         # a shared tensor stays one array in each node's object (see encode)
         for worker, own in entries.items():
             self.write(worker, version, {**own, **shared})

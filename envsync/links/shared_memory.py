@@ -195,9 +195,7 @@ class SharedMemoryLink:
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         self._live().write(worker, version, entries, undo=undo)
 
-    def broadcast(
-        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
-    ) -> None:
+    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
         self._live().broadcast(version, shared, entries)
 
     def notify(self, worker: int) -> None:

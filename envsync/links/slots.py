@@ -257,9 +257,7 @@ class SlotWriter:
         if key[0] == "config":
             table.array(worker, ("writes", key[1]))[...] += 1
 
-    def broadcast(
-        self, version: int, shared: Mapping[Key, torch.Tensor], entries: Mapping[int, Mapping[Key, Leaf]]
-    ) -> None:
+    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
         """Publish ``version`` to the workers of ``entries`` (their own leaves: stamps, rows)
         with the config and env-state values ``shared`` written once, to the broadcast
         region, for all.
@@ -281,7 +279,11 @@ class SlotWriter:
                 _acquire(locks[held], "broadcasting to worker %d", worker)
                 held += 1
             for key, value in shared.items():
-                self.table.broadcast[key].copy_(value)
+                array = self.table.broadcast_arrays[key]
+                if isinstance(value, np.ndarray) and array is not None:
+                    array[...] = value  # a numpy leaf: no torch call
+                else:
+                    self.table.broadcast[key].copy_(tensor_of(value))
             for worker in workers:
                 if entries[worker]:
                     self._write_leaves(worker, entries[worker])
@@ -338,21 +340,29 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
-    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
+    def _counts(self, slots: Sequence[int], applied: bool) -> Any:
+        """Per slot of ``slots`` (distinct): its target, its acknowledgement and its latest
+        failure, as Python ints (a few slots: a list read costs less than numpy's ufuncs)."""
         c = self.table.counters
-        rows: Any = slice(None) if len(slots) == self.num_workers else list(slots)  # distinct slots
-        owed = np.minimum(c["target"][rows], version)
-        acked = c["applied" if applied else "received"][rows]
-        return bool((acked >= owed).all() and (c["failed"][rows] == NO_FAILURE).all())
+        acked = c["applied" if applied else "received"]
+        if len(slots) == self.num_workers:
+            return zip(c["target"].tolist(), acked.tolist(), c["failed"].tolist(), strict=True)
+        target, failed = c["target"], c["failed"]
+        return ((int(target[s]), int(acked[s]), int(failed[s])) for s in slots)
+
+    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
+        for target, acked, failed in self._counts(slots, applied):
+            if acked < (target if target < version else version) or failed != NO_FAILURE:
+                return False
+        return True
 
     def _owing(self, slots: Sequence[int], version: int, applied: bool) -> bool:
-        """Whether any of ``slots`` still owes ``version`` (:func:`~envsync.protocol.owes`,
-        read for all of them at once)."""
-        c = self.table.counters
-        rows: Any = slice(None) if len(slots) == self.num_workers else list(slots)  # distinct slots
-        owed = np.minimum(c["target"][rows], version)
-        acked = c["applied" if applied else "received"][rows]
-        return bool(((acked < owed) & (c["failed"][rows] < owed)).any())
+        """Whether any of ``slots`` still owes ``version`` (:func:`~envsync.protocol.owes`)."""
+        for target, acked, failed in self._counts(slots, applied):
+            owed = target if target < version else version
+            if acked < owed and failed < owed:
+                return True
+        return False
 
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         """Block until an acknowledgement wakes the sender, or ``timeout`` passes. With the
