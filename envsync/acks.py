@@ -25,10 +25,14 @@ _ACK_SLICE = 0.05
 """Longest blocking wait for an acknowledgement before liveness is checked again."""
 
 
-def wait(sender: Sender, version: int, mode: Until, targets: list[int], timeout: float) -> None:
-    """Implementation of :meth:`Sender.wait` (``targets``: env indices, validated)."""
+def wait(
+    sender: Sender, version: int, mode: Until, targets: list[int], timeout: float, *, pruned: bool = False
+) -> None:
+    """Implementation of :meth:`Sender.wait` (``targets``: env indices, validated;
+    ``pruned``: a push that has just pruned the fleet waits)."""
     with sender._lock:
-        sender._prune()
+        if not pruned:
+            sender._prune()
         pending = list(targets)
         located = {w: sender._fleet.locate(w) for w in pending}
     deadline = time.monotonic() + timeout

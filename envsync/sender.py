@@ -407,7 +407,7 @@ class Sender:
             self._check_configs(updates, default)
             version = self._publish(updates, default=default)
         if until is not None and updates:
-            acks.wait(self, version, until, list(updates), timeout)
+            acks.wait(self, version, until, list(updates), timeout, pruned=True)
         return version
 
     def _check_configs(self, updates: Mapping[int, Flat], default: Flat | None) -> None:

@@ -54,6 +54,10 @@ def _leaf_tensor(path: str, value: Any) -> torch.Tensor:
     raise ValidationError(f"config value {path!r} must be a number or a tensor, got {type(value).__name__}")
 
 
+_PLAIN = (bool, int, float, torch.Tensor, np.ndarray)
+"""Leaf types that are never mappings (checked before the costlier ``Mapping`` ABC)."""
+
+
 def _flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings (or a TensorDict) of config names (no dots) into dot-joined
     paths to their leaves."""
@@ -69,7 +73,7 @@ def _flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict
         if not isinstance(name, str) or not name or "." in name:
             raise ValidationError(f"{what} name {name!r} must be a non-empty string without '.'")
         path = f"{prefix}{name}"
-        if isinstance(value, Mapping):
+        if not isinstance(value, _PLAIN) and isinstance(value, Mapping):  # numbers skip the ABC check
             flat.update(_flatten(value, what=what, expected=expected, prefix=f"{path}."))
         else:
             flat[path] = value
@@ -196,7 +200,7 @@ def _fit(
 ) -> Leaf:
     """Check one pushed value against its template tensor; return it as a fresh tensor (a
     copy, never the caller's own). A plain number for a 0-d template with ``numpy_dtype`` becomes a 0-d numpy array."""
-    if isinstance(value, Mapping | TensorDictBase):
+    if not isinstance(value, _PLAIN) and isinstance(value, Mapping | TensorDictBase):
         raise ValidationError(f"{what} {path!r} is a value in the template, not a mapping")
     if isinstance(value, bool | int | float):
         if like.dtype == torch.bool:
