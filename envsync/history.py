@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 
 from tensordict import TensorDict
 
+from envsync.desired import section
 from envsync.errors import ValidationError
 from envsync.links.base import Flat
 from envsync.state import Leaf, nest
@@ -86,7 +87,7 @@ class ConfigHistory:
                 cut = bisect.bisect_left(versions, version)
                 held -= sum(sizes[cut:])
                 del versions[cut:], entries[cut:], sizes[cut:]
-            entry = {k[1]: v for k, v in flat.items() if k[0] == "config"}
+            entry = section(flat, "config")
             last = entries[-1] if entries else {}
             size = 0
             for name, value in entry.items():

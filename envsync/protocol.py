@@ -102,20 +102,47 @@ def owes(status: WorkerStatus, version: int, until: Until) -> bool:
         >>> owes(s, 3, Until.APPLIED), owes(s._replace(failed=3), 3, Until.APPLIED)
         (True, False)
     """
-    return not is_done(status, version, until) and status.failed < min(version, status.target)
+    return any_owing(counts_of([status], until), version)
 
 
-def any_owes(statuses: Iterable[WorkerStatus], version: int, applied: bool) -> bool:
-    """Tell whether a sender waiting for ``version`` (``applied``, else received) must still
-    wait for any of these workers (see :func:`owes`); the links' ``wait_acks`` ask it.
+Counts = Iterable[tuple[int, int, int]]
+"""Per worker: its target, its acknowledgement (received or applied, whichever is waited
+for) and its latest failed version, as plain ints (how a link reads its counters)."""
+
+
+def any_owing(counts: Counts, version: int) -> bool:
+    """Tell whether a sender waiting for ``version`` must still wait for any of these
+    workers' ``counts`` (the rule of :func:`owes`, on plain ints: the links' ``wait_acks``).
 
     Examples:
-        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE)
-        >>> any_owes([s], 3, applied=True), any_owes([s], 3, applied=False)
+        >>> any_owing([(3, 2, NO_FAILURE)], 3), any_owing([(3, 2, 3)], 3), any_owing([(2, 2, NO_FAILURE)], 5)
+        (True, False, False)
+    """
+    for target, acked, failed in counts:
+        owed = target if target < version else version
+        if acked < owed and failed < owed:
+            return True
+    return False
+
+
+def all_settled(counts: Counts, version: int) -> bool:
+    """Tell whether every one of these workers is done with ``version`` (:func:`is_done`)
+    and none has ever failed a version: the common end of a wait, with nothing to raise.
+
+    Examples:
+        >>> all_settled([(3, 3, NO_FAILURE), (2, 2, NO_FAILURE)], 3), all_settled([(3, 3, 1)], 3)
         (True, False)
     """
-    until = Until.APPLIED if applied else Until.RECEIVED
-    return any(owes(status, version, until) for status in statuses)
+    for target, acked, failed in counts:
+        if acked < (target if target < version else version) or failed != NO_FAILURE:
+            return False
+    return True
+
+
+def counts_of(statuses: Iterable[WorkerStatus], until: Until) -> Counts:
+    """The :data:`Counts` of status snapshots, acknowledged as ``until`` asks."""
+    received = until is Until.RECEIVED
+    return ((s.target, s.received if received else s.applied, s.failed) for s in statuses)
 
 
 def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = None) -> int | None:

@@ -197,10 +197,7 @@ def write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mar
     of the link (a fleet-wide push) is written once for all, to the broadcast region."""
     updates = list(group.values())
     first = updates[0]
-    if all(update is first for update in updates):  # one update for all (a push to every env)
-        shared = {k: v for k, v in first.items() if k[0] in BROADCAST}
-    else:
-        shared = {k: v for k, v in first.items() if k[0] in BROADCAST and all(update.get(k) is v for update in updates)}
+    shared = {k: v for k, v in first.items() if k[0] in BROADCAST and all(update.get(k) is v for update in updates)}
     # only when every worker of the link is written: none may keep reading an older broadcast
     if shared and len(group) == link.num_workers > 1 and not undo_mark:
         own = {w: {k: v for k, v in u.items() if k not in shared} for w, u in group.items()}

@@ -52,7 +52,7 @@ from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Push
 from envsync.links.ray_relay import POLL, RelayHandle
 from envsync.links.ray_wire import INLINE, Acks, Reply, Rows, Traffic, encode, leaf_bytes, share_id, unwire
-from envsync.protocol import NO_FAILURE, Until, WorkerStatus, any_owes, is_done
+from envsync.protocol import NO_FAILURE, Until, WorkerStatus, all_settled, any_owing, counts_of
 from envsync.state import Leaf
 
 QUIET_AFTER = 1.5
@@ -240,14 +240,14 @@ class RayLink:
 
     def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
         until = Until.APPLIED if applied else Until.RECEIVED
-        statuses = [self.status(s) for s in slots]
-        return all(is_done(st, version, until) and st.failed == NO_FAILURE for st in statuses)
+        return all_settled(counts_of((self.status(s) for s in slots), until), version)
 
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         if self._closed:
             raise RuntimeError("link is closed")
         with self._changed:
-            if slots and not any_owes((self.status(s) for s in slots), version, applied):
+            until = Until.APPLIED if applied else Until.RECEIVED
+            if slots and not any_owing(counts_of((self.status(s) for s in slots), until), version):
                 return True
             seq = self._report_seq
             return self._changed.wait_for(lambda: self._report_seq != seq or self._closed, timeout=max(timeout, 0.0))

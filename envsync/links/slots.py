@@ -33,7 +33,7 @@ import torch
 
 from envsync.errors import EnvSyncError
 from envsync.links.base import BROADCAST, Header, Key
-from envsync.protocol import NO_FAILURE, WorkerStatus
+from envsync.protocol import NO_FAILURE, Counts, WorkerStatus, all_settled, any_owing
 from envsync.state import ArrayBuffers, Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
@@ -249,13 +249,14 @@ class SlotWriter:
             if key[0] in BROADCAST:
                 self._written(worker, key, 0)  # this worker's own value, not the broadcast
 
-    def _written(self, worker: int, key: Key, source: int) -> None:
-        """Mark ``key`` written for ``worker``: read from its slot (``source`` 0) or from the
-        broadcast region; a config name's write count moves on."""
+    def _written(self, rows: Any, key: Key, source: int) -> None:
+        """Mark ``key`` written for the workers ``rows`` indexes (one, a list, or all): read
+        from their slots (``source`` 0) or from the broadcast region; a config name's write
+        count moves on."""
         table = self.table
-        table.array(worker, table.source(key))[...] = source
+        table.columns[table.source(key)][rows] = source
         if key[0] == "config":
-            table.array(worker, ("writes", key[1]))[...] += 1
+            table.columns[("writes", key[1])][rows] += 1
 
     def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
         """Publish ``version`` to the workers of ``entries`` (their own leaves: stamps, rows)
@@ -289,13 +290,10 @@ class SlotWriter:
                     self._write_leaves(worker, entries[worker])
             # the marks and counters of every worker at once (workers are sorted and distinct)
             rows: Any = slice(None) if len(workers) == self.num_workers else workers
-            table = self.table
             for key in shared:
-                table.columns[table.source(key)][rows] = version
-                if key[0] == "config":
-                    table.columns[("writes", key[1])][rows] += 1
-            table.counters["undo"][rows] = 0
-            table.counters["target"][rows] = version
+                self._written(rows, key, version)
+            self.table.counters["undo"][rows] = 0
+            self.table.counters["target"][rows] = version
         finally:
             for lock in locks[:held]:
                 lock.release()
@@ -340,9 +338,9 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
-    def _counts(self, slots: Sequence[int], applied: bool) -> Any:
-        """Per slot of ``slots`` (distinct): its target, its acknowledgement and its latest
-        failure, as Python ints (a few slots: a list read costs less than numpy's ufuncs)."""
+    def _counts(self, slots: Sequence[int], applied: bool) -> Counts:
+        """The :data:`~envsync.protocol.Counts` of ``slots`` (distinct), read as Python ints
+        (a few slots: a list read costs less than numpy's ufuncs)."""
         c = self.table.counters
         acked = c["applied" if applied else "received"]
         if len(slots) == self.num_workers:
@@ -351,18 +349,7 @@ class SlotWriter:
         return ((int(target[s]), int(acked[s]), int(failed[s])) for s in slots)
 
     def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
-        for target, acked, failed in self._counts(slots, applied):
-            if acked < (target if target < version else version) or failed != NO_FAILURE:
-                return False
-        return True
-
-    def _owing(self, slots: Sequence[int], version: int, applied: bool) -> bool:
-        """Whether any of ``slots`` still owes ``version`` (:func:`~envsync.protocol.owes`)."""
-        for target, acked, failed in self._counts(slots, applied):
-            owed = target if target < version else version
-            if acked < owed and failed < owed:
-                return True
-        return False
+        return all_settled(self._counts(slots, applied), version)
 
     def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
         """Block until an acknowledgement wakes the sender, or ``timeout`` passes. With the
@@ -382,7 +369,7 @@ class SlotWriter:
             if alone and slots:
                 while semaphore.acquire(False):
                     pass
-            if slots and not self._owing(slots, version, applied):
+            if slots and not any_owing(self._counts(slots, applied), version):
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
         finally:
