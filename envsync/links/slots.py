@@ -387,6 +387,9 @@ class SlotReader:
     ) -> None:
         self.worker = worker
         self._owner = owner
+        # the sender is this process's parent (a collector's worker): its death re-parents
+        # this process at once, so a parent that changed is all the liveness check reads
+        self._parent = owner if owner and owner == os.getppid() else 0
         self.table = table
         self.targets = table.counters["target"]
         self._c = table.counters
@@ -513,6 +516,8 @@ class SlotReader:
 
     def owner_alive(self) -> bool:
         """Whether the process that owns the link (the sender's) still runs."""
+        if self._parent:
+            return os.getppid() == self._parent
         return not self._owner or self._owner == os.getpid() or pid_alive(self._owner)
 
     def close(self) -> None:
