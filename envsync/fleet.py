@@ -32,6 +32,8 @@ class Attachment:
         outside: an env outside any collector (``attach_env``): it receives every version,
             but ``sync_stats`` does not count its observations and checkpoints keep no row
             for it.
+        mirrors: per slot, the desired state the sender published to it (set by :meth:`Fleet.add`);
+            a mirror is replaced, never changed in place, so slots may share one.
     """
 
     link: SenderLink
@@ -106,7 +108,8 @@ class Fleet:
         attachment.offset = self._next_offset
         attachment.worker_offset = self._next_worker
         attachment.index = self._next_collector
-        attachment.mirrors = [dict(start) for _ in range(attachment.link.num_workers)]
+        # one mirror for all until a push changes some (mirrors are replaced, never changed)
+        attachment.mirrors = [dict(start)] * attachment.link.num_workers
         self._next_offset += attachment.link.num_workers
         self._next_worker += attachment.num_workers
         self._next_collector += len(attachment.collectors or [attachment.num_workers])

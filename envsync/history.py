@@ -10,7 +10,8 @@ the ``keep`` newest entries of each env, and of those only as many as fit in ``k
 (a large config pushed often would otherwise hold ``keep`` payloads).
 
 Leaves are kept by reference, as the sender keeps them (:mod:`envsync.desired`): a published
-tensor is never written again, so a reference keeps its value.
+tensor is never written again, so a reference keeps its value. An entry is never changed
+either: envs recorded alike by one call (a fleet-wide push) share it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from envsync.state import Leaf, nest
 SLACK = 16
 """Entries past ``keep`` that an env may gather before it is pruned (a prune reads the env's
 applied version: once per ``SLACK`` records, not at every push)."""
+
+
+_NONE: dict[str, Leaf] = {}
+"""The entry before an env's first (never changed)."""
 
 
 def _nbytes(leaf: Leaf) -> int:
@@ -76,6 +81,7 @@ class ConfigHistory:
         applied; a few records past ``keep`` stale entries (or at once past ``keep_bytes``)
         the oldest are pruned, so that in a steady state the history keeps a bounded size.
         """
+        made: dict[tuple[int, int], tuple[dict[str, Leaf], int, Flat, object]] = {}
         for env, flat in configs.items():
             versions = self._versions.get(env)
             if versions is None:
@@ -87,12 +93,17 @@ class ConfigHistory:
                 cut = bisect.bisect_left(versions, version)
                 held -= sum(sizes[cut:])
                 del versions[cut:], entries[cut:], sizes[cut:]
-            entry = section(flat, "config")
-            last = entries[-1] if entries else {}
-            size = 0
-            for name, value in entry.items():
-                if last.get(name) is not value:
-                    size += _nbytes(value)
+            last = entries[-1] if entries else _NONE
+            # envs of one mirror after one entry (a fleet-wide push) share the new entry
+            got = made.get((id(flat), id(last)))
+            if got is None:
+                entry = section(flat, "config")
+                size = 0
+                for name, value in entry.items():
+                    if last.get(name) is not value:
+                        size += _nbytes(value)
+                got = made[id(flat), id(last)] = (entry, size, flat, last)  # both kept: their ids stay theirs
+            entry, size = got[0], got[1]
             versions.append(version)
             entries.append(entry)
             sizes.append(size)

@@ -200,7 +200,8 @@ class Sender:
             for slot in range(num_envs):
                 entries = rows[slot] if rows is not None else {}
                 attachment.link.write(slot, self._version, entries)
-                attachment.mirrors[slot].update(entries)
+                if entries:
+                    attachment.mirrors[slot] = {**attachment.mirrors[slot], **entries}
             attachment.link.flush(self._version)
             self.config_history.record(self._version, dict(enumerate(attachment.mirrors, attachment.offset)))
             if not outside:
@@ -457,10 +458,15 @@ class Sender:
         if default is not None:
             undo.default = {k: self._default.get(k) for k in default}  # type: ignore[misc]
             self._set_default(default)
+        # a mirror is never changed in place: workers that held one mirror and get one update
+        # (a fleet-wide push) share the new mirror, its undo and its history entry
+        made: dict[tuple[int, int], tuple[Flat, Flat, Flat]] = {}
         for index, (attachment, worker) in located.items():
-            mirror = attachment.mirrors[worker]
-            undo.workers[index] = desired.replaced(mirror, updates[index])
-            mirror.update(updates[index])
+            old, update = attachment.mirrors[worker], updates[index]
+            pair = made.get((id(old), id(update)))
+            if pair is None:  # the old mirror is kept in the pair: its id stays its own
+                pair = made[id(old), id(update)] = ({**old, **update}, desired.replaced(old, update), old)
+            attachment.mirrors[worker], undo.workers[index] = pair[0], pair[1]
         self.config_history.record(version, {i: a.mirrors[w] for i, (a, w) in located.items()}, self._applied)
         self._version = version
         self._undo = undo

@@ -396,6 +396,10 @@ class SlotReader:
         self._slot = table.slots[worker]
         self._config = [k for k in self._slot if k[0] == "config"]
         self._stamps = [k for k in self._slot if k[0] == "stamp"]
+        # what a header reads, looked up once: per config name its write count's view, per
+        # env-state name its stamp's
+        self._writes = [(key, key[1], table.array(worker, ("writes", key[1]))) for key in self._config]
+        self._stamp_views = [(key[1], table.array(worker, key)) for key in self._stamps]
         self._asked = [k for k in self._slot if k[0] == "asked"]
         self._lock = lock
         self._wake = wake
@@ -425,17 +429,17 @@ class SlotReader:
         """The slot's header; a config name not written since the last read is the copy made
         then (a large config pushed once is copied out once, not at every later version)."""
         with locked(self._lock, "worker %d reading", self.worker):
-            table, worker = self.table, self.worker
-            for key in self._config:
-                writes = int(table.array(worker, ("writes", key[1])))
-                if self._held_writes.get(key[1]) != writes:
-                    self._held[key[1]] = self._copy(key)
-                    self._held_writes[key[1]] = writes
+            held, held_writes = self._held, self._held_writes
+            for key, name, view in self._writes:
+                writes = int(view)
+                if held_writes.get(name) != writes:
+                    held[name] = self._copy(key)
+                    held_writes[name] = writes
             return Header(
-                version=int(self.targets[worker]),
-                config=dict(self._held),
-                stamps={k[1]: int(table.array(worker, k)) for k in self._stamps},
-                undo=int(self._c["undo"][worker]),
+                version=int(self.targets[self.worker]),
+                config=dict(held),
+                stamps={name: int(view) for name, view in self._stamp_views},
+                undo=int(self._c["undo"][self.worker]),
             )
 
     def _copy(self, key: Key) -> Leaf:
