@@ -215,6 +215,23 @@ def save_plot(fig: Any, out: Path, name: str) -> Path:
     return path
 
 
+def paired_bars(
+    ticks: Sequence[str], left: tuple[str, Sequence[float]], right: tuple[str, Sequence[float]], ylabel: str, title: str
+) -> tuple[Any, Any]:
+    """A figure of two bars per tick (``(label, values)`` each side): the instruction
+    benchmarks' plots. Returns ``(fig, ax)`` for any annotation; save it with :func:`save_plot`."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 2.6 * len(ticks)), 3.6))
+    x = range(len(ticks))
+    for shift, (label, values) in ((-0.2, left), (0.2, right)):
+        ax.bar([i + shift for i in x], list(values), width=0.4, label=label)
+    ax.set_xticks(list(x), list(ticks))
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    return fig, ax
+
+
 def require_callgrind() -> None:
     """Exit with how to install valgrind when it (or ``callgrind_control``) is missing."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench_common import RESULTS, CountedChild, Report, parse_args, require_callgrind, save_plot, target
+from bench_common import (
+    RESULTS,
+    CountedChild,
+    Report,
+    paired_bars,
+    parse_args,
+    require_callgrind,
+    save_plot,
+    target,
+)
 
 NAME = "hot_path_instructions"
 VARIANTS = ("without", "with")
@@ -130,18 +139,16 @@ COLUMNS = [
 
 
 def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(5, 2.6 * len(rows)), 3.6))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["instructions_per_frame_without"] for r in rows], width=0.4, label="without")
-    ax.bar([i + 0.2 for i in x], [r["instructions_per_frame_with"] for r in rows], width=0.4, label="with envsync")
-    for i, r in zip(x, rows, strict=True):
+    fig, ax = paired_bars(
+        [r["collector"] for r in rows],
+        ("without", [r["instructions_per_frame_without"] for r in rows]),
+        ("with envsync", [r["instructions_per_frame_with"] for r in rows]),
+        "instructions per frame (callgrind)",
+        "Hot path, nothing pending: instructions per frame",
+    )
+    for i, r in enumerate(rows):
         ratio = r["with_over_without"]
         ax.annotate(f"+{(ratio - 1) * 100:.2f}%", (i + 0.2, r["instructions_per_frame_with"]), ha="center", va="bottom")
-    ax.set_xticks(list(x), [r["collector"] for r in rows])
-    ax.set(ylabel="instructions per frame (callgrind)", title="Hot path, nothing pending: instructions per frame")
-    ax.legend(fontsize=8)
     return save_plot(fig, out, NAME)
 
 

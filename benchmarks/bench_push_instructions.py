@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench_common import RESULTS, CountedChild, Report, parse_args, require_callgrind, save_plot
+from bench_common import RESULTS, CountedChild, Report, paired_bars, parse_args, require_callgrind, save_plot
 
 NAME = "push_instructions"
 SYSTEMS = ("envsync", "gymnasium")
@@ -148,16 +148,13 @@ COLUMNS = [
 
 
 def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(5, 2.6 * len(rows)), 3.6))
-    x = range(len(rows))
-    envsync = [r["envsync_instructions_per_push"] or 0 for r in rows]
-    ax.bar([i - 0.2 for i in x], envsync, width=0.4, label="envsync push")
-    ax.bar([i + 0.2 for i in x], [r["gym_instructions_per_call"] or 0 for r in rows], width=0.4, label="gymnasium call")
-    ax.set_xticks(list(x), [f"{r['workers']} workers" for r in rows])
-    ax.set(ylabel="main-process instructions per call", title="A small push, counted by callgrind")
-    ax.legend(fontsize=8)
+    fig, _ = paired_bars(
+        [f"{r['workers']} workers" for r in rows],
+        ("envsync push", [r["envsync_instructions_per_push"] or 0 for r in rows]),
+        ("gymnasium call", [r["gym_instructions_per_call"] or 0 for r in rows]),
+        "main-process instructions per call",
+        "A small push, counted by callgrind",
+    )
     return save_plot(fig, out, NAME)
 
 

@@ -140,7 +140,7 @@ class EnvHooks:
     def _slow_step(self, receiver: EnvStateReceiver, frame: int, tensordict: TensorDictBase) -> TensorDictBase:
         if receiver.applying:  # a step of the apply itself (a re-init that rolls out)
             return self._step(tensordict)
-        self._handled = int(self._targets[self._worker])
+        self._handled = self._targets[self._worker]
         receiver.before_step()
         version = receiver.version
         _mark(self._next, frame, version)
