@@ -6,7 +6,9 @@ Operations: push (to all, ``workers=``, ``envs=``, with one value or per-env row
 with or without the slow ``delay`` name, with or without env state), ``push_each``, ``wait``,
 a push whose config method fails (rollback), ``gather``, ``sync_stats``, a checkpoint
 round-trip into a new sender and collector (resume), and collecting batches. Every frame of
-every batch goes through :class:`model_ref.Frames`.
+every batch goes through :class:`model_ref.Frames`, and every env and version a batch shows
+through the sender's record of past configs (``config_at``), which must name the config the
+frame's observation shows.
 
 "Collected from then on" after ``wait="applied"``: the workers of a ``Collector`` and a
 ``MultiSyncCollector`` are idle between batches, so every later frame must run the version;
@@ -29,7 +31,7 @@ from helpers import start_method
 from hypothesis.stateful import RuleBasedStateMachine
 from model_envs import LOC_KEY, OBSERVATION, TABLE, envs_per_worker, factories, has_env_state
 from model_ref import Frames, Model, Setting, Violation, expect
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError
 
@@ -207,6 +209,26 @@ class ModelMachine(RuleBasedStateMachine):
         for _ in range(batches):
             batch = next(self.iterator)
             self.frames.check(batch)
+            self.check_records(batch)
+
+    def check_records(self, batch: TensorDictBase) -> None:
+        """The sender's record of past configs (``config_at``) names, for every frame's env
+        and version, the config its observation shows."""
+        env = batch["next", "env_index"].reshape(-1)
+        version = batch["next", "env_version"].reshape(-1)
+        shown = batch["next", "observation"].reshape(-1, batch["next", "observation"].shape[-1])
+        first: dict[tuple[int, int], int] = {}  # each (env, version) pair: its first frame
+        for i, pair in enumerate(zip(env.tolist(), version.tolist(), strict=True)):
+            first.setdefault(pair, i)
+        for (e, v), i in first.items():
+            config = self.sender.config_at(e, v)
+            recorded = (float(config["difficulty"]), float(config["table"].reshape(-1)[0]))
+            seen = (float(shown[i, 0]), float(shown[i, 3]))
+            expect(
+                all(abs(a - b) < 1e-4 for a, b in zip(recorded, seen, strict=True)),
+                "the sender's records are what the workers run",
+                f"config_at({e}, {v}) records difficulty, table {recorded}; the frame shows {seen}",
+            )
 
     def call(self, what: str, fn: Callable[[], Any], *, may_time_out: bool = False) -> Any:
         """``fn()``, with an unexpected envsync error turned into a violation."""
