@@ -37,8 +37,10 @@ soak: $(STAMP)
 	ENVSYNC_MATRIX_ALL=1 $(BIN)/python -m pytest -q tests/test_matrix.py -k test_ray_cell
 	ENVSYNC_MODEL_RAY_SECONDS=$${ENVSYNC_MODEL_RAY_SECONDS:-1200} $(BIN)/python -m pytest -q -s tests/test_model_ray.py::test_model_ray_soak
 
-# The local cells of the matrix on torchrl-nightly and tensordict-nightly, in a venv of their
-# own on the pinned torch (not part of `make test`); stops first if the nightlies need another torch.
+# The local cells of the matrix and the model-based test on every local cell, on torchrl-nightly
+# and tensordict-nightly, in a venv of their own on the pinned torch (not part of `make test`);
+# stops first if the nightlies need another torch. The run must also exit cleanly (an abort at
+# interpreter exit after a passing suite fails it).
 NIGHTLY := .venv-nightly
 test-nightly:
 	test -x $(NIGHTLY)/bin/python || $(PY) -m venv $(NIGHTLY)
@@ -50,7 +52,7 @@ test-nightly:
 	# envsync without its torchrl/tensordict pins (the nightlies stand in for them), then its other needs
 	$(NIGHTLY)/bin/python -m pip install --quiet --no-deps -e .
 	$(NIGHTLY)/bin/python -m pip install --quiet cloudpickle gymnasium numpy tqdm pytest pytest-timeout hypothesis psutil
-	$(NIGHTLY)/bin/python -m pytest -q tests/test_matrix.py -k "not ray"
+	$(NIGHTLY)/bin/python -m pytest -q tests/test_matrix.py tests/test_model.py tests/test_receiver.py -k "not ray and not soak"
 
 docs: $(STAMP)
 	test -x $(BIN)/mkdocs || $(BIN)/python -m pip install --quiet -e ".[docs]"

@@ -4,6 +4,10 @@ worker processes are in the test_e2e_* and test_guarantees modules.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -210,3 +214,43 @@ def test_an_outpaced_receiver_acknowledges_nothing_it_did_not_load_and_loads_it_
         assert sender.versions() == [sender.version] and receiver.version == sender.version
         assert env.base_env.difficulty == 5.0
         assert env.transform.loc.tolist() == [adapter.last] * 3  # the latest value raced in
+
+
+EXIT_CHECK = """
+import atexit, threading
+
+@atexit.register  # runs after the interpreter has waited for its threads (envsync stops its listeners first)
+def report():
+    print("listeners at exit:", sorted(t.name for t in threading.enumerate() if t.name.startswith("envsync-")))
+
+from torchrl.collectors import Collector
+from envsync import EnvStateSender
+from envsync.envs import make_drift_env
+
+# neither the collector nor the sender is closed: their receivers live until the interpreter exits
+sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+collector = Collector(sender.env_fn(make_drift_env), None, frames_per_batch=8, total_frames=-1,
+                      weight_sync_schemes=sender.schemes())
+test_env = make_drift_env()
+sender.attach_env(test_env)
+for i in range(50):
+    sender.push(config={"difficulty": 0.01 * i}, wait=None)
+print("running:", sorted(t.name for t in threading.enumerate() if t.name.startswith("envsync-receiver")))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_listeners_left_running_end_before_the_interpreter_finalises() -> None:
+    # a daemon listener still running at finalisation is stopped where it stands; stopped while
+    # it drops the last reference to a tensor, it aborts the process (seen with torchrl-nightly:
+    # "terminate called without an active exception", exit code 134, after a passing suite)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_CHECK], capture_output=True, text=True, timeout=100, cwd=root, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert lines["running"].count("envsync-receiver") == 2  # the collector's env and the evaluation env
+    assert lines["listeners at exit"] == "[]"
+    assert "terminate called" not in result.stderr
