@@ -16,6 +16,7 @@ import torch
 
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import PREFIX, SHM_DIR, SharedMemoryLink, sweep_stale
+from envsync.links.slots import DRAIN_EVERY
 from envsync.protocol import NO_FAILURE
 from envsync.state import tensor_of
 
@@ -289,5 +290,28 @@ def test_a_config_takes_the_broadcast_path_and_is_copied_out_once_per_write(kind
         assert ends[1].read_header().config["difficulty"] == 2.0  # its own row, not the broadcast
         assert ends[0].read_header().config["difficulty"] == 7.0
         assert link.read_back(1)[("config", "difficulty")].item() == 2.0
+    finally:
+        link.close()
+
+
+def test_acknowledgements_nobody_waits_for_do_not_pile_up() -> None:
+    # a program that waits only for "applied" (or never) leaves every "received" release
+    # untaken; past 2**31 - 1 a worker's next release would fail
+    link = make("shm", 2)
+    ends = [link.handle().open(w) for w in range(2)]
+    pushes = 3 * DRAIN_EVERY + 5
+    try:
+        for version in range(1, pushes + 1):
+            link.write(0, version, {})
+            link.write(1, version, {})
+            link.flush(version)
+            for end in ends:
+                end.ack_applied(version)  # one release of each kind
+        # taken back at every DRAIN_EVERY-th push, before its acknowledgements: 2 workers x the
+        # 6 pushes acknowledged since the last take-back (3,072nd to 3,077th), not 2 x 3,077
+        assert [acks.get_value() for acks in link._live()._acks] == [2 * 6, 2 * 6]
+        # the counters, not the releases, tell a later waiter who acknowledged
+        assert link.settled([0, 1], pushes, applied=True)
+        assert link.wait_acks(0.5, applied=True, version=pushes, slots=[0, 1])
     finally:
         link.close()

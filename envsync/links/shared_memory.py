@@ -202,7 +202,7 @@ class SharedMemoryLink:
         self._live().notify(worker)
 
     def flush(self, version: int) -> None:
-        return None
+        self._live().flush(version)
 
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         self._live().ask(worker, request, names)

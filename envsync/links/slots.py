@@ -53,6 +53,8 @@ COUNTERS = (
 )
 _ALIGN = 64
 _LOCK_TIMEOUT = 10.0
+DRAIN_EVERY = 1024
+"""Pushes between two takes-back of unwaited acknowledgement releases (:meth:`SlotWriter.flush`)."""
 _MARKS = ("source", "config_source", "writes", "asked")
 """The sections of per-worker int64 marks (beside the leaves of the desired state)."""
 
@@ -212,6 +214,7 @@ class SlotWriter:
         self._acks = acks
         self._waiters = 0
         self._waiters_lock = threading.Lock()
+        self._flushes = 0
 
     def initialise(self, leaves: Mapping[Key, Leaf]) -> None:
         """Give every worker the same starting leaves at version 0 (before any worker reads)."""
@@ -309,7 +312,21 @@ class SlotWriter:
             return out
 
     def flush(self, version: int) -> None:
-        return None
+        """End a push. Every :data:`DRAIN_EVERY` pushes, while no thread waits on the link,
+        take back the acknowledgement releases nobody waited for: a program that never waits,
+        or waits only for "applied", would otherwise pile "received" releases up to a POSIX
+        semaphore's limit (2**31 - 1: some 5e8 pushes at 4 workers), and the workers' next
+        release would fail. The counters, not the releases, say who acknowledged: a waiter
+        that comes later reads them first."""
+        self._flushes += 1
+        if self._flushes % DRAIN_EVERY:
+            return
+        with self._waiters_lock:
+            if self._waiters:
+                return
+            for semaphore in self._acks:
+                while semaphore.acquire(False):
+                    pass
 
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask ``worker`` for the current values of ``names`` (answered at a safe point)."""
