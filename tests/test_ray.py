@@ -465,3 +465,42 @@ def test_relay_writes_each_push_once_in_order(cluster: Any) -> None:
     finally:
         relay.stop()
         ray.kill(mailbox)
+
+
+RAY_EXIT_CHECK = """
+import atexit, sys, threading
+
+@atexit.register  # runs last: after the interpreter waited for its threads and Ray shut down
+def report():
+    print("threads at exit:", sorted(t.name for t in threading.enumerate() if t.name.startswith("envsync-")))
+
+import ray
+from helpers import make_counter_env
+from torchrl.collectors import Collector
+from torchrl.collectors.distributed import RayCollector
+from envsync import EnvStateSender
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+collector = RayCollector(
+    [sender.env_fn(make_counter_env)], None, collector_class=Collector, frames_per_batch=20,
+    total_frames=10**9, remote_configs=[{"num_cpus": 0.25, "memory": 150 * 2**20, "resources": {"n0": 0.01}}],
+    **sender.ray_kwargs(start_method="fork"),
+)
+sender.push(config={"difficulty": 1.0}, wait="applied", timeout=60)
+print("running:", sorted(t.name for t in threading.enumerate() if t.name.startswith("envsync-")))
+# neither the collector nor the sender is closed
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_program_that_never_closes_its_sender_exits_cleanly(cluster: Any) -> None:
+    # the link's ack poll thread ends before the interpreter finalises (a daemon thread
+    # stopped there while it frees a tensor aborts the process: guarantee 29)
+    result = subprocess.run(
+        [sys.executable, "-c", RAY_EXIT_CHECK, cluster.address], capture_output=True, text=True, timeout=150
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert "envsync-ray-acks" in lines["running"]
+    assert lines["threads at exit"] == "[]"

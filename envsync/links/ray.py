@@ -58,6 +58,11 @@ from envsync.state import Leaf
 QUIET_AFTER = 1.5
 """Seconds without a report after which the link asks Ray whether a collector's actor died."""
 
+_EXITING = threading.Event()
+# the ack poll thread is not a daemon: it ends when the interpreter starts to shut down (at
+# most a long poll later), before finalisation (see envsync.receiver._stop_listeners)
+threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]
+
 
 def _pong(actor: Any) -> int:
     """The ping a silent collector's actor answers (run on the actor by ``__ray_call__``)."""
@@ -129,7 +134,7 @@ class RayLink:
         self._report_seq = 0
         self._changed = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._poll, name="envsync-ray-acks", daemon=True)
+        self._thread = threading.Thread(target=self._poll, name="envsync-ray-acks")
         self._thread.start()
 
     def _collector_of(self, worker: int) -> tuple[int, int]:
@@ -265,13 +270,14 @@ class RayLink:
             ray.kill(self.mailbox)
 
     def _poll(self) -> None:
-        """Keep the local table of reports up to date (one long poll at a time)."""
+        """Keep the local table of reports up to date (one long poll at a time), until the
+        link closes or the interpreter exits."""
         seq = 0
-        while not self._closed:
+        while not self._closed and not _EXITING.is_set():
             try:
                 seq, *news = ray.get(self.mailbox.acks.remote(seq, POLL), timeout=POLL + 5.0)
             except Exception:
-                if self._closed:
+                if self._closed or _EXITING.is_set():
                     return
                 time.sleep(POLL)  # the mailbox is slow or gone: reports age until workers count as dead
                 continue
