@@ -35,6 +35,7 @@ from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import STATS, ReinitSpec
+from envsync.shutdown import EXITING, on_shutdown
 from envsync.state import FlatConfig, flat_names
 
 _LISTEN_PERIOD = 0.5
@@ -386,7 +387,6 @@ def _merge_only(loaded: list[str], config: FlatConfig, previous: FlatConfig | No
 
 _LISTENERS: dict[threading.Thread, ReceiverLink] = {}
 """This process's running idle listeners, each with the link end it waits on."""
-_EXITING = threading.Event()
 os.register_at_fork(after_in_child=_LISTENERS.clear)  # a forked worker has none of its parent's
 
 
@@ -394,7 +394,7 @@ def start_listener(owner: Any, link: ReceiverLink, wake: Callable[[Any], None], 
     """Start an idle listener for ``owner`` (a receiver, or a batched env's group) on one
     link end: a thread that waits for a wake-up (or half a second) and calls
     ``wake(owner)``. It holds ``owner`` by weakref and ends with it (or when its ``_closed``
-    is set, or when the interpreter exits: :func:`_stop_listeners`). An error is reported as
+    is set, or when the interpreter shuts down: :mod:`envsync.shutdown`). An error is reported as
     a failure of the target version (and noted in the owner's ``_failed``); the listener
     never dies of one."""
     thread = threading.Thread(target=_listen, args=(weakref.ref(owner), link, wake), name=name)
@@ -412,7 +412,7 @@ def _listen(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[
 def _serve(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[Any], None]) -> None:
     while True:
         owner = ref()
-        if owner is None or owner._closed or _EXITING.is_set():
+        if owner is None or owner._closed or EXITING.is_set():
             return
         del owner
         # a wake-up proves the sender alive: its liveness (a syscall and a /proc read) is
@@ -422,7 +422,7 @@ def _serve(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[
             # ends themselves and wait forever): without a sender, end the worker
             os._exit(1)
         owner = ref()
-        if owner is None or owner._closed or _EXITING.is_set():
+        if owner is None or owner._closed or EXITING.is_set():
             return
         try:
             wake(owner)
@@ -433,20 +433,12 @@ def _serve(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[
         del owner
 
 
-def _stop_listeners() -> None:
-    """Stop this process's listeners when the interpreter starts to shut down, before it
-    waits for its non-daemon threads (an env or collector the program never closed keeps
-    its receiver, and so its listener, alive until then).
-
-    Listeners are not daemon threads: the interpreter finalises only after every one has
-    ended. A daemon thread still running at finalisation is stopped where it stands, and
-    one stopped while it frees a tensor aborts the whole process ("terminate called without
-    an active exception": libtorch cannot unwind through that). Each is woken, and ends at
-    once (or after its current apply, or a listen period)."""
-    _EXITING.set()
+def _wake_listeners() -> None:
+    """Wake this process's listeners when the interpreter shuts down, so that each ends at
+    once (or after its current apply) instead of after a listen period."""
     for link in list(_LISTENERS.values()):
         with contextlib.suppress(Exception):
             link.poke()
 
 
-threading._register_atexit(_stop_listeners)  # type: ignore[attr-defined]  # concurrent.futures' hook
+on_shutdown(_wake_listeners)

@@ -476,3 +476,40 @@ def make_native_normed(n: int = 3, first_label: int = 0) -> Any:
         standard_normal=True,
     )
     return TransformedEnv(NativeCounterEnv(n, 1000, first_label), norm)
+
+
+EXIT_REPORT = """
+import atexit, threading
+
+def envsync_threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("envsync-"))
+
+@atexit.register  # runs last: after the interpreter waited for its threads (and Ray shut down)
+def report():
+    print("threads at exit:", envsync_threads())
+"""
+
+
+def run_to_exit(code: str, *args: str, timeout: float = 150) -> dict[str, str]:
+    """Run ``code`` in a fresh interpreter, after :data:`EXIT_REPORT` (whose
+    ``envsync_threads()`` it may print), with this directory and the repository importable;
+    check that it exited cleanly (code 0, no abort); return its ``name: value`` lines,
+    ``"threads at exit"`` among them (the envsync threads alive once the interpreter had
+    waited for its threads)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join(p for p in (str(tests.parent), str(tests), os.environ.get("PYTHONPATH", "")) if p)
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_REPORT + code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tests.parent,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "terminate called" not in result.stderr
+    return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import RAY_STORE
-from helpers import make_counter_env
+from helpers import make_counter_env, run_to_exit
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError
@@ -468,12 +468,7 @@ def test_relay_writes_each_push_once_in_order(cluster: Any) -> None:
 
 
 RAY_EXIT_CHECK = """
-import atexit, sys, threading
-
-@atexit.register  # runs last: after the interpreter waited for its threads and Ray shut down
-def report():
-    print("threads at exit:", sorted(t.name for t in threading.enumerate() if t.name.startswith("envsync-")))
-
+import sys
 import ray
 from helpers import make_counter_env
 from torchrl.collectors import Collector
@@ -488,7 +483,7 @@ collector = RayCollector(
     **sender.ray_kwargs(start_method="fork"),
 )
 sender.push(config={"difficulty": 1.0}, wait="applied", timeout=60)
-print("running:", sorted(t.name for t in threading.enumerate() if t.name.startswith("envsync-")))
+print("running:", envsync_threads())
 # neither the collector nor the sender is closed
 """
 
@@ -497,10 +492,6 @@ print("running:", sorted(t.name for t in threading.enumerate() if t.name.startsw
 def test_a_program_that_never_closes_its_sender_exits_cleanly(cluster: Any) -> None:
     # the link's ack poll thread ends before the interpreter finalises (a daemon thread
     # stopped there while it frees a tensor aborts the process: guarantee 29)
-    result = subprocess.run(
-        [sys.executable, "-c", RAY_EXIT_CHECK, cluster.address], capture_output=True, text=True, timeout=150
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    lines = run_to_exit(RAY_EXIT_CHECK, cluster.address)
     assert "envsync-ray-acks" in lines["running"]
     assert lines["threads at exit"] == "[]"

@@ -53,15 +53,11 @@ from envsync.links.mailbox import Ask, Push
 from envsync.links.ray_relay import POLL, RelayHandle
 from envsync.links.ray_wire import INLINE, Acks, Reply, Rows, Traffic, encode, leaf_bytes, share_id, unwire
 from envsync.protocol import NO_FAILURE, Until, WorkerStatus, all_settled, any_owing, counts_of
+from envsync.shutdown import EXITING
 from envsync.state import Leaf
 
 QUIET_AFTER = 1.5
 """Seconds without a report after which the link asks Ray whether a collector's actor died."""
-
-_EXITING = threading.Event()
-# the ack poll thread is not a daemon: it ends when the interpreter starts to shut down (at
-# most a long poll later), before finalisation (see envsync.receiver._stop_listeners)
-threading._register_atexit(_EXITING.set)  # type: ignore[attr-defined]
 
 
 def _pong(actor: Any) -> int:
@@ -134,6 +130,7 @@ class RayLink:
         self._report_seq = 0
         self._changed = threading.Condition()
         self._closed = False
+        # not a daemon: it ends at shutdown, a long poll at most after EXITING is set (envsync.shutdown)
         self._thread = threading.Thread(target=self._poll, name="envsync-ray-acks")
         self._thread.start()
 
@@ -273,11 +270,11 @@ class RayLink:
         """Keep the local table of reports up to date (one long poll at a time), until the
         link closes or the interpreter exits."""
         seq = 0
-        while not self._closed and not _EXITING.is_set():
+        while not self._closed and not EXITING.is_set():
             try:
                 seq, *news = ray.get(self.mailbox.acks.remote(seq, POLL), timeout=POLL + 5.0)
             except Exception:
-                if self._closed or _EXITING.is_set():
+                if self._closed or EXITING.is_set():
                     return
                 time.sleep(POLL)  # the mailbox is slow or gone: reports age until workers count as dead
                 continue

@@ -176,6 +176,12 @@ def _acquire(lock: Any, what: str, *args: Any) -> None:
         raise EnvSyncError(f"{what % args}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
 
 
+def _take_back(semaphore: Any) -> None:
+    """Take every release made so far of ``semaphore`` (without blocking)."""
+    while semaphore.acquire(False):
+        pass
+
+
 class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
     """Hold a slot lock for a ``with`` block: ``with locked(lock, "writing worker %d", w)``.
     A lock held longer than any write takes means a dead holder: raise, naming ``what % args``
@@ -325,8 +331,7 @@ class SlotWriter:
             if self._waiters:
                 return
             for semaphore in self._acks:
-                while semaphore.acquire(False):
-                    pass
+                _take_back(semaphore)
 
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask ``worker`` for the current values of ``names`` (answered at a safe point)."""
@@ -384,8 +389,7 @@ class SlotWriter:
             alone = self._waiters == 1
         try:
             if alone and slots:
-                while semaphore.acquire(False):
-                    pass
+                _take_back(semaphore)
             if slots and not any_owing(self._counts(slots, applied), version):
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
