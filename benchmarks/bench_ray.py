@@ -15,8 +15,9 @@ interleaved round by round:
   in place (``RayWeightSyncScheme``: one gloo send per remote collector, returns once each
   actor has loaded them);
 
-and what each push moved: the objects the main process put, the distinct objects the relays
-fetched, and the bytes each node's relays decoded; then a restart: ``collector.shutdown()``
+and what each push moved: the shares the main process made (one per node with rows in the
+push: its rows, sent on the node's relay's connection), the distinct shares the relays took,
+and the bytes each node's relays decoded; then a restart: ``collector.shutdown()``
 + a new ``RayCollector`` + its first batch.
 
     python benchmarks/bench_ray.py [--quick]
@@ -128,8 +129,8 @@ def build(sender: EnvStateSender, policy: Any, args: Args, configs: list[dict[st
 
 
 class Meter:
-    """What each push moved: objects put per node (main process), and per relay the objects
-    it fetched and the bytes it decoded (read from the actors between pushes)."""
+    """What each push moved: shares made per node (main process), and per relay the shares
+    it took and the bytes it decoded (read from the actors between pushes)."""
 
     def __init__(self, sender: EnvStateSender, collector: Any) -> None:
         from envsync.integrations.torchrl.ray import relay_traffic
@@ -265,13 +266,13 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
 
 
 def _traffic(meter: Meter) -> dict[str, Any]:
-    """Per kind of push, the median objects put and fetched per push and bytes decoded per node."""
+    """Per kind of push, the median shares made and taken per push and bytes decoded per node."""
     out = {}
     for key, pushes in meter.pushes.items():
         counted = pushes[1:]  # round 0 warms up
         out[key] = {
-            "objects_put_per_push": median([p["put"] for p in counted]),
-            "objects_fetched_per_push": median([p["fetched"] for p in counted]),
+            "shares_made_per_push": median([p["put"] for p in counted]),
+            "shares_taken_per_push": median([p["fetched"] for p in counted]),
             "bytes_decoded_per_node": [
                 median([p["decoded"][n] for p in counted]) for n in range(len(counted[0]["decoded"]))
             ],
@@ -317,8 +318,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ]
     targets += [
         target(
-            f"{key} push: objects fetched per push / nodes",
-            t["objects_fetched_per_push"] / 2,
+            f"{key} push: shares taken per push / nodes",
+            t["shares_taken_per_push"] / 2,
             1.0,
             higher_is_better=False,
         )
@@ -330,9 +331,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "one per node (actors of 0.25 CPU on nodes of 1 CPU), forked workers",
         "a push returns once every worker applied it; update_policy_weights_() once each remote actor has "
         "loaded the weights (torchrl's RayWeightSyncScheme does not wait for the actor's own worker processes)",
-        f"per push, objects put / fetched by the relays: env state {traffic['env_state']['objects_put_per_push']:g} / "
-        f"{traffic['env_state']['objects_fetched_per_push']:g}, rows {rows_traffic['objects_put_per_push']:g} / "
-        f"{rows_traffic['objects_fetched_per_push']:g} (2 nodes); bytes decoded per node, rows push: "
+        f"per push, shares made / taken by the relays: env state {traffic['env_state']['shares_made_per_push']:g} / "
+        f"{traffic['env_state']['shares_taken_per_push']:g}, rows {rows_traffic['shares_made_per_push']:g} / "
+        f"{rows_traffic['shares_taken_per_push']:g} (2 nodes); bytes decoded per node, rows push: "
         + ", ".join(f"{b / MB:.2f} MB" for b in rows_traffic["bytes_decoded_per_node"])
         + f" of {args.nbytes / MB:.2f} MB over the fleet (each node only its own rows)",
         f"ratios: env-state push / policy update {summary['env_state_push_over_policy']:.2f}x, "

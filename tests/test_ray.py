@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -24,8 +25,11 @@ ray = pytest.importorskip("ray")
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
 
-from envsync.links.mailbox import Push, start_mailbox  # noqa: E402
+from envsync.links.mailbox import Held, start_mailbox  # noqa: E402
+from envsync.links.ray_channel import Listener  # noqa: E402
 from envsync.links.ray_relay import RelayHandle  # noqa: E402
+from envsync.links.ray_wire import CAUGHT_UP  # noqa: E402
+from envsync.protocol import NO_FAILURE  # noqa: E402
 
 
 def apply_checked(env: Any, config: TensorDictBase) -> None:
@@ -65,6 +69,21 @@ def counting_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(ray, "put", counted)
     return calls
+
+
+def kill_and_wait(actor: Any) -> None:
+    """Kill ``actor`` and return once its process is gone (Ray fails calls to it a moment
+    before that, while its relay can still relay a push that its workers then apply)."""
+    pid = ray.get(actor.__ray_call__.remote(lambda a: os.getpid()), timeout=30)
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)  # the local cluster's nodes are processes of this machine
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the killed actor's process {pid} still runs")
 
 
 def alive_actors() -> list[Any]:
@@ -150,7 +169,7 @@ def test_push_reaches_every_env_on_every_node_and_a_killed_actor_is_reported_dea
         assert seen[0] == {0.1} and seen[last] == {0.9}
         assert all(seen[w] == {0.5} for w in range(1, last))
 
-        ray.kill(collector.remote_collectors[1])
+        kill_and_wait(collector.remote_collectors[1])  # ray.kill returns before the actor is dead
         start = time.monotonic()
         with pytest.raises(AckTimeout) as info:
             sender.push(config={"difficulty": 0.4}, wait="applied", timeout=30)
@@ -382,48 +401,35 @@ def test_a_collector_attached_after_ray_kwargs_makes_the_ray_collector_refused(c
         sender.close()
 
 
-def post(mailbox: Any, seq: int, body: Any) -> None:
-    ray.get(mailbox.post.remote(seq, body), timeout=30)
-
-
-def fetch(mailbox: Any, collector: int, after: int) -> list[tuple[int, Any]]:
-    return list(ray.get(mailbox.fetch.remote(collector, 0, after, 0.0), timeout=30))
-
-
 @pytest.mark.timeout(60)
 def test_the_mailbox_starts_without_torch(cluster: Any) -> None:
     # it starts beside the remote collectors' actors: importing torch there would cost the
-    # main process's node seconds of CPU while they start
+    # main process's node seconds of CPU
     def heavy_modules(actor: Any) -> list[str]:  # local: Ray sends it by value, not by module
         return [m for m in ("torch", "tensordict", "torchrl", "envsync.sender") if m in sys.modules]
 
-    mailbox = start_mailbox(1)
+    mailbox = start_mailbox()
     try:
-        post(mailbox, 1, Push(({0: (1, 0, {("config", "x"): np.ones(2)})},)))
+        ray.get(mailbox.hold.remote(1, 0, [ray.put({0: (1, 0, {("config", "x"): np.ones(2)})})], [0]), timeout=30)
         assert ray.get(mailbox.__ray_call__.remote(heavy_modules), timeout=30) == []
     finally:
         ray.kill(mailbox)
 
 
 @pytest.mark.timeout(60)
-def test_mailbox_hands_out_posts_in_order_and_once(cluster: Any) -> None:
-    # an async actor runs its tasks in any order and a retried task runs twice: the mailbox,
-    # not Ray, keeps the posts in sequence
-    mailbox = start_mailbox(2)
+def test_the_mailbox_holds_a_share_until_each_of_its_relays_took_it_or_stopped(cluster: Any) -> None:
+    mailbox = start_mailbox()
     try:
-        for seq in (3, 1, 1, 5, 2, 3):
-            post(mailbox, seq, f"push {seq}")
-        assert fetch(mailbox, 0, 0) == [(1, "push 1"), (2, "push 2"), (3, "push 3")]  # 5 waits for 4
-        waiting = mailbox.fetch.remote(1, 0, 3, 20.0)
-        post(mailbox, 4, "push 4")
-        assert [seq for seq, _ in ray.get(waiting, timeout=30)] == [4, 5]
-        post(mailbox, 2, "push 2, retried")  # after every relay asked past it, too
-        post(mailbox, 6, "push 6")
-        assert fetch(mailbox, 0, 2) == [(3, "push 3"), (4, "push 4"), (5, "push 5"), (6, "push 6")]
-        assert fetch(mailbox, 1, 5) == [(6, "push 6")]
-        # a push reaches each node with that node's share only
-        post(mailbox, 7, Push(("rows of node 0", "rows of node 1")))
-        assert ray.get(mailbox.fetch.remote(1, 1, 6, 0.0), timeout=30) == [(7, Push((None, "rows of node 1")))]
+        waiting = mailbox.take.remote(1, 0, 0, 20.0)  # asked before it is held: waits for it
+        ray.get(mailbox.hold.remote(1, 0, ["rows of post 1"], [0, 1]), timeout=30)
+        assert ray.get(waiting, timeout=30) == ["rows of post 1"]
+        assert ray.get(mailbox.held.remote()) == 1  # collector 1 has not taken it yet
+        ray.get(mailbox.hold.remote(2, 1, ["rows of post 2"], [1, 2]), timeout=30)
+        ray.get(mailbox.forget.remote(1), timeout=30)  # collector 1 shuts down
+        assert ray.get(mailbox.held.remote()) == 1
+        assert ray.get(mailbox.take.remote(2, 1, 2, 1.0), timeout=30) == ["rows of post 2"]
+        assert ray.get(mailbox.held.remote()) == 0
+        assert ray.get(mailbox.take.remote(3, 0, 0, 0.2), timeout=30) is None  # never held
     finally:
         ray.kill(mailbox)
 
@@ -441,29 +447,38 @@ class RecordingLink(LocalLink):
 
 
 @pytest.mark.timeout(60)
-def test_relay_writes_each_push_once_in_order(cluster: Any) -> None:
+def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any) -> None:
     key = ("config", "difficulty")
-    mailbox = start_mailbox(1)
+    mailbox = start_mailbox()
+    listener = Listener("127.0.0.1")
     node = RecordingLink({key: torch.zeros(())}, 1)
-    relay = RelayHandle(mailbox=mailbox, workers=[1], nodes=[0]).relay(0, node)
+    relay = RelayHandle(listener.address, listener.token, mailbox, [1], [0]).relay(0, node)
     rows = {v: {0: (v, 0, {key: torch.tensor(float(v))})} for v in (1, 2, 3)}
-    # pushes 1 and 2 by reference to the object store, 3 in the post itself (a small share)
-    payloads = {v: Push((ray.put(rows[v]) if v < 3 else rows[v],)) for v in (1, 2, 3)}
+    starting = threading.Thread(target=relay.start)
+    starting.start()
     try:
-        for seq in (2, 1, 1):
-            post(mailbox, seq, payloads[seq])
-        relay.start()
-        assert node.written == [1, 2]
-        post(mailbox, 3, payloads[3])
-        post(mailbox, 2, payloads[2])
+        collector, channel = listener.accept() or (None, None)
+        assert collector == 0 and channel is not None
+        # what it missed: post 1 in the post itself, post 2 held by the mailbox (the way a
+        # large share of a node with several relays goes)
+        channel.send((1, rows[1]))
+        mailbox.hold.remote(2, 0, [ray.put(rows[2])], [0])
+        channel.send((2, Held(0)))
+        channel.send(CAUGHT_UP)
+        starting.join(30)
+        assert node.written == [1, 2]  # start() returns once it caught up
+        statuses, errors, replies = channel.recv()  # its first report (no worker reads this link)
+        assert statuses == [(0, 0, NO_FAILURE, True, 0)] and errors == {} and replies == {}
+        channel.send((3, rows[3]))
         deadline = time.monotonic() + 10
         while len(node.written) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(1.0)  # two more long polls: nothing comes twice
+            time.sleep(0.01)
         assert node.written == [1, 2, 3]
         assert float(node.handle().open(0).read_header().config["difficulty"]) == 3.0
+        assert ray.get(mailbox.held.remote(), timeout=30) == 0  # taken, so dropped
     finally:
         relay.stop()
+        listener.close()
         ray.kill(mailbox)
 
 
@@ -490,8 +505,8 @@ print("running:", envsync_threads())
 
 @pytest.mark.timeout(180)
 def test_a_program_that_never_closes_its_sender_exits_cleanly(cluster: Any) -> None:
-    # the link's ack poll thread ends before the interpreter finalises (a daemon thread
+    # the link's reading thread ends before the interpreter finalises (a daemon thread
     # stopped there while it frees a tensor aborts the process: guarantee 29)
     lines = run_to_exit(RAY_EXIT_CHECK, cluster.address)
-    assert "envsync-ray-acks" in lines["running"]
+    assert "envsync-ray-link" in lines["running"]
     assert lines["threads at exit"] == "[]"

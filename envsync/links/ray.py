@@ -1,34 +1,34 @@
-"""The Ray link: one share per node per push (small ones in the post, large ones one
-object-store put each), a relay in each remote collector, shared memory below.
+"""The Ray link: a direct connection from the main process to each remote collector's relay,
+one share per node per push, shared memory below.
 
 The main process holds a :class:`RayLink` to every worker of every remote collector (the
-fleet is numbered collector by collector, then by worker). Per push it buffers each
+fleet is numbered collector by collector, then by worker). It listens on its node's address
+(:class:`~envsync.links.ray_channel.Listener`); each remote collector's
+:class:`~envsync.links.ray_relay.Relay` connects to it when torchrl starts envsync's scheme
+in its actor, and is first sent every post it missed. Per push the link buffers each
 worker's leaves (``write``); ``flush`` makes, for each node that has rows in the push, one
-share holding only that node's rows (:func:`~envsync.links.ray_wire.encode`): the rows
-themselves up to :data:`~envsync.links.ray_wire.INLINE` bytes, else the reference to one
-object put into the object store. It posts the shares, numbered, as one
-:class:`~envsync.links.mailbox.Push` to a small :class:`~envsync.links.mailbox.Mailbox`
-actor on the main process's node; relays get the posts in that order, once each
-(:class:`~envsync.links.mailbox.Posts`), each push holding only their node's share. A
-gather is posted the same way, as one :class:`~envsync.links.mailbox.Ask` for every worker
-asked.
+share holding only that node's rows (:func:`~envsync.links.ray_wire.encode`), and posts it,
+numbered, on the connections of that node's relays that have rows in it: the rows
+themselves, encoded once per node, unless the share is over
+:data:`~envsync.links.ray_wire.INLINE` bytes and several relays of the node need it; then
+it is put into the object store once and its reference is held by the
+:class:`~envsync.links.mailbox.Mailbox`, from which each of those relays takes it, so that
+the node receives it once. A gather is posted on every connection as one
+:class:`~envsync.links.mailbox.Ask`.
 
-In each remote collector's actor a :class:`~envsync.links.ray_relay.Relay` takes its
-node's share of each push and writes its collector's workers into the node's own link
-(shared memory or in process), exactly as a local sender would; the relays of one node map
-a large share's one object from the node's object store (numpy arrays are not copied on
-``ray.get``), so the node receives each push once and each byte is decoded once, into its
-worker's slot. The relay hands gather requests to its workers through the same link, and
-reports acknowledgements, failures, gather answers (numpy arrays) and a heartbeat back to
-the mailbox.
+The relay writes its collector's workers into the node's own link (shared memory or in
+process), exactly as a local sender would, hands gather requests to its workers through the
+same link, and reports acknowledgements, failures, gather answers (numpy arrays) and a
+heartbeat back on its connection. A connection carries its posts in order and each once.
 
-The main process reads reports through one polling thread into a local table, so
+The main process reads every connection from one thread into a local table, so
 ``status``, ``alive``, ``answered`` and ``wait_acks`` cost what they cost on one machine.
 Death is concluded only from evidence: a relay reports its own dead worker processes, and
-once a collector's relay has been silent for :data:`QUIET_AFTER` seconds the link asks Ray
-about its actor (a ping, which Ray fails at once for a killed actor or a lost node). Silence
-alone is no proof: a loaded machine can delay reports by seconds, and a push then waits for
-them (up to its timeout) instead of calling live workers dead.
+once a collector's relay has been silent for :data:`QUIET_AFTER` seconds (at once when its
+connection closed) the link asks Ray about its actor (a ping, which Ray fails at once for a
+killed actor or a lost node). Silence alone is no proof: a loaded machine can delay reports
+by seconds, and a push then waits for them (up to its timeout) instead of calling live
+workers dead.
 
 Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
 ``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``;
@@ -39,6 +39,7 @@ per gather ``ask``... then ``answered`` (which posts the asks) until it reaches 
 from __future__ import annotations
 
 import contextlib
+import selectors
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -49,13 +50,28 @@ import torch
 
 from envsync.errors import EnvSyncError
 from envsync.links.base import Key
-from envsync.links.mailbox import Ask, Push
-from envsync.links.ray_relay import POLL, RelayHandle
-from envsync.links.ray_wire import INLINE, Acks, Reply, Rows, Traffic, encode, leaf_bytes, share_id, unwire
+from envsync.links.mailbox import Ask, Held
+from envsync.links.ray_channel import Channel, Listener, frames
+from envsync.links.ray_relay import RelayHandle
+from envsync.links.ray_wire import (
+    CAUGHT_UP,
+    INLINE,
+    Acks,
+    Reply,
+    Rows,
+    Traffic,
+    encode,
+    leaf_bytes,
+    share_id,
+    unwire,
+)
 from envsync.protocol import NO_FAILURE, Until, WorkerStatus, all_settled, any_owing, counts_of
 from envsync.shutdown import EXITING
 from envsync.state import Leaf
 
+POLL = 0.5
+"""Seconds the link's reading thread waits for a report before it looks at whether it should
+stop."""
 QUIET_AFTER = 1.5
 """Seconds without a report after which the link asks Ray whether a collector's actor died."""
 
@@ -83,11 +99,13 @@ class RayLink:
     Args:
         leaves: one worker's starting leaves; every worker gets them with the first flush.
         workers: how many workers each remote collector has (in collector order).
-        mailbox: the :class:`~envsync.links.mailbox.Mailbox` actor handle.
+        mailbox: the :class:`~envsync.links.mailbox.Mailbox` actor handle; needed only when
+            a node runs several remote collectors (``None`` otherwise).
         actors: the remote collectors' actor handles (in collector order), pinged when
             their relay falls silent; without them silence never counts as death.
         nodes: the Ray node id each remote collector runs on (in collector order); one
-            object per node per push. Default: each collector on a node of its own.
+            share per node per push. Default: each collector on a node of its own.
+        host: the address relays connect to (default: this process's Ray node address).
 
     Examples:
         >>> RayLink.__name__
@@ -98,9 +116,10 @@ class RayLink:
         self,
         leaves: Mapping[Key, Leaf],
         workers: Sequence[int],
-        mailbox: Any,
+        mailbox: Any = None,
         actors: Sequence[Any] = (),
         nodes: Sequence[str] = (),
+        host: str | None = None,
     ) -> None:
         self.num_workers = sum(workers)
         self.workers = list(workers)
@@ -108,14 +127,12 @@ class RayLink:
         ids = list(nodes) or [str(c) for c in range(len(self.workers))]
         order = list(dict.fromkeys(ids))
         self.nodes = [order.index(n) for n in ids]  # each collector's node number
-        starts = [sum(self.workers[:c]) for c in range(len(self.workers))]
-        self._node_workers = [
-            [w for c, first in enumerate(starts) if self.nodes[c] == node for w in range(first, first + workers[c])]
-            for node in range(len(order))
-        ]
-        self.traffic = [Traffic() for _ in order]  # per node: objects put, bytes of rows
+        if mailbox is None and len(order) < len(ids):
+            raise ValueError("a node with several remote collectors needs the mailbox")
+        self._starts = [sum(self.workers[:c]) for c in range(len(self.workers))]
+        self._node_collectors = [[c for c in range(len(ids)) if self.nodes[c] == node] for node in range(len(order))]
+        self.traffic = [Traffic() for _ in order]  # per node: objects made, bytes of rows
         self._seq = 0
-        self._posted: Any = None
         self._pending: Rows = {w: (0, 0, dict(leaves)) for w in range(self.num_workers)}
         self._target = [0] * self.num_workers
         self._acks: list[Acks] = [(0, 0, NO_FAILURE, True, 0)] * self.num_workers
@@ -130,8 +147,13 @@ class RayLink:
         self._report_seq = 0
         self._changed = threading.Condition()
         self._closed = False
-        # not a daemon: it ends at shutdown, a long poll at most after EXITING is set (envsync.shutdown)
-        self._thread = threading.Thread(target=self._poll, name="envsync-ray-acks")
+        self._listener = Listener(host or ray.util.get_node_ip_address())
+        self._channels: dict[int, Channel] = {}
+        self._joined: set[int] = set()  # collectors whose relay connected once
+        self._backlog: list[dict[int, list[Any]]] = []  # posts, per collector, until every relay joined
+        self._posting = threading.Lock()  # a post reaches every connection in sequence order
+        # not a daemon: it ends at shutdown, a poll at most after EXITING is set (envsync.shutdown)
+        self._thread = threading.Thread(target=self._serve, name="envsync-ray-link")
         self._thread.start()
 
     def _collector_of(self, worker: int) -> tuple[int, int]:
@@ -158,25 +180,58 @@ class RayLink:
         return None  # the relay notifies the node's workers when it writes them
 
     def flush(self, version: int) -> None:
-        """Post each node's buffered rows to the relays, one share per node that has any: in
-        the post itself up to :data:`~envsync.links.ray_wire.INLINE` bytes, else as the
-        reference to one object put into the object store."""
+        """Post each node's buffered rows to its relays, one share per node that has any (see
+        the module docstring for how it travels)."""
         if not self._pending or self._closed:
             return
         pending, self._pending = self._pending, {}
-        shares: list[Any] = []
-        for node, members in enumerate(self._node_workers):
-            rows = encode({w: pending[w] for w in members if w in pending})
+        seq = self._seq + 1
+        posts: dict[int, list[Any]] = {}
+        for node, collectors in enumerate(self._node_collectors):
+            takers = [c for c in collectors if any(w in pending for w in self._members(c))]
+            if not takers:
+                continue
+            rows = encode({w: pending[w] for c in takers for w in self._members(c) if w in pending})
             nbytes = sum(leaf_bytes(leaves) for _, _, leaves in rows.values())
-            share = (rows if nbytes <= INLINE else ray.put(rows)) if rows else None
-            if share is not None:
-                self.traffic[node].add(share_id(self._seq + 1, node, share), nbytes)
-            shares.append(share)
-        self._post(Push(tuple(shares)))
+            share: Any = rows
+            if nbytes > INLINE and len(takers) > 1:  # one object for the node's relays to map
+                ref = ray.put(rows)
+                self.mailbox.hold.remote(seq, node, [ref], takers)
+                self.traffic[node].add(share_id(seq, node, ref), nbytes)
+                share = Held(node)
+            else:
+                self.traffic[node].add(share_id(seq, node, rows), nbytes)
+            message = frames((seq, share))
+            posts.update({c: message for c in takers})
+        self._post(posts)
 
-    def _post(self, body: Push | Ask) -> None:
-        self._seq += 1
-        self._posted = self.mailbox.post.remote(self._seq, body)
+    def _members(self, collector: int) -> range:
+        return range(self._starts[collector], self._starts[collector] + self.workers[collector])
+
+    def _post(self, posts: dict[int, list[Any]]) -> None:
+        """Send post number ``self._seq + 1`` (per collector, the frames of its message) on
+        every connection it is for; kept for the relays that have not connected yet."""
+        with self._posting:
+            self._seq += 1
+            if len(self._joined) < len(self.workers):
+                self._backlog.append(posts)
+            for collector, message in posts.items():
+                channel = self._channels.get(collector)
+                if channel is not None:
+                    self._send(collector, channel, message)
+
+    def _send(self, collector: int, channel: Channel, message: list[Any]) -> None:
+        try:
+            channel.send_frames(message)
+        except OSError:  # gone, or reading nothing for SEND_TIMEOUT: its collector is asked about
+            self._drop(collector, channel)
+
+    def _drop(self, collector: int, channel: Channel) -> None:
+        with contextlib.suppress(Exception):
+            channel.close()
+        if self._channels.get(collector) is channel:
+            del self._channels[collector]
+            self._seen[collector] = 0.0  # silent from now: the next alive() pings its actor
 
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask ``worker`` for these entries; the asks of one request go out together, as one
@@ -188,7 +243,8 @@ class RayLink:
     def answered(self, worker: int) -> int:
         if self._asking is not None and not self._closed:
             asking, self._asking = self._asking, None
-            self._post(asking)
+            message = frames((self._seq + 1, asking))
+            self._post({c: message for c in range(len(self.workers))})
         return self._acks[worker][4]
 
     def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
@@ -198,11 +254,6 @@ class RayLink:
         if missing:
             raise EnvSyncError(f"worker {worker}'s gather answer lacks {missing}")
         return {n: unwire(values[n]) for n in names}
-
-    def settle(self, timeout: float = 30.0) -> None:
-        """Block until the mailbox holds the latest post (before relays first fetch)."""
-        if self._posted is not None:
-            ray.get(self._posted, timeout=timeout)
 
     def status(self, worker: int) -> WorkerStatus:
         received, applied, failed, _, _ = self._acks[worker]
@@ -255,7 +306,13 @@ class RayLink:
             return self._changed.wait_for(lambda: self._report_seq != seq or self._closed, timeout=max(timeout, 0.0))
 
     def handle(self) -> RelayHandle:
-        return RelayHandle(mailbox=self.mailbox, workers=self.workers, nodes=self.nodes)
+        return RelayHandle(
+            address=self._listener.address,
+            token=self._listener.token,
+            mailbox=self.mailbox,
+            workers=self.workers,
+            nodes=self.nodes,
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -263,39 +320,79 @@ class RayLink:
         self._closed = True
         with self._changed:
             self._changed.notify_all()
-        with contextlib.suppress(Exception):
-            ray.kill(self.mailbox)
+        with self._posting:
+            for channel in self._channels.values():
+                with contextlib.suppress(Exception):
+                    channel.close()
+        if self.mailbox is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.mailbox)
 
-    def _poll(self) -> None:
-        """Keep the local table of reports up to date (one long poll at a time), until the
-        link closes or the interpreter exits."""
-        seq = 0
-        while not self._closed and not EXITING.is_set():
-            try:
-                seq, *news = ray.get(self.mailbox.acks.remote(seq, POLL), timeout=POLL + 5.0)
-            except Exception:
-                if self._closed or EXITING.is_set():
+    def _serve(self) -> None:
+        """Accept the relays' connections and keep the local table of their reports up to
+        date, until the link closes or the interpreter exits."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, None)
+        try:
+            while not self._closed and not EXITING.is_set():
+                for key, _ in selector.select(POLL):
+                    if key.data is None:
+                        self._join(selector)
+                    else:
+                        self._read(selector, *key.data)
+        finally:
+            selector.close()
+            self._listener.close()
+
+    def _join(self, selector: selectors.BaseSelector) -> None:
+        """A relay connects: send it the posts it missed, then read its reports."""
+        with contextlib.suppress(OSError):
+            joined = self._listener.accept()
+            if joined is None or not 0 <= joined[0] < len(self.workers) or self._closed:
+                return
+            collector, channel = joined
+            with self._posting:
+                if collector in self._joined:  # one connection per relay, ever
+                    channel.close()
                     return
-                time.sleep(POLL)  # the mailbox is slow or gone: reports age until workers count as dead
-                continue
-            self._take(*news)
+                for posts in self._backlog:
+                    if collector in posts:
+                        self._send(collector, channel, posts[collector])
+                self._send(collector, channel, frames(CAUGHT_UP))
+                self._joined.add(collector)
+                if len(self._joined) == len(self.workers):
+                    self._backlog.clear()
+                self._channels[collector] = channel
+            with contextlib.suppress(KeyError, ValueError, OSError):  # a dropped channel's fd, reused
+                selector.unregister(channel.fileno())
+            selector.register(channel, selectors.EVENT_READ, (collector, channel))
+
+    def _read(self, selector: selectors.BaseSelector, collector: int, channel: Channel) -> None:
+        try:
+            report = channel.recv()
+        except (OSError, EOFError):  # its relay stopped, or its process is gone
+            with contextlib.suppress(Exception):
+                selector.unregister(channel)
+            with self._posting:
+                self._drop(collector, channel)
+            return
+        self._take(collector, *report)
 
     def _take(
         self,
-        table: Mapping[int, tuple[float, list[Acks]]],
-        errors: Mapping[tuple[int, int], str],
-        replies: Mapping[tuple[int, int], Reply],
+        collector: int,
+        statuses: list[Acks],
+        errors: Mapping[int, str],
+        replies: Mapping[int, Reply],
     ) -> None:
-        now = time.monotonic()
-        offsets = [sum(self.workers[:c]) for c in range(len(self.workers))]
+        first = self._starts[collector]
         with self._changed:
-            for collector, (age, statuses) in table.items():
-                self._seen[collector] = max(self._seen[collector], now - age)
-                for local, status in enumerate(statuses):
-                    self._acks[offsets[collector] + local] = status
-            for (collector, local), text in errors.items():
-                self._errors[offsets[collector] + local] = text
-            for (collector, local), reply in replies.items():
-                self._replies[offsets[collector] + local] = reply
+            self._seen[collector] = time.monotonic()
+            for local, status in enumerate(statuses):
+                self._acks[first + local] = status
+            for local, text in errors.items():
+                self._errors[first + local] = text
+            for local, reply in replies.items():
+                self._replies[first + local] = reply
             self._report_seq += 1
             self._changed.notify_all()

@@ -1,6 +1,7 @@
-"""The relay in each remote collector's actor: copies pushes from the object store into its
-node's link, hands gather requests to its workers, and reports acknowledgements, failures,
-gather answers and a heartbeat back to the mailbox (see :mod:`envsync.links.ray`)."""
+"""The relay in each remote collector's actor: takes the posts of its direct connection to
+the main process, writes its workers' rows into its node's link, hands gather requests to
+its workers, and reports acknowledgements, failures, gather answers and a heartbeat back on
+the same connection (see :mod:`envsync.links.ray`)."""
 
 from __future__ import annotations
 
@@ -13,21 +14,26 @@ from typing import Any
 import ray
 
 from envsync.links.base import SenderLink
-from envsync.links.mailbox import Ask, Push
-from envsync.links.ray_wire import Acks, Reply, Rows, Traffic, leaf_bytes, share_id, wire
+from envsync.links.mailbox import Ask, Held
+from envsync.links.ray_channel import Channel, connect
+from envsync.links.ray_wire import CAUGHT_UP, Acks, Reply, Rows, Traffic, leaf_bytes, share_id, wire
 from envsync.protocol import NO_FAILURE
 
 HEARTBEAT = 0.5
 """Seconds between a relay's reports when nothing changes."""
-POLL = 0.5
-"""Seconds a long poll of the mailbox waits."""
+TAKE_WAIT = 0.5
+"""Seconds one ask of the mailbox for a held share waits."""
 
 
 @dataclass
 class RelayHandle:
-    """What a remote collector's actor needs to relay pushes: the mailbox and the layout
-    (each collector's worker count, and the number of the node it runs on)."""
+    """What a remote collector's actor needs to relay pushes: the main process's address and
+    token (:class:`~envsync.links.ray_channel.Listener`), the mailbox (``None`` when no node
+    has several remote collectors) and the layout (each collector's worker count, and the
+    number of the node it runs on)."""
 
+    address: tuple[str, int]
+    token: bytes
     mailbox: Any
     workers: list[int]
     nodes: list[int]
@@ -41,27 +47,28 @@ class RelayHandle:
 
 
 class Relay:
-    """Copies pushes (from the post, or from the object store) into one collector's link
-    and reports back.
+    """Copies pushes (from its connection, or from the object store) into one collector's
+    link and reports back.
 
     It runs daemon threads (not actor methods: a non-async actor runs one task at a time,
     and the collector keeps a ``next()`` pending):
 
-    * *down*: long-polls the mailbox; per push it takes its node's share (each node gets
-      one, holding only its workers' rows: in the post when small, else one object that the
-      relays of the node map from its object store) and writes its own workers into the
-      link; per gather it asks its workers;
+    * *down*: reads its connection; per push it takes its node's share (each node gets one,
+      holding only its workers' rows: in the post, or, when the node's several relays share
+      a large one, one object that they map from the node's object store) and writes its own
+      workers into the link; per gather it asks its workers;
     * *up*: woken by two watchers, one per kind of acknowledgement semaphore of the link
       (a thread waits on one), it reports acknowledgements, failures with their traceback,
-      gather answers, and a heartbeat, to the mailbox.
+      gather answers, and a heartbeat, on the connection.
 
     Args:
-        handle: the mailbox and layout.
+        handle: the main process's address, the mailbox and the layout.
         collector: this remote collector's index.
         node_link: the link to this collector's own workers.
     """
 
     def __init__(self, handle: RelayHandle, collector: int, node_link: SenderLink) -> None:
+        self.handle = handle
         self.mailbox = handle.mailbox
         self.collector = collector
         self.node = handle.nodes[collector]
@@ -69,7 +76,7 @@ class Relay:
         self.count = handle.workers[collector]
         self.link = node_link
         self.traffic = Traffic()
-        self._after = 0
+        self._channel: Channel | None = None
         self._reported: list[Acks] | None = None
         self._sent_failures = [NO_FAILURE] * self.count
         self._asked: dict[int, tuple[int, list[str]]] = {}
@@ -78,9 +85,11 @@ class Relay:
         self._woken = threading.Event()
 
     def start(self) -> None:
-        """Deliver what is posted already (before the collector's first batch), then relay
-        from daemon threads."""
-        self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self.node, self._after, 0.0)))
+        """Connect, deliver what is posted already (before the collector's first batch),
+        then relay from daemon threads."""
+        channel = self._channel = connect(self.handle.address, self.handle.token, self.collector)
+        while (post := channel.recv()) != CAUGHT_UP:
+            self._deliver(post)
         self._report()
         threading.Thread(target=self._down, name=f"envsync-relay-down-{self.collector}", daemon=True).start()
         threading.Thread(target=self._up, name=f"envsync-relay-up-{self.collector}", daemon=True).start()
@@ -91,21 +100,25 @@ class Relay:
     def stop(self) -> None:
         self._stopped = True
         self._woken.set()  # the up thread ends now, without another report
-        with contextlib.suppress(Exception):
-            self.mailbox.forget.remote(self.collector)
+        if self._channel is not None:
+            self._channel.close()
+        if self.mailbox is not None:
+            with contextlib.suppress(Exception):
+                self.mailbox.forget.remote(self.collector)
 
-    def _deliver(self, posts: list[tuple[int, Push | Ask]]) -> None:
-        for seq, body in posts:
-            if seq != self._after + 1:  # a fetch answered twice, or out of turn
-                continue
-            if isinstance(body, Ask):
-                self._ask(body)
-            elif (share := body.shares[self.node]) is not None:
-                self._write(share, share_id(seq, self.node, share))
-            self._after = seq
+    def _deliver(self, post: tuple[int, Any]) -> None:
+        seq, body = post
+        if isinstance(body, Ask):
+            self._ask(body)
+        elif body is not None:
+            self._write(seq, body)
 
-    def _write(self, share: Any, object_id: str) -> None:
-        rows: Rows = share if isinstance(share, dict) else ray.get(share)
+    def _write(self, seq: int, share: Rows | Held) -> None:
+        if isinstance(share, Held):
+            ref = self._take(seq, share.node)
+            rows: Rows = ray.get(ref)
+        else:
+            ref, rows = share, share
         mine = [w for w in range(self.first, self.first + self.count) if w in rows]
         for worker in mine:
             version, undo, entries = rows[worker]
@@ -113,7 +126,15 @@ class Relay:
             self.link.notify(worker - self.first)
         if mine:
             self.link.flush(rows[mine[-1]][0])
-        self.traffic.add(object_id, sum(leaf_bytes(rows[w][2]) for w in mine))
+        self.traffic.add(share_id(seq, self.node, ref), sum(leaf_bytes(rows[w][2]) for w in mine))
+
+    def _take(self, seq: int, node: int) -> Any:
+        """The reference the mailbox holds for post ``seq``'s share of ``node``."""
+        while not self._stopped:
+            share = ray.get(self.mailbox.take.remote(seq, node, self.collector, TAKE_WAIT))
+            if share is not None:
+                return share[0]
+        raise EOFError("the relay stopped")
 
     def _ask(self, ask: Ask) -> None:
         for worker, names in ask.names.items():
@@ -124,13 +145,13 @@ class Relay:
                 self.link.notify(local)
 
     def _down(self) -> None:
+        assert self._channel is not None
         while not self._stopped:
             try:
-                self._deliver(ray.get(self.mailbox.fetch.remote(self.collector, self.node, self._after, POLL)))
-            except Exception:
-                if self._stopped:
-                    return
-                time.sleep(POLL)
+                post = self._channel.recv()
+            except (OSError, EOFError):  # the main process closed the link, or is gone
+                return
+            self._deliver(post)
 
     def _watch(self, applied: bool) -> None:
         """Wake the *up* thread at each acknowledgement of one kind: received, or applied
@@ -183,7 +204,8 @@ class Relay:
                 errors[w] = self.link.error_text(w)
                 self._sent_failures[w] = failed
         replies = self._replies(statuses)
-        self.mailbox.report.remote(self.collector, statuses, errors, replies)
+        assert self._channel is not None
+        self._channel.send((statuses, errors, replies))
         for w, (request, _) in replies.items():
             self._replied[w] = request
         self._reported = statuses

@@ -1,7 +1,7 @@
-"""What moves over Ray between the main process and the relays, beside the mailbox's
-records (:mod:`envsync.links.mailbox`): one node's rows and their encoding (:func:`encode`),
-the relays' reports (:data:`Acks`, :data:`Reply`) and the count of what moved
-(:class:`Traffic`).
+"""What moves between the main process and the relays (on their connections,
+:mod:`envsync.links.ray_channel`, and through the object store): one node's rows and their
+encoding (:func:`encode`), the relays' reports (:data:`Acks`, :data:`Reply`) and the count
+of what moved (:class:`Traffic`).
 
 Everything here is tensors, numpy arrays, integers and strings: no user code is pickled.
 """
@@ -23,21 +23,25 @@ Acks = tuple[int, int, int, bool, int]
 """One worker's report: ``(received, applied, failed, alive, answered)``."""
 Reply = tuple[int, dict[str, Leaf]]
 """One worker's answer to a gather: ``(request, values by env-state name)``, the values as
-numpy arrays where numpy has their dtype (see :func:`wire`), so that the mailbox holding
-them never imports torch."""
+numpy arrays where numpy has their dtype (see :func:`wire`), which the connection carries
+out of band (:mod:`envsync.links.ray_channel`)."""
 
 
 INLINE = 64 * 1024
-"""Bytes of leaves up to which a node's share of a push travels in the post itself (a
-reference would cost its relays one more round trip to the main process)."""
+"""Bytes of leaves up to which a node's share of a push travels in the post itself to each
+of the node's relays that has rows in it; a larger share does too when one relay of the node
+has rows in it, and is otherwise put into the object store once for the node's relays to map
+(which costs each of them one more round trip, to the mailbox)."""
+CAUGHT_UP = "caught up"
+"""What the main process sends a newly connected relay after the posts it missed."""
 
 
 @dataclass
 class Traffic:
     """What one end of the Ray link moved (read by tests and ``bench_ray.py``).
 
-    An object is one node's share of one push (see :class:`Push`: put into the object store,
-    or carried in the post when small). On the main process's side, per node: the objects
+    An object is one node's share of one push (put into the object store, or carried in the
+    post; see :data:`INLINE`). On the main process's side, per node: the objects
     made and the bytes of the leaves they hold (counted per worker). On a relay's side: the
     objects it took, the bytes of its own workers' leaves it decoded into its node's link,
     and the id of the latest object (:func:`share_id`).

@@ -3,10 +3,12 @@
 Two schemes, one per level of the hierarchy:
 
 * :class:`RayEnvScheme` is the driver's ``"env"`` scheme. ``RayCollector`` calls its
-  ``init_on_sender`` after the remote collectors exist: it starts the mailbox actor and
-  attaches one :class:`~envsync.links.ray.RayLink` over every remote worker to the sender
-  (fleet: collector by collector, then worker). ``RayCollector`` then pickles it into each
-  actor, whose ``init_on_receiver`` starts that node's :class:`~envsync.links.ray.Relay`.
+  ``init_on_sender`` after the remote collectors exist: it attaches one
+  :class:`~envsync.links.ray.RayLink` over every remote worker to the sender (fleet:
+  collector by collector, then worker), which listens for the relays' connections (and
+  starts the mailbox actor when a node runs several remote collectors). ``RayCollector``
+  then pickles the scheme into each actor, whose ``init_on_receiver`` starts that
+  collector's :class:`~envsync.links.ray_relay.Relay`; it connects to the main process.
 * :class:`NodeScheme` goes into ``collector_kwargs["weight_sync_schemes"]["env"]``: the
   collector inside each actor calls its ``init_on_sender`` and builds the node's own link
   (shared memory to its worker processes, or in process for a ``Collector``); its workers
@@ -180,16 +182,12 @@ class RayEnvScheme(EnvSchemeBase):
         self.context = context
         self._owner_pid = os.getpid()
         actors = list(remote_collectors if remote_collectors is not None else context.remote_collectors)
-        # the mailbox's process starts (and imports envsync) while the collectors' actors start
-        mailbox = start_mailbox(len(actors))
-        try:
-            nodes = ray.get([actor.__ray_call__.remote(_node_info) for actor in actors])
-        except BaseException:
-            ray.kill(mailbox)
-            raise
+        nodes = ray.get([actor.__ray_call__.remote(_node_info) for actor in actors])
         self._counts = counts = [count for count, _, _ in nodes]
         self._files = [path for _, path, _ in nodes if path]
         node_ids = [node for _, _, node in nodes]
+        # only the relays of a node with several remote collectors take shares from a mailbox
+        mailbox = start_mailbox() if len(set(node_ids)) < len(node_ids) else None
         collector_ref = weakref.ref(context)
         made: list[RayLink] = []
 
@@ -210,15 +208,15 @@ class RayEnvScheme(EnvSchemeBase):
         except BaseException as err:
             for made_link in made:
                 made_link.close()
-            ray.kill(mailbox)
+            if mailbox is not None:
+                ray.kill(mailbox)
             for actor in actors:
                 ray.kill(actor)
             if isinstance(err, ValidationError) and sender.next_env_index() > self._offset:
                 raise ValidationError(f"{err}; call ray_kwargs() right before building the RayCollector") from err
             raise
         link: Any = attachment.link
-        link.flush(sender.version)  # every worker's starting state, in one put
-        link.settle()
+        link.flush(sender.version)  # every worker's starting state, sent to each relay as it connects
         self._attachment = attachment
         self._handle = attachment.link.handle()  # type: ignore[assignment]
 
