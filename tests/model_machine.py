@@ -123,8 +123,10 @@ def make_sender(cell: Cell) -> EnvStateSender:
 
 def make_collector(cell: Cell, sender: EnvStateSender) -> Any:
     """The cell's collector; a Ray cell's is a ``RayCollector(sync=True)`` of two remote
-    collectors of the inner kind, one pinned to each node of the test cluster, each of one
-    worker (fleet worker ``w`` is remote collector ``w``)."""
+    collectors of the inner kind, each of one worker (fleet worker ``w`` is remote collector
+    ``w``): one pinned to each node of the test cluster, or, for the ``ray-sync`` cells, both
+    to one node (whose relays then share each large share as one object-store object; see
+    :data:`TWO_ON_ONE_NODE`)."""
     if cell.ray:
         return make_ray_collector(cell, sender)
     with start_method("fork"):
@@ -137,10 +139,16 @@ def make_collector(cell: Cell, sender: EnvStateSender) -> Any:
         )
 
 
+TWO_ON_ONE_NODE = ("sync",)
+"""The inner kinds whose Ray cells put both remote collectors on one node: a large share for
+that node goes through the object store (put once, held by the mailbox, mapped by both
+relays); the other cells' shares go on each relay's connection, across nodes."""
+
+
 def make_ray_collector(cell: Cell, sender: EnvStateSender) -> Any:
     from torchrl.collectors.distributed import RayCollector
 
-    nodes = ("n0", "n1")
+    nodes = ("n0", "n0") if cell.inner in TWO_ON_ONE_NODE else ("n0", "n1")
     return RayCollector(
         [sender.env_fn(f) for f in factories(cell.env_kind, cell.workers)],
         None,

@@ -1,7 +1,8 @@
 """The model-based test of ``test_model.py`` over Ray: the same operations, reference model
-and per-frame checks, on a ``RayCollector(sync=True)`` of two remote collectors (one per node
-of the local two-node cluster, one worker each) of every collector kind, env kind and apply
-mode.
+and per-frame checks, on a ``RayCollector(sync=True)`` of two remote collectors (one worker
+each; one per node of the local two-node cluster, or both on one node for the ``ray-sync``
+cells, so that both ways a large share travels run: see ``model_machine.TWO_ON_ONE_NODE``)
+of every collector kind, env kind and apply mode.
 
 A Ray history is slow (every collector it builds, at its start and at each resume, starts
 two actors: ~8 s here), so ``make test`` runs one history of the cheapest cell of each

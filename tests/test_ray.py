@@ -26,7 +26,8 @@ from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollecto
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
 
 from envsync.links.mailbox import Held, start_mailbox  # noqa: E402
-from envsync.links.ray_channel import Listener  # noqa: E402
+from envsync.links.ray import RayLink  # noqa: E402
+from envsync.links.ray_channel import Listener, connect  # noqa: E402
 from envsync.links.ray_relay import RelayHandle  # noqa: E402
 from envsync.links.ray_wire import CAUGHT_UP  # noqa: E402
 from envsync.protocol import NO_FAILURE  # noqa: E402
@@ -480,6 +481,35 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any) -> N
         relay.stop()
         listener.close()
         ray.kill(mailbox)
+
+
+@pytest.mark.timeout(60)
+def test_a_relay_that_connects_late_gets_what_was_pushed_not_what_the_buffers_hold_now() -> None:
+    # the link's frames view the pushed tensors, and the sender reuses its buffers for later
+    # pushes: what waits for a relay not connected yet must be a copy (no cluster needed)
+    key = ("config", "table")
+    link = RayLink({key: torch.zeros(4)}, [1, 1], host="127.0.0.1")
+    try:
+        pushed = torch.ones(4)
+        for worker in (0, 1):
+            link.write(worker, 1, {key: pushed})
+        link.flush(1)
+        handle = link.handle()
+        early = connect(handle.address, handle.token, 0)
+        _, rows = early.recv()  # the starting state with push 1 on top, as one post
+        assert rows[0][0] == 1 and rows[0][2][key].tolist() == [1.0] * 4
+        assert early.recv() == CAUGHT_UP
+        pushed.fill_(9.0)  # the buffer reused by a later push
+        late = connect(handle.address, handle.token, 1)
+        _, rows = late.recv()
+        assert rows[1][0] == 1 and rows[1][2][key].tolist() == [1.0] * 4
+        assert late.recv() == CAUGHT_UP
+        with pytest.raises(EOFError):  # one connection per relay: a second one is closed
+            connect(handle.address, handle.token, 1).recv()
+        early.close()
+        late.close()
+    finally:
+        link.close()
 
 
 RAY_EXIT_CHECK = """

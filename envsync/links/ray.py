@@ -185,7 +185,7 @@ class RayLink:
         if not self._pending or self._closed:
             return
         pending, self._pending = self._pending, {}
-        seq = self._seq + 1
+        seq = self._next_seq()
         posts: dict[int, list[Any]] = {}
         for node, collectors in enumerate(self._node_collectors):
             takers = [c for c in collectors if any(w in pending for w in self._members(c))]
@@ -208,13 +208,18 @@ class RayLink:
     def _members(self, collector: int) -> range:
         return range(self._starts[collector], self._starts[collector] + self.workers[collector])
 
-    def _post(self, posts: dict[int, list[Any]]) -> None:
-        """Send post number ``self._seq + 1`` (per collector, the frames of its message) on
-        every connection it is for; kept for the relays that have not connected yet."""
+    def _next_seq(self) -> int:
         with self._posting:
             self._seq += 1
+            return self._seq
+
+    def _post(self, posts: dict[int, list[Any]]) -> None:
+        """Send a post (per collector, the frames of its message) on every connection it is
+        for; a copy is kept for the relays that have not connected yet (the frames view the
+        pushed tensors, which the sender reuses for later pushes)."""
+        with self._posting:
             if len(self._joined) < len(self.workers):
-                self._backlog.append(posts)
+                self._backlog.append({c: [bytes(part) for part in message] for c, message in posts.items()})
             for collector, message in posts.items():
                 channel = self._channels.get(collector)
                 if channel is not None:
@@ -243,7 +248,7 @@ class RayLink:
     def answered(self, worker: int) -> int:
         if self._asking is not None and not self._closed:
             asking, self._asking = self._asking, None
-            message = frames((self._seq + 1, asking))
+            message = frames((self._next_seq(), asking))
             self._post({c: message for c in range(len(self.workers))})
         return self._acks[worker][4]
 
