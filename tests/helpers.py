@@ -513,3 +513,20 @@ def run_to_exit(code: str, *args: str, timeout: float = 150) -> dict[str, str]:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "terminate called" not in result.stderr
     return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+
+
+def kill_and_wait(actor: Any) -> None:
+    """Kill a Ray ``actor`` and return once its process is gone (Ray fails calls to it a
+    moment before that, while its relay can still relay a push that its workers then apply)."""
+    import ray
+
+    pid = ray.get(actor.__ray_call__.remote(lambda a: os.getpid()), timeout=30)
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)  # the local cluster's nodes are processes of this machine
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the killed actor's process {pid} still runs")

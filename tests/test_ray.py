@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import RAY_STORE
-from helpers import make_counter_env, run_to_exit
+from helpers import kill_and_wait, make_counter_env, run_to_exit
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError
@@ -70,21 +70,6 @@ def counting_puts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(ray, "put", counted)
     return calls
-
-
-def kill_and_wait(actor: Any) -> None:
-    """Kill ``actor`` and return once its process is gone (Ray fails calls to it a moment
-    before that, while its relay can still relay a push that its workers then apply)."""
-    pid = ray.get(actor.__ray_call__.remote(lambda a: os.getpid()), timeout=30)
-    ray.kill(actor)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)  # the local cluster's nodes are processes of this machine
-        except ProcessLookupError:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"the killed actor's process {pid} still runs")
 
 
 def alive_actors() -> list[Any]:

@@ -4,16 +4,17 @@ fetches and decodes per push."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from functools import partial
 from typing import Any
 
 import pytest
 import torch
-from helpers import make_batched_counters, make_counter_env, make_vecnorm_env, rows
+from helpers import kill_and_wait, make_batched_counters, make_counter_env, make_vecnorm_env, rows
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import EnvStateSender
+from envsync import AckTimeout, EnvStateSender
 
 ray = pytest.importorskip("ray")
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
@@ -263,6 +264,20 @@ def test_each_node_gets_one_object_of_its_own_rows_per_push_decoded_once(cluster
                 assert fetches == len(envs) and decoded == put[node][1]
             if targets == {0, 1, 2}:  # each node only its own rows: n0 two, n1 one
                 assert put[0][1] == 2 * put[1][1] > 0
+        # a relay's actor dies: the share held for it and its node-mate is dropped once the
+        # mate took it (Ray says it died, the mailbox forgets it), and the mate's later
+        # shares travel in its posts
+        kill_and_wait(collector.remote_collectors[1])
+        with pytest.raises(AckTimeout) as info:
+            sender.push(config=per_env, wait="applied", timeout=60)
+        assert info.value.dead == [1]
+        deadline = time.monotonic() + 10
+        while ray.get(link.mailbox.held.remote(), timeout=30) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ray.get(link.mailbox.held.remote(), timeout=30) == 0
+        version = sender.push(config=per_env.apply(lambda t: t + 1), wait=None)
+        sender.wait(version, until="applied", envs=[0, 2], timeout=60)
+        assert link.traffic[0].last.startswith("post-")
     finally:
         collector.shutdown()
         sender.close()

@@ -8,8 +8,9 @@ for a share that goes through the object store, the main process puts the node's
 once and hands the reference to this small async actor (:meth:`Mailbox.hold`); the post on
 each relay's connection says only that the share is held, and each relay with rows in it
 takes the reference from here (:meth:`Mailbox.take`) and maps the one object from its
-node's store. The mailbox drops the reference once every relay it was held for took it, or
-stopped.
+node's store. The mailbox drops the reference once every relay it was held for took it,
+stopped, or was found dead (the main process forgets a collector whose actor Ray reports
+dead).
 
 It imports nothing heavy (no torch: what it holds is integers and object references), so
 its actor starts in about a second.
@@ -90,7 +91,8 @@ class Mailbox:
         return share
 
     def forget(self, collector: int) -> None:
-        """A relay stops (its collector is shutting down): hold nothing more for it."""
+        """A relay stops (its collector is shutting down), or its actor died: hold nothing
+        more for it."""
         self._stopped.add(collector)
         for key, (_, waiting) in list(self._held.items()):
             waiting.discard(collector)

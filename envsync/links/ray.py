@@ -188,7 +188,7 @@ class RayLink:
         seq = self._next_seq()
         posts: dict[int, list[Any]] = {}
         for node, collectors in enumerate(self._node_collectors):
-            takers = [c for c in collectors if any(w in pending for w in self._members(c))]
+            takers = [c for c in collectors if not self._lost[c] and any(w in pending for w in self._members(c))]
             if not takers:
                 continue
             rows = encode({w: pending[w] for c in takers for w in self._members(c) if w in pending})
@@ -294,6 +294,9 @@ class RayLink:
                 return False
             del self._pings[collector]
             self._lost[collector] = _died(ping)
+            if self._lost[collector] and self.mailbox is not None:  # hold nothing more for its relay
+                with contextlib.suppress(Exception):
+                    self.mailbox.forget.remote(collector)
             return self._lost[collector]
 
     def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
