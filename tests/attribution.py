@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import EnvStateSender
-from envsync.curriculum import Episode, Ledger
+from envsync.curriculum import Bandit, Episode, Ledger
 
 MANY_VERSIONS = 8
 """How many versions the checked episodes must have run under, at least."""
@@ -93,3 +93,23 @@ def check_exact(episodes: list[Episode], truth: Truth, num_envs: int) -> None:
             versions.add(got.version)
     assert spanning >= num_envs, "episodes spanning batches were seen"
     assert len(versions) >= MANY_VERSIONS, f"episodes ran under many versions, got {sorted(versions)}"
+
+
+def check_bandit(
+    bandit: Bandit, arms: list[dict[str, float]], episodes: list[Episode], worker_of: dict[int, int]
+) -> None:
+    """A per-worker bandit (``reward_range=(0, 50)``) was rewarded exactly by the whole
+    episodes that ran each pull: each once, its return scaled, and a worker's envs all ran
+    the arm it pulled (``worker_of``: env index -> fleet worker)."""
+    pulled = [e for e in episodes if e.whole and e.version > 0]
+    assert pulled, "no pull ran a whole episode"
+    assert int(bandit.counts.sum()) == len(pulled), "every whole episode of a pull rewards its arm, once"
+    configs = defaultdict(set)
+    for e in pulled:
+        configs[worker_of[e.env], e.version].add(round(e.config["difficulty"].item(), 4))
+    assert all(len(c) == 1 for c in configs.values()), "a worker's envs run the same arm"
+    for arm, config in enumerate(arms):
+        mine = [
+            min(e.episode_return / 50.0, 1.0) for e in pulled if e.config["difficulty"].item() == config["difficulty"]
+        ]
+        assert bandit.sums[arm].item() == pytest.approx(sum(mine))

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from attribution import check_bandit
 from helpers import start_method
 from torchrl.collectors import Collector, MultiAsyncCollector
 from torchrl.envs import ParallelEnv
@@ -122,15 +123,5 @@ def test_bandit_per_worker_over_async_workers_of_parallel_envs() -> None:
         finally:
             collector.shutdown()
             sender.close()
-    pulled = [e for e in episodes if e.whole and e.version > 0]
-    assert int(bandit.counts.sum()) == len(pulled), "every whole episode of a pull rewards its arm, once"
-    configs = defaultdict(set)
-    for e in pulled:
-        configs[worker_of[e.env], e.version].add(round(e.config["difficulty"].item(), 4))
-    assert all(len(c) == 1 for c in configs.values()), "a worker's envs run the same arm"
-    for arm, config in enumerate(arms):
-        mine = [
-            min(e.episode_return / 50.0, 1.0) for e in pulled if e.config["difficulty"].item() == config["difficulty"]
-        ]
-        assert bandit.sums[arm].item() == pytest.approx(sum(mine))
+    check_bandit(bandit, arms, episodes, worker_of)
     assert longest < 2.0

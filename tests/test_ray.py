@@ -456,11 +456,13 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any) -> N
         statuses, errors, replies = channel.recv()  # its first report (no worker reads this link)
         assert statuses == [(0, 0, NO_FAILURE, True, 0)] and errors == {} and replies == {}
         channel.send((3, rows[3]))
+        channel.send((4, "not rows"))  # a post it cannot deliver costs that post, not the next
+        channel.send((5, {0: (5, 0, {key: torch.tensor(5.0)})}))
         deadline = time.monotonic() + 10
-        while len(node.written) < 3 and time.monotonic() < deadline:
+        while len(node.written) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert node.written == [1, 2, 3]
-        assert float(node.handle().open(0).read_header().config["difficulty"]) == 3.0
+        assert node.written == [1, 2, 3, 5]
+        assert float(node.handle().open(0).read_header().config["difficulty"]) == 5.0
         assert ray.get(mailbox.held.remote(), timeout=30) == 0  # taken, so dropped
     finally:
         relay.stop()

@@ -395,3 +395,32 @@ def test_the_ledger_credits_every_episode_over_ray_exactly(cluster: Any) -> None
         collector.shutdown()
         sender.close()
     check_exact(episodes, truth, WORKERS)
+
+
+@pytest.mark.timeout(300)
+def test_a_bandit_per_worker_over_ray_is_rewarded_by_the_episodes_that_ran_each_pull(cluster: Any) -> None:
+    """A curriculum strategy over Ray (2 nodes x a MultiSyncCollector of 2 workers): each
+    worker pulls its own arm, and each arm is rewarded exactly by the whole episodes that
+    ran it, whichever node they ran on."""
+    from attribution import check_bandit
+
+    from envsync.curriculum import Bandit
+    from envsync.envs import make_drift_env
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    collector = ray_collector(sender, make_drift_env, frames_per_batch=80)
+    arms = [{"difficulty": d} for d in (0.25, 0.75, 1.5)]
+    bandit = Bandit(sender, arms, per="worker", reward_range=(0.0, 50.0))
+    try:
+        episodes = []
+        for index, batch in enumerate(collector):
+            episodes += bandit.observe(batch)
+            if index + 1 == 30:
+                break
+        worker_of = {e: m.index for m in sender.fleet() for e in range(m.first_env, m.first_env + m.envs)}
+    finally:
+        collector.shutdown()
+        sender.close()
+    assert sorted(set(worker_of.values())) == [0, 1, 2, 3]
+    check_bandit(bandit, arms, episodes, worker_of)
+    assert {worker_of[e.env] for e in episodes if e.version > 0} == {0, 1, 2, 3}, "every worker pulled"

@@ -151,7 +151,7 @@ class RayLink:
         self._channels: dict[int, Channel] = {}
         self._joined: set[int] = set()  # collectors whose relay connected once
         self._backlog: list[dict[int, list[Any]]] = []  # posts, per collector, until every relay joined
-        self._posting = threading.Lock()  # a post reaches every connection in sequence order
+        self._posting = threading.Lock()  # a post reaches each connection whole; seq numbers, once each
         # not a daemon: it ends at shutdown, a poll at most after EXITING is set (envsync.shutdown)
         self._thread = threading.Thread(target=self._serve, name="envsync-ray-link")
         self._thread.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +152,12 @@ class Relay:
                 post = self._channel.recv()
             except (OSError, EOFError):  # the main process closed the link, or is gone
                 return
-            self._deliver(post)
+            try:
+                self._deliver(post)
+            except Exception:  # one post lost (its workers never acknowledge it), not the later ones
+                if self._stopped:
+                    return
+                traceback.print_exc()  # into the actor's log
 
     def _watch(self, applied: bool) -> None:
         """Wake the *up* thread at each acknowledgement of one kind: received, or applied
