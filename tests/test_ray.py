@@ -25,6 +25,7 @@ ray = pytest.importorskip("ray")
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 from torchrl.collectors.distributed import RayCollector  # noqa: E402
 
+from envsync.links import ray_relay  # noqa: E402
 from envsync.links.mailbox import Held, start_mailbox  # noqa: E402
 from envsync.links.ray import RayLink  # noqa: E402
 from envsync.links.ray_channel import Listener, connect  # noqa: E402
@@ -433,7 +434,7 @@ class RecordingLink(LocalLink):
 
 
 @pytest.mark.timeout(60)
-def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any) -> None:
+def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     key = ("config", "difficulty")
     mailbox = start_mailbox()
     listener = Listener("127.0.0.1")
@@ -456,7 +457,11 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any) -> N
         statuses, errors, replies = channel.recv()  # its first report (no worker reads this link)
         assert statuses == [(0, 0, NO_FAILURE, True, 0)] and errors == {} and replies == {}
         channel.send((3, rows[3]))
-        channel.send((4, "not rows"))  # a post it cannot deliver costs that post, not the next
+        # a post it cannot deliver (not rows; a held share the mailbox never got) costs that
+        # post, not the next
+        monkeypatch.setattr(ray_relay, "TAKE_GIVE_UP", 0.5)
+        channel.send((4, "not rows"))
+        channel.send((4, Held(0)))
         channel.send((5, {0: (5, 0, {key: torch.tensor(5.0)})}))
         deadline = time.monotonic() + 10
         while len(node.written) < 4 and time.monotonic() < deadline:

@@ -24,6 +24,9 @@ HEARTBEAT = 0.5
 """Seconds between a relay's reports when nothing changes."""
 TAKE_WAIT = 0.5
 """Seconds one ask of the mailbox for a held share waits."""
+TAKE_GIVE_UP = 30.0
+"""Seconds after which a relay gives up on a held share the mailbox never got (that post is
+lost: its workers never acknowledge it; the later posts go on)."""
 
 
 @dataclass
@@ -131,11 +134,12 @@ class Relay:
 
     def _take(self, seq: int, node: int) -> Any:
         """The reference the mailbox holds for post ``seq``'s share of ``node``."""
-        while not self._stopped:
+        deadline = time.monotonic() + TAKE_GIVE_UP
+        while not self._stopped and time.monotonic() < deadline:
             share = ray.get(self.mailbox.take.remote(seq, node, self.collector, TAKE_WAIT))
             if share is not None:
                 return share[0]
-        raise EOFError("the relay stopped")
+        raise TimeoutError(f"the mailbox never held post {seq}'s share of node {node}")
 
     def _ask(self, ask: Ask) -> None:
         for worker, names in ask.names.items():
