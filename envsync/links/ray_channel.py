@@ -12,6 +12,7 @@ compared in constant time) before anything from it is unpickled; the token trave
 relays inside torchrl's pickled scheme, over Ray.
 
 Examples:
+    >>> import numpy as np
     >>> a, b = socket.socketpair()
     >>> Channel(a).send({"x": np.arange(3)})
     >>> Channel(b).recv()["x"]
@@ -29,8 +30,6 @@ import struct
 import threading
 from typing import Any
 
-import numpy as np  # noqa: F401  (the docstring's example)
-
 HEADER = struct.Struct("!QI")
 """A message's header: the pickle's length, then how many out-of-band buffers follow."""
 LENGTH = struct.Struct("!Q")
@@ -47,6 +46,7 @@ def frames(message: Any) -> list[Any]:
     pickle, then each out-of-band buffer (views of the arrays' memory, not copies).
 
     Examples:
+        >>> import numpy as np
         >>> [bytes(f) for f in frames(np.zeros(1, np.uint8))][2]
         b'\\x00'
     """
