@@ -38,6 +38,7 @@ per gather ``ask``... then ``answered`` (which posts the asks) until it reaches 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import selectors
 import threading
@@ -156,12 +157,9 @@ class RayLink:
         self._thread = threading.Thread(target=self._serve, name="envsync-ray-link")
         self._thread.start()
 
-    def _collector_of(self, worker: int) -> tuple[int, int]:
-        for collector, count in enumerate(self.workers):
-            if worker < count:
-                return collector, worker
-            worker -= count
-        raise IndexError(worker)
+    def _collector_of(self, worker: int) -> int:
+        """The remote collector whose workers include fleet worker ``worker``."""
+        return bisect.bisect_right(self._starts, worker) - 1
 
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         if self._closed:
@@ -219,7 +217,11 @@ class RayLink:
         pushed tensors, which the sender reuses for later pushes)."""
         with self._posting:
             if len(self._joined) < len(self.workers):
-                self._backlog.append({c: [bytes(part) for part in message] for c, message in posts.items()})
+                copies: dict[int, list[bytes]] = {}  # one per message: relays of a node share theirs
+                for message in posts.values():
+                    if id(message) not in copies:
+                        copies[id(message)] = [bytes(part) for part in message]
+                self._backlog.append({c: copies[id(m)] for c, m in posts.items()})
             for collector, message in posts.items():
                 channel = self._channels.get(collector)
                 if channel is not None:
@@ -275,7 +277,7 @@ class RayLink:
         """Whether ``worker`` can still answer: its relay did not report its process dead,
         and Ray did not fail a ping to its collector's actor (sent once the relay falls
         silent for :data:`QUIET_AFTER` seconds; an unanswered ping is no evidence)."""
-        collector, _ = self._collector_of(worker)
+        collector = self._collector_of(worker)
         if not self._acks[worker][3] or self._lost[collector]:
             return False
         return time.monotonic() - self._seen[collector] < QUIET_AFTER or not self._actor_died(collector)
