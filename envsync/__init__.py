@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from envsync import apply as apply  # the module: envsync.apply.attributes(), .rebuild()
-    from envsync.errors import AckTimeout, EnvSyncError, ValidationError, WorkerApplyError
+    from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WorkerApplyError
     from envsync.integrations.torchrl import EnvStateSender
     from envsync.receiver import EnvStateReceiver
 
@@ -27,6 +27,7 @@ __all__ = [
     "EnvStateReceiver",
     "EnvStateSender",
     "EnvSyncError",
+    "GatherError",
     "ValidationError",
     "WorkerApplyError",
 ]
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "AckTimeout": "envsync.errors",
     "EnvSyncError": "envsync.errors",
+    "GatherError": "envsync.errors",
     "ValidationError": "envsync.errors",
     "WorkerApplyError": "envsync.errors",
     "EnvStateSender": "envsync.integrations.torchrl",

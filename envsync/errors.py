@@ -5,6 +5,7 @@ Every error derives from :class:`EnvSyncError`::
     EnvSyncError
     ├── ValidationError     bad input, raised in the main process before anything is sent
     ├── WorkerApplyError    a worker failed to apply a version (carries its traceback)
+    ├── GatherError         a worker failed to answer a gather (carries its traceback)
     └── AckTimeout          some targeted workers did not answer in time (or died)
 """
 
@@ -61,6 +62,34 @@ class WorkerApplyError(EnvSyncError):
         super().__init__(
             f"{who} failed to apply version {version}: {last}\n--- {who} traceback ---\n{remote_traceback}"
         )
+
+
+class GatherError(EnvSyncError):
+    """A worker failed while answering a ``gather`` (its env's ``state_dict()`` raised, say).
+
+    Raised by :meth:`~envsync.EnvStateSender.gather` (and so by ``sync_stats`` and
+    ``state_dict(gather=True)``); no version is marked failed and nothing is rolled back.
+
+    Args:
+        worker: fleet index of the worker that failed.
+        request: the gather request it failed to answer.
+        remote_traceback: the worker's traceback text.
+        env: fleet index of the env that failed (the worker's, for an unbatched worker).
+
+    Examples:
+        >>> err = GatherError(1, 7, "Traceback (most recent call last):\\nOSError: disk")
+        >>> (err.worker, err.env, err.request), str(err).splitlines()[0]
+        ((1, 1, 7), 'worker 1 failed to answer a gather: OSError: disk')
+    """
+
+    def __init__(self, worker: int, request: int, remote_traceback: str, *, env: int | None = None) -> None:
+        self.worker = worker
+        self.env = worker if env is None else env
+        self.request = request
+        self.remote_traceback = remote_traceback
+        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
+        who = f"worker {worker}" if self.env == worker else f"env {self.env} (worker {worker})"
+        super().__init__(f"{who} failed to answer a gather: {last}\n--- {who} traceback ---\n{remote_traceback}")
 
 
 class AckTimeout(EnvSyncError, TimeoutError):

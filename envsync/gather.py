@@ -1,29 +1,39 @@
 """``gather`` and ``sync_stats``: which env-state entries a request names, asking the workers
-through their links and waiting for the answers, and, per worker, the statistics each was
-last given (so a sync counts each observation once). The bytes move through the links."""
+through their links, waiting for their typed answers (a failure to answer raises
+:class:`~envsync.errors.GatherError`, never a failed apply), and the one loop that reads
+statistics while each env's applied version is known (:func:`read_settled`, used by
+``sync_stats`` and checkpoints). Functions of a :class:`~envsync.core.Core`; the bytes move
+through the links, the books are :mod:`envsync.books`."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from tensordict import TensorDict
 
 from envsync import stats
-from envsync.errors import AckTimeout, ValidationError, WorkerApplyError
+from envsync.books import StatsBook
+from envsync.core import Core
+from envsync.errors import AckTimeout, GatherError, ValidationError, WorkerApplyError
 from envsync.levels import PREFIX, is_batched, selector_level
-from envsync.protocol import ApplyAt
+from envsync.protocol import Answer, ApplyAt
 from envsync.reinit import STATS, Selector
-from envsync.state import state_name
+from envsync.state import EnvStateTemplate, state_name
 
-if TYPE_CHECKING:
-    from envsync.sender import Sender
+_ANSWER_SLICE = 0.05
+"""Longest blocking wait for an answer before the workers' liveness is checked again."""
+_MAX_GATHERS = 5
+"""Reads before giving up on envs that keep applying merges as they answer (an env applies
+a pending merge at most once, so a second read is normally clear)."""
 
-_ACK_SLICE = 0.05
-_MAX_GATHERS = 3  # a worker applies a pending merge at most once: a second read is clear
+
+class Push(Protocol):
+    """The sender's push, as ``sync_stats`` uses it."""
+
+    def __call__(self, *, env_state: dict[str, torch.Tensor], wait: str, timeout: float) -> int: ...
 
 
 def select(known: Sequence[str], requested: Sequence[str | tuple[str, ...]] | None) -> list[str]:
@@ -51,251 +61,140 @@ def select(known: Sequence[str], requested: Sequence[str | tuple[str, ...]] | No
     return chosen
 
 
-@dataclass
-class Pending:
-    """The latest merge pushed: its version, the statistics, and what each worker held when
-    it was gathered (a worker's baseline until it applies the merge). A checkpoint loaded
-    into running workers gives each its baseline (``after``, default ``merged``) at a version
-    of its own (``at``, default ``version``)."""
-
-    version: int
-    merged: dict[str, torch.Tensor]
-    gathered: dict[int, dict[str, torch.Tensor]]
-    after: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    at: dict[int, int] = field(default_factory=dict)
-
-    def brings(self, worker: int) -> int:
-        """The version whose apply makes ``worker``'s baseline :meth:`baseline_after`."""
-        return self.at.get(worker, self.version)
-
-    def baseline_after(self, worker: int) -> dict[str, torch.Tensor]:
-        return self.after.get(worker, self.merged)
-
-
-class StatsBook:
-    """Per fleet index, the statistics a worker's own are counted up to (its *baseline*); the
-    latest merge; and the merge pushed last, until every worker's status tells whether it
-    applied it (a push may time out, fail, or wait for each env's reset).
-
-    Args:
-        start: the statistics a worker starts with before any sync (the template's).
-    """
-
-    def __init__(self, start: Mapping[str, torch.Tensor]) -> None:
-        self.merged = {k: torch.zeros_like(v) for k, v in start.items()}  # nothing seen yet
-        self._given: dict[int, dict[str, torch.Tensor]] = {}
-        self.pending: Pending | None = None
-        self._published = False  # whether a merge was ever pushed (a rollback republishes it)
-
-    def unclear(self, before: Mapping[int, int], after: Mapping[int, int]) -> list[int]:
-        """The workers that may have applied the pending merge while they answered a gather
-        (their applied version crossed it between the two reads): gather them again."""
-        p = self.pending
-        return [] if p is None else [w for w in p.gathered if before.get(w, 0) < p.brings(w) <= after.get(w, 0)]
-
-    def baselines(self, applied: Mapping[int, int]) -> dict[int, dict[str, torch.Tensor]]:
-        """What each worker's statistics are counted up to, given its ``applied`` version: a
-        worker that applied the pending merge holds it plus what it saw since; one that did
-        not (yet: in "reset" mode it may still, until a newer merge supersedes it) still
-        holds its own, as gathered for that merge."""
-        given = dict(self._given)
-        p = self.pending
-        if p is not None:
-            for worker, own in p.gathered.items():
-                if worker in applied:
-                    given[worker] = p.baseline_after(worker) if applied[worker] >= p.brings(worker) else own
-        return given
-
-    def round(
-        self,
-        current: Mapping[int, Mapping[str, torch.Tensor]],
-        applied: Mapping[int, int],
-        decay: Mapping[str, float],
-    ) -> dict[str, torch.Tensor]:
-        """Merge the workers' ``current`` statistics of the names in ``current`` (``decay``
-        per moments prefix), each counted from its baseline (see :meth:`baselines`)."""
-        names = sorted(next(iter(current.values())))
-        base = {k: self.merged[k] for k in names}
-        baselines = self.baselines(applied)
-        given = {w: {k: baselines[w][k] for k in names} for w in current if w in baselines}
-        return stats.sync_round(base, given, current, decay)
-
-    def pushed(self, version: int, merged: Mapping[str, torch.Tensor], current: Mapping[int, dict]) -> None:
-        """``merged`` went out as ``version`` (applied or not yet; a worker joining later
-        starts from it, and it supersedes the merge pending before); ``current`` is what
-        each worker held when gathered."""
-        self.merged.update(merged)
-        self.pending = Pending(version, dict(self.merged), {w: dict(v) for w, v in current.items()})
-        self._published = True
-
-    def failed(self, rollback: int, current: Mapping[int, dict]) -> None:
-        """A merge failed on some worker and was rolled back by version ``rollback``: it
-        gives every worker the previous merge again, or, with none pushed before, each
-        worker keeps (or gets back) its own statistics."""
-        if self._published:
-            self.pending = Pending(rollback, dict(self.merged), {w: dict(v) for w, v in current.items()})
-        else:
-            self._given.update({w: dict(v) for w, v in current.items()})
-
-    def state_dict(self, workers: Sequence[int], applied: Mapping[int, int], *, held: bool) -> dict[str, Any]:
-        """The last merge, and each of ``workers``' baseline (fleet order): with ``held``, of
-        what it holds at its ``applied`` version (its statistics were gathered then); else of
-        its desired state, what it holds once it applies what it was pushed (a resumed worker
-        starts from the checkpointed state)."""
-        given = self.baselines(applied)
-        p = self.pending
-        if not held and p is not None:
-            given.update({w: p.baseline_after(w) for w in p.gathered if w in applied})
-        return {"merged": dict(self.merged), "given": [dict(given.get(w, self.merged)) for w in workers]}
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], own: Sequence[bool] | None = None) -> StatsBook:
-        """Restore a book; rows of ``"given"`` become fleet indices 0, 1, ... (resume order).
-
-        ``own[w]``: whether worker ``w`` resumes from its own checkpointed statistics (a
-        ``state_dict(gather=True)`` row), which its checkpointed baseline describes; a worker
-        that resumes without them starts from the last merge, its baseline from now on."""
-        book = cls(state["merged"])
-        book.merged = dict(state["merged"])
-        book._given = {
-            w: dict(given) if own is not None and w < len(own) and own[w] else dict(book.merged)
-            for w, given in enumerate(state["given"])
-        }
-        return book
-
-    def loaded_into_running(
-        self, at: Mapping[int, int], order: Sequence[int], before: Mapping[int, Mapping[str, torch.Tensor]]
-    ) -> None:
-        """The book was restored into workers already running (the collector was built
-        before the checkpoint was loaded): the checkpoint's row ``i`` is fleet index
-        ``order[i]``, which holds that row's baseline once it applies version ``at[index]``;
-        until then it holds what it saw since ``before[index]`` (the book the load replaced;
-        the template's empty statistics without one). An index missing from ``at`` got nothing."""
-        empty = {k: torch.zeros_like(v) for k, v in self.merged.items()}
-
-        def prior(index: int) -> dict[str, torch.Tensor]:
-            held = before.get(index)
-            return dict(held) if held is not None and held.keys() == empty.keys() else dict(empty)
-
-        rows = dict(zip(order, self._given.values(), strict=False))
-        self._given = {}
-        self.pending = Pending(
-            max(at.values(), default=0),
-            dict(self.merged),
-            {index: prior(index) for index in order},
-            after={index: rows[index] for index in at if index in rows},
-            at={index: at.get(index, 1 << 62) for index in order},
-        )
-
-
 def gather(
-    sender: Sender,
+    core: Core,
+    template: EnvStateTemplate,
     env_state: Sequence[str | tuple[str, ...]] | None,
     workers: Sequence[int] | None,
     timeout: float,
     envs: Sequence[int] | None = None,
 ) -> TensorDict:
-    """Implementation of :meth:`Sender.gather`: one env's own entries from each targeted env,
-    then a batched env's own (``batched.*``) once per worker, from its first env's slot (its
-    group answers there), into the row of every targeted env of that worker."""
-    template = sender.env_state_template()
+    """Read env-state entries back (see :meth:`Sender.gather`): one env's own entries from
+    each targeted env, then a batched env's own (``batched.*``) once per worker, from its
+    first env's slot (its group answers there), into the row of every targeted env of that
+    worker.
+
+    Raises:
+        ValidationError: an entry the env does not have, or no collector attached.
+        GatherError: a worker failed while answering (its traceback attached).
+        AckTimeout: some workers did not answer in time, or died.
+    """
     names = select(template.keys, env_state)
     own = [n for n in names if not is_batched(n)]
     whole = [n for n in names if is_batched(n)]
-    with sender._lock:
-        sender._check_open()
-        sender._prune()
-        if not sender._fleet.attachments:
+    with core.lock:
+        core.check_open()
+        core.prune()
+        if not core.fleet.attachments:
             raise ValidationError("gather needs an attached collector; none is attached")
-        targets = sender._fleet.targets(workers, envs)
-        heads = {index: head(sender, index) for index in targets}
+        targets = core.fleet.targets(workers, envs)
+        heads = {index: core.head(index) for index in targets}
     read: dict[int, dict[str, torch.Tensor]] = {index: {} for index in targets}
     if own:
-        for index, reply in _ask(sender, targets, own, timeout).items():
+        for index, reply in _ask(core, targets, own, timeout).items():
             read[index].update(reply)
     if whole:
-        replies = _ask(sender, sorted(set(heads.values())), whole, timeout)
+        replies = _ask(core, sorted(set(heads.values())), whole, timeout)
         for index in targets:
             read[index].update(replies[heads[index]])
     rows = [template.nest(read[index]) for index in targets]
     return TensorDict.stack(rows) if rows else TensorDict()
 
 
-def head(sender: Sender, index: int) -> int:
-    """The first env of the worker that drives env ``index`` (where a batched env's own
-    entries are asked for, and kept in the books)."""
-    return sender._fleet.envs_of(sender._fleet.worker_of(index))[0]
-
-
-def _ask(sender: Sender, targets: list[int], names: list[str], timeout: float) -> dict[int, dict[str, torch.Tensor]]:
+def _ask(core: Core, targets: list[int], names: list[str], timeout: float) -> dict[int, dict[str, torch.Tensor]]:
     """Ask each of ``targets`` (env indices) for ``names``; wait; return copies of the answers."""
-    with sender._lock:
-        sender._check_open()
-        sender._prune()
-        sender._request += 1
-        request = sender._request
+    with core.lock:
+        core.check_open()
+        core.prune()
+        request = core.next_request()
         for index in targets:
-            attachment, worker = sender._fleet.locate(index)
-            attachment.link.ask(worker, request, names)
-            attachment.link.notify(worker)
-    _await_answers(sender, targets, request, timeout)
+            attachment, slot = core.fleet.locate(index)
+            attachment.link.ask(slot, request, names)
+            attachment.link.notify(slot)
+    _await_answers(core, targets, request, timeout)
     out = {}
     for index in targets:
-        attachment, worker = sender._fleet.locate(index)
-        out[index] = attachment.link.read_reply(worker, names)
+        attachment, slot = core.fleet.locate(index)
+        out[index] = attachment.link.read_reply(slot, names)
     return out
 
 
-def _alive(sender: Sender, index: int) -> bool:
-    attachment, slot = sender._fleet.locate(index)
-    return attachment.link.alive(slot)
-
-
-def _await_answers(sender: Sender, targets: list[int], request: int, timeout: float) -> None:
+def _await_answers(core: Core, targets: list[int], request: int, timeout: float) -> None:
+    """Wait until every env of ``targets`` answered ``request``; raise the first refusal."""
     deadline = time.monotonic() + timeout
     pending = list(targets)
     while True:
-        with sender._lock:
-            sender._prune()
-            live = set(sender._fleet.indices())
-            dead = [w for w in pending if w not in live or not _alive(sender, w)]
+        with core.lock:
+            core.prune()
+            live = set(core.fleet.indices())
+            dead = [w for w in pending if w not in live or not _alive(core, w)]
             if dead:
                 raise AckTimeout(request, pending, dead=dead, until="gathered")
-            pending = [w for w in pending if _answered(sender, w) < request]
+            answers = {w: _answer(core, w) for w in pending}
+            for index, answer in answers.items():
+                if answer.request == request and answer.error is not None:
+                    raise GatherError(core.fleet.worker_of(index), request, answer.error, env=index)
+            pending = [w for w in pending if answers[w].request < request]
             if not pending:
                 return
-            link = sender._fleet.locate(pending[0])[0].link
+            link = core.fleet.locate(pending[0])[0].link
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AckTimeout(request, pending, dead=[], until="gathered")
-        link.wait_acks(min(_ACK_SLICE, remaining), applied=True)
+        link.wait_acks(min(_ANSWER_SLICE, remaining), applied=True)
 
 
-def _answered(sender: Sender, index: int) -> int:
-    attachment, worker = sender._fleet.locate(index)
-    return attachment.link.answered(worker)
+def _alive(core: Core, index: int) -> bool:
+    attachment, slot = core.fleet.locate(index)
+    return attachment.link.alive(slot)
 
 
-def applied_versions(sender: Sender, targets: Sequence[int], *, whole: bool = False) -> dict[int, int]:
-    """The version each of ``targets`` (fleet env indices) has applied; ``whole``: the
-    oldest any env of its worker has applied (what a batched env's own state follows)."""
-    out = {}
-    for index in targets:
-        envs = sender._fleet.envs_of(sender._fleet.worker_of(index)) if whole else [index]
-        versions = []
-        for env in envs:
-            attachment, slot = sender._fleet.locate(env)
-            versions.append(attachment.link.status(slot).applied)
-        out[index] = min(versions)
-    return out
+def _answer(core: Core, index: int) -> Answer:
+    attachment, slot = core.fleet.locate(index)
+    return attachment.link.answer(slot)
 
 
-def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
-    """Implementation of :meth:`Sender.sync_stats`: for one sub-env's transforms, every env
-    of the fleet takes part; for a batched env's own (``"batched.*"``), every worker, once."""
+def read_settled(
+    core: Core,
+    template: EnvStateTemplate,
+    names: list[str] | None,
+    envs: list[int],
+    books: dict[bool, StatsBook | None],
+    timeout: float,
+) -> tuple[TensorDict, dict[bool, dict[int, int]]]:
+    """Gather ``names`` from ``envs`` until each env was read while its applied version was
+    known: an env may apply a book's pending merge while it answers, and its baseline would
+    then be unknown, so it is read again. Returns the last read (rows in ``envs``' order)
+    and, per level of ``books`` (``True``: the batched envs' own, keyed by each worker's
+    first env), the applied versions it was read at."""
+    levels = {whole: sorted({core.head(e) for e in envs}) if whole else list(envs) for whole in books}
+    unclear: list[int] = []
+    for _ in range(_MAX_GATHERS):
+        before = {whole: core.applied_versions(keys, whole=whole) for whole, keys in levels.items()}
+        gathered = gather(core, template, names, None, timeout, envs)
+        after = {whole: core.applied_versions(keys, whole=whole) for whole, keys in levels.items()}
+        unclear = [
+            i for whole, book in books.items() if book is not None for i in book.unclear(before[whole], after[whole])
+        ]
+        if not unclear:
+            return gathered, after
+    raise AckTimeout(core.desired.version, unclear, dead=[], until="gathered")
+
+
+def sync_stats(
+    core: Core,
+    template: EnvStateTemplate,
+    selector: Selector,
+    decays: dict[int, float],
+    push: Push,
+    apply_at: ApplyAt,
+    timeout: float,
+) -> int:
+    """Merge the selected transforms' statistics across the fleet and push the merge (see
+    :meth:`Sender.sync_stats`): for one sub-env's transforms, every env of the fleet takes
+    part; for a batched env's own (``"batched.*"``), every worker, once. ``decays``: per
+    selected transform index, its decay."""
     whole, _ = selector_level(selector)
-    template = sender.env_state_template()
-    decays = sender._probe_or_fail().stats_indices(sender.spec, selector)
     prefix = f"{PREFIX}{STATS}." if whole else f"{STATS}."
 
     def index_of(key: str) -> int:
@@ -314,45 +213,26 @@ def sync_stats(sender: Sender, selector: Selector, timeout: float) -> int:
                 f"'{stats.LIMIT}' (see docs/statistics.md)"
             )
     by_prefix = {p: decays[index_of(p)] for p in {k.rsplit(".", 1)[0] for k in names}}
-    book = sender._stats_book(whole, {k: template.flat[k] for k in names})
-    current, applied = _gather_settled(sender, book, names, timeout, whole)
-    merged = book.round(current, applied, by_prefix)
-    # statistics are not an episode's config: in "reset" mode they wait for each env's next
-    # reset like any version (a push waits until received); elsewhere they apply at once
-    until = "received" if sender.spec.apply_at is ApplyAt.RESET else "applied"
-    try:
-        version = sender.push(env_state=merged, wait=until, timeout=timeout)
-    except WorkerApplyError:
-        book.failed(sender.version, current)
-        raise
-    except AckTimeout:
-        book.pushed(sender.version, merged, current)
-        raise
-    book.pushed(version, merged, current)
-    return version
-
-
-def _gather_settled(
-    sender: Sender, book: StatsBook, names: list[str], timeout: float, whole: bool
-) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, int]]:
-    """Every env's (``whole``: every worker's, by its first env) current statistics, each
-    read while its applied version was known (before and after the read agree on the
-    pending merge); and those versions. Envs outside any collector (``attach_env``) only
-    receive merges: they are not read."""
-    targets = sender._fleet.collected()
+    with core.lock:
+        book = core.books.book(whole, {k: template.flat[k] for k in names})
+        targets = core.fleet.collected()  # envs outside any collector only receive merges
     if not targets:
         raise ValidationError("sync_stats merges what collectors' envs saw, and no collector is attached")
     if whole:
-        targets = sorted({head(sender, index) for index in targets})
-    current: dict[int, dict[str, torch.Tensor]] = {}
-    ask = list(targets)
-    for _ in range(_MAX_GATHERS):
-        before = applied_versions(sender, ask, whole=whole)
-        gathered = gather(sender, names, None, timeout, envs=ask)
-        after = applied_versions(sender, ask, whole=whole)
-        for i, w in enumerate(ask):
-            current[w] = {k: gathered[i].get(tuple(k.split("."))) for k in names}
-        ask = book.unclear(before, after)
-        if not ask:
-            return current, applied_versions(sender, targets, whole=whole) | after
-    raise AckTimeout(sender.version, ask, dead=[], until="gathered")
+        targets = sorted({core.head(index) for index in targets})
+    gathered, applied = read_settled(core, template, names, targets, {whole: book}, timeout)
+    current = {w: {k: gathered[i].get(tuple(k.split("."))) for k in names} for i, w in enumerate(targets)}
+    merged = book.round(current, applied[whole], by_prefix)
+    # statistics are not an episode's config: in "reset" mode they wait for each env's next
+    # reset like any version (a push waits until received); elsewhere they apply at once
+    until = "received" if apply_at is ApplyAt.RESET else "applied"
+    try:
+        version = push(env_state=merged, wait=until, timeout=timeout)
+    except WorkerApplyError:
+        book.failed(core.desired.version, current)
+        raise
+    except AckTimeout:
+        book.pushed(core.desired.version, merged, current)
+        raise
+    book.pushed(version, merged, current)
+    return version

@@ -45,6 +45,23 @@ class Until(enum.StrEnum):
     APPLIED = "applied"
 
 
+class Answer(NamedTuple):
+    """A worker's latest answer to a ``gather`` request: typed by the request it answers, so
+    a failure to answer can never read as a failure to apply a version.
+
+    Args:
+        request: the latest request the worker answered (0: none yet).
+        error: ``None`` when it answered with values; else the worker's traceback text.
+
+    Examples:
+        >>> Answer(3).error is None, Answer(3, "Traceback ...").request
+        (True, 3)
+    """
+
+    request: int
+    error: str | None = None
+
+
 class WorkerStatus(NamedTuple):
     """A snapshot of one worker's acknowledgements (a tuple: read on every push's path).
 

@@ -187,6 +187,15 @@ class EnvStateReceiver:
         """Stop the idle listener."""
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (its listener then ends)."""
+        return self._closed
+
+    def note_failed(self, version: int) -> None:
+        """The listener reported a failure of ``version``: do not apply it again until a newer one."""
+        self._failed = version
+
     def _pending(self, target: int) -> bool:
         return target != self.version and target != self._failed
 
@@ -242,7 +251,7 @@ class EnvStateReceiver:
                 if self._relay:
                     self.link.poke_relay()
                 return
-            self.link.reply(request, self._read)
+            answer(self.link, request, self._read)
             self._answered = request
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -375,6 +384,17 @@ class EnvStateReceiver:
         return ""
 
 
+def answer(end: ReceiverLink, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+    """Answer gather ``request`` on ``end`` with ``read(asked names)``; if reading raises,
+    answer with the failure and its traceback instead (the sender's ``gather`` raises it).
+    Every worker-side answer goes through here: a failure to answer is never reported as
+    a failure to apply a version, and never reaches the collector's loop."""
+    try:
+        end.reply(request, read)
+    except Exception:
+        end.refuse(request, traceback.format_exc())
+
+
 def _merge_only(loaded: list[str], config: FlatConfig, previous: FlatConfig | None) -> bool:
     """Whether a version brought merged statistics (``stats.*``) and nothing else: no other
     env state, the same config. Re-initialisation follows a new config or env state; after a
@@ -393,10 +413,10 @@ os.register_at_fork(after_in_child=_LISTENERS.clear)  # a forked worker has none
 def start_listener(owner: Any, link: ReceiverLink, wake: Callable[[Any], None], *, name: str) -> None:
     """Start an idle listener for ``owner`` (a receiver, or a batched env's group) on one
     link end: a thread that waits for a wake-up (or half a second) and calls
-    ``wake(owner)``. It holds ``owner`` by weakref and ends with it (or when its ``_closed``
-    is set, or when the interpreter shuts down: :mod:`envsync.shutdown`). An error is reported as
-    a failure of the target version (and noted in the owner's ``_failed``); the listener
-    never dies of one."""
+    ``wake(owner)``. It holds ``owner`` by weakref and ends with it (or when it is ``closed``,
+    or when the interpreter shuts down: :mod:`envsync.shutdown`). An error that escapes
+    ``wake`` (applies and gather answers report their own) is reported as a failure of the
+    target version (and passed to the owner's ``note_failed``); the listener never dies of one."""
     thread = threading.Thread(target=_listen, args=(weakref.ref(owner), link, wake), name=name)
     _LISTENERS[thread] = link
     thread.start()
@@ -412,7 +432,7 @@ def _listen(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[
 def _serve(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[Any], None]) -> None:
     while True:
         owner = ref()
-        if owner is None or owner._closed or EXITING.is_set():
+        if owner is None or owner.closed or EXITING.is_set():
             return
         del owner
         # a wake-up proves the sender alive: its liveness (a syscall and a /proc read) is
@@ -422,13 +442,13 @@ def _serve(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[
             # ends themselves and wait forever): without a sender, end the worker
             os._exit(1)
         owner = ref()
-        if owner is None or owner._closed or EXITING.is_set():
+        if owner is None or owner.closed or EXITING.is_set():
             return
         try:
             wake(owner)
         except Exception:
             target = link.target()
-            owner._failed = target
+            owner.note_failed(target)
             link.report_failure(target, traceback.format_exc())
         del owner
 

@@ -12,7 +12,6 @@ and :meth:`Sender.detach`. Users build :class:`envsync.EnvStateSender`, the torc
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,13 +19,12 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import acks, checkpoint, desired, gather
-from envsync.desired import Undo
+from envsync.core import Core
 from envsync.errors import ValidationError
-from envsync.fleet import Attachment, Fleet, Member
-from envsync.gather import StatsBook
+from envsync.fleet import Attachment, Member
 from envsync.history import ConfigHistory
 from envsync.levels import is_batched
-from envsync.links.base import Flat, Key, SenderLink, write_group
+from envsync.links.base import Flat, SenderLink
 from envsync.probe import Probe
 from envsync.protocol import ApplyAt, Until
 from envsync.receiver import ApplySpec
@@ -96,22 +94,16 @@ class Sender:
         if envs_per_worker is not None and (not isinstance(envs_per_worker, int) or envs_per_worker < 1):
             raise ValidationError(f"envs_per_worker must be a positive int, got {envs_per_worker!r}")
         self._envs_per_worker = envs_per_worker
-        self._version = 0
-        self._default: Flat = desired.start(self.template.flat, {})
-        self._rows: list[Flat] | None = None
-        self._unchecked_env_state: Any = None
-        self._unchecked_rows: list[dict[str, torch.Tensor]] | None = None
-        self._undo: Undo | None = None
         self._probe: Probe | None = None
-        self._fleet = Fleet()
-        self._raised: dict[int, int] = {}
-        self._raised_versions: set[int] = set()  # each failed version is raised once
-        self._request = 0
-        self._stats: gather.StatsBook | None = None
-        self._whole_stats: gather.StatsBook | None = None  # of the batched envs' own transforms
-        self._lock = threading.RLock()
-        self._closed = False
-        self.config_history = ConfigHistory()
+        self._core = Core(self.template.flat)
+        self._lock = self._core.lock
+        self._fleet = self._core.fleet
+
+    @property
+    def config_history(self) -> ConfigHistory:
+        """The config every env ran under each version a frame may still carry (see
+        :meth:`config_at`; ``keep`` and ``keep_bytes`` bound its size)."""
+        return self._core.history
 
     # ---- the env the workers run (an integration supplies it) ------------------------------
 
@@ -182,37 +174,34 @@ class Sender:
                 ``first_env`` was given to a collector attached since.
         """
         num_envs = num_workers * envs_per_worker
+        core = self._core
         with self._lock:
-            self._check_open()
-            self._prune()
-            rows = None if outside else self._rows
-            if rows is not None and len(rows) != num_envs:
-                what = "workers" if envs_per_worker == 1 else "envs"
-                raise ValidationError(
-                    f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {num_envs} {what}"
-                )
+            core.check_open()
+            core.prune()
+            rows = None if outside else core.desired.rows_for(num_envs, envs_per_worker)
             start = self._start_leaves()
             link = make_link(start)
             if link.num_workers != num_envs:
                 raise ValidationError(f"the link has {link.num_workers} slots for {num_envs} envs")
             attachment = Attachment(link, detached, on_close, envs_per_worker, collectors, outside)
             self._fleet.add(attachment, start, first_env)
+            version = core.desired.version
             for slot in range(num_envs):
                 entries = rows[slot] if rows is not None else {}
-                attachment.link.write(slot, self._version, entries)
+                attachment.link.write(slot, version, entries)
                 if entries:
                     attachment.mirrors[slot] = {**attachment.mirrors[slot], **entries}
-            attachment.link.flush(self._version)
-            self.config_history.record(self._version, dict(enumerate(attachment.mirrors, attachment.offset)))
+            attachment.link.flush(version)
+            core.history.record(version, dict(enumerate(attachment.mirrors, attachment.offset)))
             if not outside:
-                self._rows = None
+                core.desired.restored_rows = None
             return attachment
 
     def next_env_index(self) -> int:
         """The fleet index the next attached collector's first env gets (for integrations
         that number remote workers before they attach, then pass it as ``first_env``)."""
         with self._lock:
-            self._prune()
+            self._core.prune()
             return self._fleet.next_env()
 
     def start_state(self) -> tuple[Flat, list[Flat] | None]:
@@ -229,45 +218,31 @@ class Sender:
         """
         with self._lock:
             leaves = self._start_leaves()
-            return leaves, [dict(r) for r in self._rows] if self._rows is not None else None
+            rows = self._core.desired.restored_rows
+            return leaves, [dict(r) for r in rows] if rows is not None else None
 
     def _start_leaves(self) -> Flat:
-        template = self.env_state_template().flat if (self._probe is not None or self._declared) else {}
-        if self._unchecked_env_state is not None:
-            restored = self.env_state_template().fit(self._unchecked_env_state)
-            self._set_default(desired.leaves({}, restored, self._version))
-            self._unchecked_env_state = None
-        if self._unchecked_rows is not None and self._rows is not None:
-            for row, own in zip(self._rows, self._unchecked_rows, strict=True):
-                row.update(desired.leaves({}, self.env_state_template().fit(own), self._version))
-            self._unchecked_rows = None
-        leaves = desired.start(self.template.flat, template)
-        leaves.update(self._default)
-        return leaves
+        known = self._probe is not None or self._declared
+        template = self.env_state_template().flat if known else {}
+        return self._core.desired.start_leaves(self.template.flat, template, lambda s: self.env_state_template().fit(s))
 
     def detach(self, attachment: Attachment) -> None:
         """Take a collector out of the fleet and release its link; idempotent."""
         with self._lock:
-            if attachment in self._fleet.attachments:
-                self._fleet.attachments.remove(attachment)
-            _release(attachment)
-
-    def _prune(self) -> None:
-        for attachment in self._fleet.prune():
-            _release(attachment)
+            self._core.detach(attachment)
 
     # ---- pushing ---------------------------------------------------------------------------
 
     @property
     def version(self) -> int:
         """The latest published version (0 is the template)."""
-        return self._version
+        return self._core.desired.version
 
     @property
     def num_workers(self) -> int | None:
         """How many workers the attached collectors have, or ``None`` when none is attached."""
         with self._lock:
-            self._prune()
+            self._core.prune()
             return len(self._fleet.workers()) if self._fleet.attachments else None
 
     @property
@@ -275,13 +250,13 @@ class Sender:
         """How many envs the attached collectors' workers drive (every sub-env of a batched
         env counts), or ``None`` when none is attached."""
         with self._lock:
-            self._prune()
+            self._core.prune()
             return len(self._fleet.indices()) if self._fleet.attachments else None
 
     def fleet(self) -> list[Member]:
         """Every attached worker: fleet index, collector (attach order), worker, envs, first env."""
         with self._lock:
-            self._prune()
+            self._core.prune()
             return self._fleet.members()
 
     def push(
@@ -321,7 +296,7 @@ class Sender:
             env = self.env_state_template().fit(env_state) if env_state is not None else {}
             if envs is not None and any(map(is_batched, env)):
                 self._check_whole_workers(targets)
-            version = self._version + 1
+            version = self._core.desired.version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}
 
             def update(c: Mapping[str, Leaf], e: int | None) -> Flat:
@@ -384,7 +359,7 @@ class Sender:
         """One version giving each listed worker (or, ``by_env``, env) its own config."""
 
         def prepare() -> tuple[dict[int, Flat], Flat | None]:
-            version = self._version + 1
+            version = self._core.desired.version + 1
             cache: dict[bytes, dict[str, torch.Tensor]] = {}
             updates = {}
             for index in list(configs):
@@ -401,14 +376,14 @@ class Sender:
         validated per-worker updates (and the default's) -> publish -> wait."""
         until = self._check_wait(wait)
         with self._lock:
-            self._check_open()
-            self._prune()
-            self._raise_failures()
+            self._core.check_open()
+            self._core.prune()
+            acks.raise_failures(self._core)
             updates, default = prepare()
             self._check_configs(updates, default)
-            version = self._publish(updates, default=default)
+            version = self._core.publish(updates, default=default)
         if until is not None and updates:
-            acks.wait(self, version, until, list(updates), timeout, pruned=True)
+            acks.wait(self._core, version, until, list(updates), timeout, pruned=True)
         return version
 
     def _check_configs(self, updates: Mapping[int, Flat], default: Flat | None) -> None:
@@ -416,8 +391,8 @@ class Sender:
         with a declared env-state template: then no env is built in this process)."""
         if self._probe is None or self._declared or not hasattr(self.spec.apply, "check_config"):
             return
-        pairs = [(self._mirror(index), update) for index, update in updates.items()]
-        pairs += [(self._default, default)] if default is not None else []
+        pairs = [(self._core.mirror(index), update) for index, update in updates.items()]
+        pairs += [(self._core.desired.default, default)] if default is not None else []
         configs = [{**desired.section(old, "config"), **desired.section(new, "config")} for old, new in pairs]
         self._probe.check_configs(self.spec, configs)
 
@@ -433,7 +408,7 @@ class Sender:
         ``cache`` holds them per distinct config, so equal configs get identical statistics."""
         if not self.spec.reinit.computes_in_main or not config:
             return env_state
-        source = self._default if worker is None else self._mirror(worker)
+        source = self._core.desired.default if worker is None else self._core.mirror(worker)
         merged = desired.section(source, "config")
         merged.update(config)
         key = b"".join(tensor_of(merged[k]).numpy().tobytes() for k in sorted(merged))
@@ -441,56 +416,6 @@ class Sender:
             stats = self._probe_or_fail().main_stats(self.spec, nest(merged))
             cache[key] = self.env_state_template().fit(stats)
         return {**cache[key], **env_state}
-
-    def _publish(self, updates: Mapping[int, Flat], *, default: Flat | None, undo_mark: int = 0) -> int:
-        """Write each worker's update under a new version, notifying each worker as soon as
-        its slot is written; ``default`` also changes what workers joining later start from.
-        Then records what it replaced in ``_undo`` (the workers are at work meanwhile)."""
-        version = self._version + 1
-        located = {index: self._fleet.locate(index) for index in updates}
-        groups: dict[int, tuple[Attachment, dict[int, Flat]]] = {}
-        for index, (attachment, worker) in located.items():
-            groups.setdefault(id(attachment), (attachment, {}))[1][worker] = updates[index]
-        for attachment, group in groups.values():
-            write_group(attachment.link, version, group, undo_mark)
-            attachment.link.flush(version)
-        undo = Undo(version)
-        if default is not None:
-            undo.default = {k: self._default.get(k) for k in default}  # type: ignore[misc]
-            self._set_default(default)
-        # a mirror is never changed in place: workers that held one mirror and get one update
-        # (a fleet-wide push) share the new mirror, its undo and its history entry
-        made: dict[tuple[int, int], tuple[Flat, Flat, Flat]] = {}
-        for index, (attachment, worker) in located.items():
-            old, update = attachment.mirrors[worker], updates[index]
-            pair = made.get((id(old), id(update)))
-            if pair is None:  # the old mirror is kept in the pair: its id stays its own
-                pair = made[id(old), id(update)] = ({**old, **update}, desired.replaced(old, update), old)
-            attachment.mirrors[worker], undo.workers[index] = pair[0], pair[1]
-        self.config_history.record(version, {i: a.mirrors[w] for i, (a, w) in located.items()}, self._applied)
-        self._version = version
-        self._undo = undo
-        return version
-
-    def _set_default(self, entries: Mapping[Key, Leaf | None]) -> None:
-        for key, value in entries.items():
-            if value is None:
-                self._default.pop(key, None)
-            else:
-                self._default[key] = value
-
-    def _roll_back(self, failed: int) -> int | None:
-        """Publish, as a new version, what the failed latest push replaced; return it.
-        Workers that applied it put their own env state back (the undo mark)."""
-        undo = self._undo
-        if undo is None or undo.version != failed or failed != self._version:
-            return None
-        live = set(self._fleet.indices())
-        reload = torch.tensor(self._version + 1, dtype=torch.int64)
-        updates = {w: desired.restamped(u, reload) for w, u in undo.workers.items() if w in live}
-        version = self._publish(updates, default=undo.default, undo_mark=failed)
-        self._undo = None  # a rollback is not rolled back in turn
-        return version
 
     # ---- reading back (envsync.gather decides what, the links move the bytes) ----------------
 
@@ -524,7 +449,7 @@ class Sender:
             ValidationError: an entry the env does not have, or no collector attached.
             AckTimeout: some workers did not answer in time, or died.
         """
-        return gather.gather(self, env_state, workers, timeout, envs)
+        return gather.gather(self._core, self.env_state_template(), env_state, workers, timeout, envs)
 
     def sync_stats(self, selector: Selector, *, timeout: float = 30.0) -> int:
         """Merge the running statistics of the selected normalising transforms across every
@@ -547,26 +472,13 @@ class Sender:
                 (``decay < 1``) without telling its updates (``VecNorm`` and ``VecNormV2``
                 do), or no collector is attached (envs of ``attach_env`` only receive).
         """
-        return gather.sync_stats(self, selector, timeout)
+        template = self.env_state_template()
+        decays = self._probe_or_fail().stats_indices(self.spec, selector)
 
-    def _applied(self, index: int) -> int:
-        attachment, slot = self._fleet.locate(index)
-        return attachment.link.status(slot).applied
+        def push(*, env_state: dict[str, torch.Tensor], wait: str, timeout: float) -> int:
+            return self.push(env_state=env_state, wait=wait, timeout=timeout)
 
-    def _stats_book(self, whole: bool, start: Mapping[str, torch.Tensor]) -> StatsBook:
-        """The ``sync_stats`` book of one level (``whole``: the batched envs' own transforms)."""
-        book = self._whole_stats if whole else self._stats
-        if book is None:
-            book = StatsBook(start)
-            if whole:
-                self._whole_stats = book
-            else:
-                self._stats = book
-        return book
-
-    def _mirror(self, index: int) -> Flat:
-        attachment, worker = self._fleet.locate(index)
-        return attachment.mirrors[worker]
+        return gather.sync_stats(self._core, template, selector, decays, push, self.spec.apply_at, timeout)
 
     # ---- waiting ---------------------------------------------------------------------------
 
@@ -596,19 +508,15 @@ class Sender:
         """
         mode = self._check_wait(until)
         assert mode is not None
-        if version > self._version or version < 0:
-            raise ValidationError(f"version {version} was never published; the latest is {self._version}")
-        acks.wait(self, version, mode, self._fleet.targets(workers, envs), timeout)
-
-    def _raise_failures(self) -> None:
-        """Raise the first failure of any worker not raised yet (rolling the latest push back)."""
-        acks.raise_failures(self)
+        if version > self.version or version < 0:
+            raise ValidationError(f"version {version} was never published; the latest is {self.version}")
+        acks.wait(self._core, version, mode, self._fleet.targets(workers, envs), timeout)
 
     def versions(self) -> list[int]:
         """The version each attached worker's env runs now, in fleet order (empty when no
         collector is attached); for a batched worker, the oldest of its envs' versions."""
         with self._lock:
-            self._prune()
+            self._core.prune()
             applied = dict(zip(self._fleet.indices(), self.env_versions(), strict=True))
             return [min(applied[e] for e in self._fleet.envs_of(w)) for w in self._fleet.workers()]
 
@@ -616,7 +524,7 @@ class Sender:
         """The version each attached env runs now, in fleet env order (every sub-env of a
         batched env counts)."""
         with self._lock:
-            self._prune()
+            self._core.prune()
             out = []
             for attachment in self._fleet.attachments:
                 out += [attachment.link.status(e).applied for e in range(attachment.link.num_workers)]
@@ -628,11 +536,11 @@ class Sender:
         """The desired config of a worker (its first env's, for a batched worker), or of
         env ``env``; with neither, the config a worker joining later starts from."""
         if worker is None and env is None:
-            return nest(desired.section(self._default, "config"), copy=True)
+            return nest(desired.section(self._core.desired.default, "config"), copy=True)
         with self._lock:
-            self._prune()
+            self._core.prune()
             index = self._fleet.targets(None if worker is None else [worker], None if env is None else [env])[0]
-            return nest(desired.section(self._mirror(index), "config"), copy=True)
+            return nest(desired.section(self._core.mirror(index), "config"), copy=True)
 
     def config_at(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` (fleet index) ran under ``version``: what a frame tagged
@@ -663,7 +571,7 @@ class Sender:
             >>> collector.shutdown(); sender.close()
         """
         with self._lock:
-            return self.config_history.config(env, version)
+            return self._core.history.config(env, version)
 
     def state_dict(self, *, gather: bool = False) -> dict[str, Any]:
         """A checkpoint: ``{"version", "config", "env_state"}`` and, after a ``sync_stats``,
@@ -674,7 +582,7 @@ class Sender:
         so far. With ``gather=True`` it also holds ``"worker_env_state"``: every worker's
         current entries (running statistics included), read back with :meth:`gather`.
         """
-        return checkpoint.state_dict(self, gather=gather)
+        return checkpoint.state_dict(self._core, self.env_state_template, gather=gather)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         """Restore a checkpoint made by :meth:`state_dict`; returns the version now desired.
@@ -688,13 +596,12 @@ class Sender:
             ValidationError: not a checkpoint, a row that does not fit the template, or a
                 number of rows that is not the number of workers.
         """
-        return checkpoint.load_state_dict(self, state)
+        def push_rows(rows: dict[int, dict[str, Leaf]]) -> int:
+            return self._push_rows(rows, by_env=True, wait=None, timeout=30.0)
+
+        return checkpoint.load_state_dict(self._core, self.template, self.push, push_rows, state)
 
     # ---- life cycle ------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ValidationError("this sender is closed")
 
     @staticmethod
     def _check_wait(wait: str | None) -> Until | None:
@@ -708,13 +615,10 @@ class Sender:
     def close(self) -> None:
         """Release every link, the probe env and in-process listeners; idempotent."""
         with self._lock:
-            self._closed = True
             if self._probe is not None:
                 self._probe.close()
                 self._probe = None
-            attachments, self._fleet.attachments = self._fleet.attachments, []
-            for attachment in attachments:
-                _release(attachment)
+            self._core.close()
 
     def __enter__(self) -> Sender:
         return self
@@ -722,7 +626,3 @@ class Sender:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _release(attachment: Attachment) -> None:
-    attachment.on_close()
-    attachment.link.close()

@@ -530,3 +530,41 @@ def kill_and_wait(actor: Any) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"the killed actor's process {pid} still runs")
+
+
+class FlakyStateDict(Transform):
+    """A transform with one buffer whose ``state_dict()`` raises once after being armed
+    (``arm_flaky_read``): a transient failure while a worker answers a gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("level", torch.zeros(()))
+        self.armed = False
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        if self.armed:
+            self.armed = False
+            raise OSError("transient failure reading the transform's state")
+        return super().state_dict(*args, **kwargs)
+
+
+def make_flaky_env(label: int = 0) -> Any:
+    from torchrl.envs import TransformedEnv
+
+    return TransformedEnv(CounterEnv(label=label), FlakyStateDict())
+
+
+def make_parallel_flaky(n: int = 2) -> Any:
+    from functools import partial
+
+    from torchrl.envs import ParallelEnv
+
+    return ParallelEnv(n, [partial(make_flaky_env, label=i) for i in range(n)], mp_start_method=mp.get_start_method())
+
+
+def arm_flaky_read(env: Any, config: TensorDictBase) -> None:
+    """An apply callable: sets the difficulty, and arms the next state_dict() to fail when
+    ``config["fail_read"]`` is 1."""
+    env.base_env.set_difficulty(float(config["difficulty"]))
+    if float(config["fail_read"]) == 1.0:
+        env.transform.armed = True

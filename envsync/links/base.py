@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from envsync.protocol import WorkerStatus
+from envsync.protocol import Answer, WorkerStatus
 from envsync.state import Leaf
 
 Key = tuple[str, str]
@@ -88,8 +88,8 @@ class SenderLink(Protocol):
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask the worker for the current values of these env-state entries."""
 
-    def answered(self, worker: int) -> int:
-        """The latest request the worker has answered."""
+    def answer(self, worker: int) -> Answer:
+        """The latest request the worker has answered, and whether it failed to."""
 
     def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
         """Copies of the worker's answer (valid once ``answered`` reached the request)."""
@@ -143,7 +143,11 @@ class ReceiverLink(Protocol):
         """The latest gather request (one integer read; answered at rollout ends and idle)."""
 
     def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
-        """Answer ``request`` with ``read(asked names)`` and wake the sender."""
+        """Answer ``request`` with ``read(asked names)`` and wake the sender (see
+        :func:`envsync.receiver.answer`, which refuses when ``read`` raises)."""
+
+    def refuse(self, request: int, text: str) -> None:
+        """Answer ``request`` with a failure, the worker's traceback ``text``, and wake the sender."""
 
     def answered(self) -> int:
         """The latest request answered on this end's slot."""

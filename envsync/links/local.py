@@ -67,4 +67,5 @@ class LocalHandle:
         if not 0 <= worker < self._table.num_workers:
             raise IndexError(f"worker {worker} out of range for {self._table.num_workers} workers")
         relay = self._wakes[self._table.num_workers + worker]
-        return SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks, relay=relay)
+        reader = SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks, relay=relay)
+        return reader.claim()

@@ -22,7 +22,7 @@ same link, and reports acknowledgements, failures, gather answers (numpy arrays)
 heartbeat back on its connection. A connection carries its posts in order and each once.
 
 The main process reads every connection from one thread into a local table, so
-``status``, ``alive``, ``answered`` and ``wait_acks`` cost what they cost on one machine.
+``status``, ``alive``, ``answer`` and ``wait_acks`` cost what they cost on one machine.
 Death is concluded only from evidence: a relay reports its own dead worker processes, and
 once a collector's relay has been silent for :data:`QUIET_AFTER` seconds (at once when its
 connection closed) the link asks Ray about its actor (a ping, which Ray fails at once for a
@@ -32,7 +32,7 @@ workers dead.
 
 Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
 ``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``;
-per gather ``ask``... then ``answered`` (which posts the asks) until it reaches the request
+per gather ``ask``... then ``answer`` (which posts the asks) until it reaches the request
 -> ``read_reply``.
 """
 
@@ -66,7 +66,7 @@ from envsync.links.ray_wire import (
     share_id,
     unwire,
 )
-from envsync.protocol import NO_FAILURE, Until, WorkerStatus, all_settled, any_owing, counts_of
+from envsync.protocol import NO_FAILURE, Answer, Until, WorkerStatus, all_settled, any_owing, counts_of
 from envsync.shutdown import EXITING
 from envsync.state import Leaf
 
@@ -242,21 +242,24 @@ class RayLink:
 
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         """Ask ``worker`` for these entries; the asks of one request go out together, as one
-        post, when the first answer is awaited (:meth:`answered`)."""
+        post, when the first answer is awaited (:meth:`answer`)."""
         if self._asking is None or self._asking.request != request:
             self._asking = Ask(request, {})
         self._asking.names[worker] = list(names)
 
-    def answered(self, worker: int) -> int:
+    def answer(self, worker: int) -> Answer:
         if self._asking is not None and not self._closed:
             asking, self._asking = self._asking, None
             message = frames((self._next_seq(), asking))
             self._post({c: message for c in range(len(self.workers))})
-        return self._acks[worker][4]
+        with self._changed:
+            request = self._acks[worker][4]
+            replied, _, error = self._replies.get(worker, (0, {}, None))
+        return Answer(request, error if replied == request else None)
 
     def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
         with self._changed:
-            _, values = self._replies.get(worker, (0, {}))
+            _, values, _ = self._replies.get(worker, (0, {}, None))
         missing = [n for n in names if n not in values]
         if missing:
             raise EnvSyncError(f"worker {worker}'s gather answer lacks {missing}")

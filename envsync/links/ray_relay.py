@@ -191,7 +191,7 @@ class Relay:
         out = []
         for w in range(self.count):
             s = self.link.status(w)
-            out.append((s.received, s.applied, s.failed, self.link.alive(w), self.link.answered(w)))
+            out.append((s.received, s.applied, s.failed, self.link.alive(w), self.link.answer(w).request))
         return out
 
     def _changed(self) -> bool:
@@ -203,7 +203,9 @@ class Relay:
         for w, status in enumerate(statuses):
             request, names = self._asked.get(w, (0, []))
             if status[4] > self._replied[w] and status[4] == request:
-                out[w] = (request, wire(self.link.read_reply(w, names)))
+                error = self.link.answer(w).error
+                values = {} if error is not None else wire(self.link.read_reply(w, names))
+                out[w] = (request, values, error)
         return out
 
     def _report(self) -> None:
@@ -216,6 +218,6 @@ class Relay:
         replies = self._replies(statuses)
         assert self._channel is not None
         self._channel.send((statuses, errors, replies))
-        for w, (request, _) in replies.items():
+        for w, (request, _, _) in replies.items():
             self._replied[w] = request
         self._reported = statuses

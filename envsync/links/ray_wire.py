@@ -21,8 +21,9 @@ Rows = dict[int, tuple[int, int, dict[Key, Leaf]]]
 """One node's share of a push: link worker -> (version, undo mark, leaves)."""
 Acks = tuple[int, int, int, bool, int]
 """One worker's report: ``(received, applied, failed, alive, answered)``."""
-Reply = tuple[int, dict[str, Leaf]]
-"""One worker's answer to a gather: ``(request, values by env-state name)``, the values as
+Reply = tuple[int, dict[str, Leaf], str | None]
+"""One worker's answer to a gather: ``(request, values by env-state name, None)``, or
+``(request, {}, traceback text)`` when it failed to answer; the values as
 numpy arrays where numpy has their dtype (see :func:`wire`), which the connection carries
 out of band (:mod:`envsync.links.ray_channel`)."""
 

@@ -29,6 +29,7 @@ import torch
 
 from envsync.links.base import Key
 from envsync.links.slots import Field, SlotReader, SlotWriter, Table, pid_alive, plan
+from envsync.protocol import Answer
 from envsync.state import Leaf
 
 SHM_DIR = "/dev/shm"
@@ -207,8 +208,8 @@ class SharedMemoryLink:
     def ask(self, worker: int, request: int, names: list[str]) -> None:
         self._live().ask(worker, request, names)
 
-    def answered(self, worker: int) -> int:
-        return self._live().answered(worker)
+    def answer(self, worker: int) -> Answer:
+        return self._live().answer(worker)
 
     def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
         return self._live().read_reply(worker, names)
@@ -290,7 +291,8 @@ class SharedMemoryHandle:
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
         wake, relay = self.wakes[worker], self.wakes[self.num_workers + worker]
-        return SlotReader(self.table(), worker, self.locks[worker], wake, self.acks, owner=self.owner, relay=relay)
+        reader = SlotReader(self.table(), worker, self.locks[worker], wake, self.acks, owner=self.owner, relay=relay)
+        return reader.claim()
 
 
 def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:

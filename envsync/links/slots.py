@@ -1,10 +1,11 @@
-"""The slot table both links lay out in one block of bytes: per worker, twelve int64
-counters, an error-text buffer, one view per leaf of the desired state, for every env-state
-entry a reply leaf and an "asked" mark (the worker -> main path of ``gather``), and for every
-config name a write count (a worker copies out only the names written since it last read).
-After the slots, one broadcast region per config name and env-state entry: a value pushed to
-every worker of the link is written there once, and each worker's "source" mark tells it to
-read that name from the region (config and env state take the same path).
+"""The slot table both links lay out in one block of bytes: per worker, fourteen int64
+counters, two error-text buffers (a failed apply's, a refused gather's), one view per leaf
+of the desired state, for every env-state entry a reply leaf and an "asked" mark (the worker
+-> main path of ``gather``), and for every config name a write count (a worker copies out
+only the names written since it last read). After the slots, one broadcast region per config
+name and env-state entry: a value pushed to every worker of the link is written there once,
+and each worker's "source" mark tells it to read that name from the region (config and env
+state take the same path).
 
 A slot is written by the sender and read by its worker under the worker's *slot lock* (a
 process-shared lock for the shared-memory link), so a reader never sees a half-written
@@ -21,7 +22,6 @@ counter before it releases): it blocks only while a slot still owes the version.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -33,7 +33,7 @@ import torch
 
 from envsync.errors import EnvSyncError
 from envsync.links.base import BROADCAST, Header, Key
-from envsync.protocol import NO_FAILURE, Counts, WorkerStatus, all_settled, any_owing
+from envsync.protocol import NO_FAILURE, Answer, Counts, WorkerStatus, all_settled, any_owing
 from envsync.state import ArrayBuffers, Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
@@ -50,6 +50,8 @@ COUNTERS = (
     "answered",
     "ran",
     "obs",
+    "refused",
+    "refusal_len",
 )
 _ALIGN = 64
 _LOCK_TIMEOUT = 10.0
@@ -105,8 +107,9 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
     for name in COUNTERS:
         fields.append(Field((name,), torch.int64, (num_workers,), offset))
         offset = _align(offset + 8 * num_workers)
-    fields.append(Field(("error",), torch.uint8, (num_workers, ERROR_BYTES), offset))
-    offset = _align(offset + num_workers * ERROR_BYTES)
+    for text in ("error", "refusal"):
+        fields.append(Field((text,), torch.uint8, (num_workers, ERROR_BYTES), offset))
+        offset = _align(offset + num_workers * ERROR_BYTES)
     gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
     mark = torch.zeros((), dtype=torch.int64)
     marks = {(kind, k[1]): mark for k in gathered for kind in ("asked", "source")}
@@ -138,6 +141,7 @@ class Table:
         arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
         self.error = arrays[("error",)].numpy()
+        self.refusal = arrays[("refusal",)].numpy()
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         # every worker's value of a mark at once (a push to all workers sets each in one write)
         self.columns = {k: v.numpy() for k, v in leaves.items() if k[0] in _MARKS}
@@ -167,6 +171,20 @@ class Table:
     def error_text(self, worker: int) -> str:
         length = int(self.counters["error_len"][worker])
         return bytes(self.error[worker, :length]).decode("utf-8", errors="replace")
+
+    def answer(self, worker: int) -> Answer:
+        c = self.counters
+        request = int(c["answered"][worker])
+        if request == 0 or int(c["refused"][worker]) != request:
+            return Answer(request)
+        length = int(c["refusal_len"][worker])
+        return Answer(request, bytes(self.refusal[worker, :length]).decode("utf-8", errors="replace"))
+
+
+def _write_text(buffer: np.ndarray, lengths: np.ndarray, worker: int, text: str) -> None:
+    data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
+    buffer[worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+    lengths[worker] = len(data)
 
 
 def _acquire(lock: Any, what: str, *args: Any) -> None:
@@ -340,8 +358,8 @@ class SlotWriter:
                 self.table.array(worker, ("asked", name))[...] = request
             self.table.counters["ask"][worker] = request
 
-    def answered(self, worker: int) -> int:
-        return int(self.table.counters["answered"][worker])
+    def answer(self, worker: int) -> Answer:
+        return self.table.answer(worker)
 
     def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
         slot = self.table.slots[worker]
@@ -426,18 +444,19 @@ class SlotReader:
         self._wake = wake
         self._relay = relay
         self._acks = acks
-        self._c["pid"][worker] = os.getpid()
         # the config as last copied out, with each name's write count then
         self._held: dict[str, Leaf] = {}
         self._held_writes: dict[str, int] = {}
         self._arrays = ArrayBuffers()  # large config values are copied into arrays let go of
 
+    def claim(self) -> SlotReader:
+        """Mark the slot as served by this process (what the sender's liveness check reads); return self."""
+        self._c["pid"][self.worker] = os.getpid()
+        return self
+
     def relayed(self) -> SlotReader:
         """This end, waiting on the slot's relay instead of its wake-up (for a group's listener)."""
-        end = copy.copy(self)
-        end._wake = self._relay
-        end._held, end._held_writes, end._arrays = {}, {}, ArrayBuffers()
-        return end
+        return SlotReader(self.table, self.worker, self._lock, self._relay, self._acks, owner=self._owner)
 
     def poke_relay(self) -> None:
         """Wake the listener of :meth:`relayed` (the group beside the batched env)."""
@@ -501,6 +520,13 @@ class SlotReader:
             self._c["answered"][self.worker] = request
         self._acks[1].release()
 
+    def refuse(self, request: int, text: str) -> None:
+        with locked(self._lock, "worker %d refusing", self.worker):
+            _write_text(self.table.refusal, self._c["refusal_len"], self.worker, text)
+            self._c["refused"][self.worker] = request
+            self._c["answered"][self.worker] = request
+        self._acks[1].release()
+
     def ack_received(self, version: int) -> None:
         received = self._c["received"]
         if version > received[self.worker]:
@@ -513,9 +539,7 @@ class SlotReader:
         self.ack_received(version)
 
     def report_failure(self, version: int, text: str) -> None:
-        data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
-        self.table.error[self.worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self._c["error_len"][self.worker] = len(data)
+        _write_text(self.table.error, self._c["error_len"], self.worker, text)
         self._c["failed"][self.worker] = version
         self._acks[0].release()
         self._acks[1].release()

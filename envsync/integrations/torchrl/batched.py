@@ -478,6 +478,15 @@ class EnvGroup:
         """Stop the listeners."""
         self._closed = True
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (its listeners then end)."""
+        return self._closed
+
+    def note_failed(self, version: int) -> None:
+        """A listener reported a failure of ``version``: each sub-env's receiver keeps its own
+        failed mark, the group none."""
+
 
 def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env: int, envs: int) -> EnvGroup:
     """Bind every sub-env of ``collector``'s batched env to its slot, and catch up.

@@ -24,7 +24,7 @@ from torchrl.envs import EnvBase, TransformedEnv
 from envsync.integrations.torchrl.adapter import CollectorAdapter
 from envsync.levels import PREFIX, inner, is_batched, split_reinit
 from envsync.links.base import ReceiverLink
-from envsync.receiver import ApplySpec
+from envsync.receiver import ApplySpec, answer
 
 
 def outer_env(env: Any) -> TransformedEnv | None:
@@ -127,7 +127,7 @@ class OuterState:
             self._passed = request  # the sub-env's receiver answers that one
             return
         self.catch_up()
-        end.reply(request, self._read)
+        answer(end, request, self._read)
         self._answered = request
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:

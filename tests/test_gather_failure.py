@@ -1,0 +1,50 @@
+"""A worker that fails while answering a gather: gather raises promptly, naming the worker
+and carrying its traceback; no version is marked failed and nothing is rolled back."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from conftest import build
+from helpers import arm_flaky_read, make_flaky_env, make_parallel_flaky, start_method
+
+from envsync import EnvStateSender, GatherError
+
+CASES = {
+    "single": (make_flaky_env, 1),
+    "sync": (make_flaky_env, 2),
+    "single-parallel-env": (make_parallel_flaky, 1),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failure_while_answering_a_gather_raises_from_gather_and_fails_no_version(case: str) -> None:
+    make_env, workers = CASES[case]
+    kind = "single" if case.startswith("single") else "sync"
+    sender = EnvStateSender(config={"difficulty": 0.0, "fail_read": 0.0}, apply=arm_flaky_read, apply_at="step")
+    with start_method("fork"):
+        collector: Any = build(kind, sender, make_env, workers=workers, frames_per_batch=8)
+    try:
+        next(iter(collector))
+        armed = sender.push(config={"difficulty": 1.0, "fail_read": 1.0}, wait="applied")
+        start = time.monotonic()
+        with pytest.raises(GatherError) as caught:
+            sender.gather(env_state=["level"])
+        assert time.monotonic() - start < 2.0
+        err = caught.value
+        assert err.worker in range(sender.num_workers or 0)
+        assert "transient failure reading the transform's state" in err.remote_traceback
+        assert f"worker {err.worker}" in str(err)
+        # the gather failed; the apply did not: every env still runs the armed version
+        assert sender.env_versions() == [armed] * len(sender.env_versions())
+        after = sender.push(config={"difficulty": 2.0, "fail_read": 0.0}, wait="applied")
+        assert after == armed + 1  # no rollback version was published in between
+        assert sender.env_versions() == [after] * len(sender.env_versions())
+        assert sender.desired_config()["difficulty"].item() == 2.0
+        assert sender.gather(env_state=["level"])["level"].shape[0] == len(sender.env_versions())
+    finally:
+        collector.shutdown()
+        sender.close()
