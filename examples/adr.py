@@ -15,6 +15,9 @@ controller stands in for the agent, so the range settles where the controller st
 with the drift. The script plots the range over the frames, and checks that every frame's
 observation shows the difficulty of the config its tags name.
 
+Needs: envsync alone. The plot needs matplotlib (`pip install "envsync[bench]"`); without it
+the run goes on and says so instead of drawing.
+
     python examples/adr.py            # 4 sub-envs, 90 batches
     python examples/adr.py --smoke    # 3 sub-envs, 8 batches
 """
@@ -148,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     boundary = sum(adr.results.values())
     result: dict[str, Any] = {"history": adr.history(), "boundary_results": boundary, "failures": failures}
     (args.out / "adr.json").write_text(json.dumps(result, indent=2))
-    curriculum.plot(adr, args.out / "adr.png", title="ADR over the sub-envs of a ParallelEnv")
+    if not curriculum.plot(adr, args.out / "adr.png", title="ADR over the sub-envs of a ParallelEnv"):
+        print('no plot: matplotlib is missing; pip install "envsync[bench]"')
     if not boundary:
         failures.append("no episode was credited to a boundary")
     if failures:

@@ -16,6 +16,9 @@ inside ``Lessons`` credits each episode to the config it ran. The
 env_version of every batch is logged, and the learning curve (mean episode return per batch)
 is written as a PNG with the difficulty stages marked.
 
+Needs: envsync alone. The learning-curve plot needs matplotlib (`pip install "envsync[bench]"`);
+without it the run goes on and says so instead of drawing.
+
     python examples/curriculum_ppo.py            # 4 workers, ~250k frames, a few minutes on 2 CPU cores
     python examples/curriculum_ppo.py --smoke    # 2 workers, a few batches
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 import time
@@ -224,6 +228,9 @@ def first_batch_of(log: Log, version: int) -> int | None:
 
 def plot(log: Log, path: Path, threshold: float) -> None:
     """The learning curve, coloured by the newest version in each batch, with the stages shaded."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f'no plot ({path.name}): matplotlib is missing; pip install "envsync[bench]"')
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -15,6 +15,9 @@ worker under that version, every version group of a batch must match the same wo
 batch comes from one worker), and no speed may exceed that worker's ``max_speed``. The
 script plots pushed vs measured physics per version and writes the numbers to JSON.
 
+Needs: envsync alone. The plot needs matplotlib (`pip install "envsync[bench]"`); without it
+the run goes on and says so instead of drawing.
+
     python examples/domain_randomization.py            # 4 workers, 10 randomisations
     python examples/domain_randomization.py --smoke    # 2 workers, a few seconds
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import random
 import sys
@@ -197,6 +201,9 @@ def report(check: Check) -> str:
 
 def plot(check: Check, path: Path) -> None:
     """Pushed (circles) vs measured (crosses) physics per version, one colour per worker."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f'no plot ({path.name}): matplotlib is missing; pip install "envsync[bench]"')
+        return
     import matplotlib
 
     matplotlib.use("Agg")

@@ -17,6 +17,9 @@ least-squares fit over the unclipped steps of each version's frames measures ``g
 be the value that version pushed. The script prints pushed vs measured ``g`` per version and
 the push -> applied time of each way, and writes them to JSON and a plot.
 
+Needs: envsync alone. The plot needs matplotlib (`pip install "envsync[bench]"`); without it
+the run goes on and says so instead of drawing.
+
     python examples/gravity_curriculum.py            # 2 workers, 6 steps of the curriculum
     python examples/gravity_curriculum.py --smoke    # a few seconds
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import sys
 import time
@@ -145,6 +149,9 @@ def report(results: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f'no plot ({path.name}): matplotlib is missing; pip install "envsync[bench]"')
+        return
     import matplotlib
 
     matplotlib.use("Agg")

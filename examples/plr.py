@@ -12,6 +12,9 @@ A fixed proportional controller stands in for the agent. The script prints each 
 score and how many episodes ran on it, plots the scores, and checks that every frame's
 observation shows the difficulty of the config its tags name.
 
+Needs: envsync alone. The plot needs matplotlib (`pip install "envsync[bench]"`); without it
+the run goes on and says so instead of drawing.
+
     python examples/plr.py            # 4 sub-envs, 60 batches
     python examples/plr.py --smoke    # 3 sub-envs, 10 batches
 """
@@ -145,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "failures": failures,
     }
     (args.out / "plr.json").write_text(json.dumps(result, indent=2))
-    curriculum.plot(plr, args.out / "plr.png", title="PLR: score per level (difficulty index)")
+    if not curriculum.plot(plr, args.out / "plr.png", title="PLR: score per level (difficulty index)"):
+        print('no plot: matplotlib is missing; pip install "envsync[bench]"')
     if not any(result["seen"]):
         failures.append("no level was scored")
     if failures:

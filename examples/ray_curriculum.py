@@ -15,6 +15,9 @@ times each push (push -> every worker received it; batches until every worker ap
 Without ``--address`` the script starts a local cluster of two nodes (``ray.cluster_utils``:
 1 CPU and an 80 MB object store each) and shuts it down at the end.
 
+Needs: the `ray` extra (`pip install "envsync[ray]"`); without it the script stops with that
+line.
+
     python examples/ray_curriculum.py                  # 5 stages, threshold on the return
     python examples/ray_curriculum.py --smoke          # 3 stages, one every 2 batches (< 60 s)
     python examples/ray_curriculum.py --address auto   # an existing cluster
@@ -33,9 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
-from ray.cluster_utils import Cluster
 from tensordict import TensorDictBase
 from torchrl.collectors import MultiSyncCollector
 from torchrl.collectors.distributed import RayCollector
@@ -43,6 +44,12 @@ from torchrl.envs import RewardSum, TransformedEnv
 
 from envsync import EnvStateSender
 from envsync.envs import make_drift_env
+
+try:
+    import ray
+    from ray.cluster_utils import Cluster
+except ModuleNotFoundError:
+    raise SystemExit('examples/ray_curriculum.py needs Ray: pip install "envsync[ray]"') from None
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 STORE = 80 * 2**20  # bytes of object store per local node

@@ -14,6 +14,8 @@ frames of the stage's difficulty once the stage has begun (envsync: frames tagge
 stage's version; a ``MultiAsyncCollector`` may still deliver batches collected before the
 push, truthfully tagged with the older version, and those are counted apart).
 
+Needs: envsync alone.
+
     python examples/restart_vs_envsync.py                         # 4 workers, spawn
     python examples/restart_vs_envsync.py --start-method fork     # restarts are cheaper with fork
     python examples/restart_vs_envsync.py --smoke

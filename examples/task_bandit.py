@@ -13,6 +13,9 @@ frame's tags alone, and the other workers go on undisturbed. Every frame's obser
 carries the difficulty it ran under, and the script checks that it is always the difficulty
 of the config its tags name.
 
+Needs: envsync alone. The plot needs matplotlib (`pip install "envsync[bench]"`); without it
+the run goes on and says so instead of drawing.
+
     python examples/task_bandit.py            # 4 workers, 240 rewarded episodes
     python examples/task_bandit.py --smoke    # 2 workers, 16 rewarded episodes
 """
@@ -141,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(report(result, args.target_return))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "task_bandit.json").write_text(json.dumps({**result, "failures": failures}, indent=2))
-    curriculum.plot(bandit, args.out / "task_bandit.png", title="episodes rewarded per arm")
+    if not curriculum.plot(bandit, args.out / "task_bandit.png", title="episodes rewarded per arm"):
+        print('no plot: matplotlib is missing; pip install "envsync[bench]"')
     if failures:
         sys.exit("FAILED:\n" + "\n".join(failures))
     print(

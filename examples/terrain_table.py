@@ -13,6 +13,8 @@ workers, and each worker copies a config name out only when it was written since
 read it, so the small ``row`` pushes after a big table cost what a small push costs
 (``docs/concepts.md``, "How a push travels"). The script prints both.
 
+Needs: envsync alone.
+
     python examples/terrain_table.py            # 4 workers, a 4 MB table, 40 rows
     python examples/terrain_table.py --smoke    # 2 workers, a 256 KB table, a few seconds
 """
