@@ -135,7 +135,7 @@ class Meter:
     def __init__(self, sender: EnvStateSender, collector: Any) -> None:
         from envsync.integrations.torchrl.ray import relay_traffic
 
-        self._link = sender._fleet.attachments[0].link
+        self._link = sender.port.links()[0]
         self._actors = collector.remote_collectors
         self._read = relay_traffic
         self.pushes: dict[str, list[dict[str, Any]]] = {"env_state": [], "rows": []}

@@ -21,7 +21,7 @@ from envsync.reinit import ReinitSpec, compute_in_main, plan, stats_entries, sta
 from envsync.state import EnvStateTemplate, Leaf, StatePath, apply_config, state_leaves, tensor_of
 
 if TYPE_CHECKING:
-    from envsync.receiver import ApplySpec
+    from envsync.spec import ApplySpec
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,6 @@ import traceback
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,39 +33,13 @@ from envsync.exclusion import Exclusion
 from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
 from envsync.protocol import NO_FAILURE, ApplyAt
-from envsync.reinit import STATS, ReinitSpec
+from envsync.reinit import STATS
 from envsync.shutdown import EXITING, on_shutdown
+from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, flat_names
 
 _LISTEN_PERIOD = 0.5
 _MAX_RETRIES = 8
-
-
-@dataclass(frozen=True)
-class ApplySpec:
-    """How a worker applies a version: the config method and the apply mode.
-
-    Args:
-        apply: a method name looked up on the env, a callable ``fn(env, config)``, or ``None``.
-        apply_at: where versions are applied (see :class:`~envsync.protocol.ApplyAt`).
-        reinit: the re-initialisation policies run after each apply.
-    """
-
-    apply: Any
-    apply_at: ApplyAt
-    reinit: ReinitSpec = field(default_factory=ReinitSpec)
-
-    @property
-    def truncates(self) -> bool:
-        """Whether a version that arrives mid-episode ends it as truncated. ``"truncate"`` does;
-        so does ``"step"`` when a re-init policy steps the env (it needs a fresh episode)."""
-        return self.apply_at is ApplyAt.TRUNCATE or (self.apply_at is ApplyAt.STEP and self.reinit.moves_env)
-
-    @property
-    def idle_resets(self) -> bool:
-        """Whether a version applied while the collector is idle is followed by a reset (a
-        truncating mode, or a re-init policy that steps the env)."""
-        return self.truncates or self.reinit.moves_env
 
 
 class EnvAdapter(Protocol):

@@ -21,17 +21,17 @@ from tensordict import TensorDict, TensorDictBase
 from envsync import acks, checkpoint, desired, gather
 from envsync.core import Core
 from envsync.errors import ValidationError
-from envsync.fleet import Attachment, Member
+from envsync.fleet import Member
 from envsync.history import ConfigHistory
-from envsync.levels import is_batched
-from envsync.links.base import Flat, SenderLink
-from envsync.probe import Probe
+from envsync.links.base import Flat
+from envsync.port import AttachPort
 from envsync.protocol import ApplyAt, Until
-from envsync.receiver import ApplySpec
 from envsync.reinit import Policy, ReinitSpec, Selector
-from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, Leaf, nest, tensor_of
+from envsync.spec import ApplySpec
+from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, Leaf, nest
+from envsync.updates import Plan, Updates
 
-Prepare = Callable[[], tuple[dict[int, Flat], Flat | None]]
+Prepare = Callable[[], Plan]
 _UNTIL = {until.value: until for until in Until}  # a dict look-up: an enum call costs more per push
 
 
@@ -86,18 +86,25 @@ class Sender:
         check_spec = getattr(apply, "check_spec", None)  # a built-in apply's demands on the mode
         if check_spec is not None:
             check_spec(self.spec)
-        self._allow_nonfinite = allow_nonfinite
-        self._env_state_template = None
+        declared = None
         if env_state_template is not None:
-            self._env_state_template = EnvStateTemplate(env_state_template, allow_nonfinite=allow_nonfinite)
-        self._declared = env_state_template is not None
+            declared = EnvStateTemplate(env_state_template, allow_nonfinite=allow_nonfinite)
         if envs_per_worker is not None and (not isinstance(envs_per_worker, int) or envs_per_worker < 1):
             raise ValidationError(f"envs_per_worker must be a positive int, got {envs_per_worker!r}")
-        self._envs_per_worker = envs_per_worker
-        self._probe: Probe | None = None
         self._core = Core(self.template.flat)
         self._lock = self._core.lock
         self._fleet = self._core.fleet
+        self.port = AttachPort(
+            self._core,
+            self.template,
+            self.spec,
+            env_state_template=declared,
+            envs_per_worker=envs_per_worker,
+            allow_nonfinite=allow_nonfinite,
+        )
+        """What integrations attach through (:class:`~envsync.port.AttachPort`); users never need it."""
+        main_stats = self._main_stats if self.spec.reinit.computes_in_main else None
+        self._updates = Updates(self._core, self.template, self.env_state_template, main_stats)
 
     @property
     def config_history(self) -> ConfigHistory:
@@ -105,131 +112,22 @@ class Sender:
         :meth:`config_at`; ``keep`` and ``keep_bytes`` bound its size)."""
         return self._core.history
 
-    # ---- the env the workers run (an integration supplies it) ------------------------------
-
-    def use_probe(self, probe: Probe) -> None:
-        """Take ``probe`` as the env that stands for the workers' envs (replaces any earlier)."""
-        if self._probe is not None:
-            self._probe.close()
-        self._probe = probe
-        if not self._declared:
-            self._env_state_template = None
-
-    def _probe_or_fail(self) -> Probe:
-        if self._probe is None:
-            raise ValidationError("envsync needs an env: wrap your env factory with sender.env_fn first")
-        return self._probe
-
-    def envs_per_worker(self) -> int:
-        """How many envs each worker holds: as given, else counted on the probe env (1 with a
-        declared env-state template)."""
-        if self._envs_per_worker is not None:
-            return self._envs_per_worker
-        if self._declared:
-            return 1
-        return self._probe_or_fail().num_envs()
-
     def env_state_template(self) -> EnvStateTemplate:
-        """The env-state keys a push may carry: declared, or read once from the probe env.
+        """The env-state keys a push may carry: declared, or read once from the env your
+        factory builds.
 
-        The probe also checks, before any worker starts, that ``apply_at="truncate"`` has a
-        ``"truncated"`` key and that every ``reinit`` selector matches a transform that
+        Reading them also checks, before any worker starts, that ``apply_at="truncate"`` has
+        a ``"truncated"`` key and that every ``reinit`` selector matches a transform that
         supports its policy.
 
         Raises:
             ValidationError: no env factory was wrapped yet, or the env does not fit the
                 sender's settings.
         """
-        if self._env_state_template is None:
-            self._env_state_template = self._probe_or_fail().describe(self.spec, self._allow_nonfinite)
-        return self._env_state_template
+        return self.port.env_state_template()
 
-    # ---- attaching (integrations call these) -----------------------------------------------
-
-    def attach(
-        self,
-        num_workers: int,
-        make_link: Callable[[Flat], SenderLink],
-        *,
-        detached: Callable[[], bool],
-        on_close: Callable[[], None] = lambda: None,
-        envs_per_worker: int = 1,
-        collectors: Sequence[int] | None = None,
-        first_env: int | None = None,
-        outside: bool = False,
-    ) -> Attachment:
-        """Attach a collector's ``num_workers`` workers, of ``envs_per_worker`` envs each,
-        after the fleet's others.
-
-        ``make_link`` builds the link (one slot per env) from the leaves every env starts
-        from; then each env is given the latest version (and its own checkpointed row, if
-        any). ``collectors`` splits the workers among several collectors behind one link
-        (their worker counts, in order), as :meth:`fleet` describes them. ``first_env``: the
-        index its workers were numbered from before attaching (see :meth:`next_env_index`).
-        ``outside``: one env outside any collector; it starts from the fleet-wide desired
-        state (a checkpoint's rows wait for the collector they belong to).
-
-        Raises:
-            ValidationError: a loaded per-env checkpoint has another number of envs, or
-                ``first_env`` was given to a collector attached since.
-        """
-        num_envs = num_workers * envs_per_worker
-        core = self._core
-        with self._lock:
-            core.check_open()
-            core.prune()
-            rows = None if outside else core.desired.rows_for(num_envs, envs_per_worker)
-            start = self._start_leaves()
-            link = make_link(start)
-            if link.num_workers != num_envs:
-                raise ValidationError(f"the link has {link.num_workers} slots for {num_envs} envs")
-            attachment = Attachment(link, detached, on_close, envs_per_worker, collectors, outside)
-            self._fleet.add(attachment, start, first_env)
-            version = core.desired.version
-            for slot in range(num_envs):
-                entries = rows[slot] if rows is not None else {}
-                attachment.link.write(slot, version, entries)
-                if entries:
-                    attachment.mirrors[slot] = {**attachment.mirrors[slot], **entries}
-            attachment.link.flush(version)
-            core.history.record(version, dict(enumerate(attachment.mirrors, attachment.offset)))
-            if not outside:
-                core.desired.restored_rows = None
-            return attachment
-
-    def next_env_index(self) -> int:
-        """The fleet index the next attached collector's first env gets (for integrations
-        that number remote workers before they attach, then pass it as ``first_env``)."""
-        with self._lock:
-            self._core.prune()
-            return self._fleet.next_env()
-
-    def start_state(self) -> tuple[Flat, list[Flat] | None]:
-        """What the next attached collector starts from: the leaves every env starts from,
-        and each env's own on top of them (the rows of a loaded per-env checkpoint; ``None``:
-        none). For integrations whose workers start before they attach (Ray).
-
-        Examples:
-            >>> sender = Sender(config={"x": 0.0})
-            >>> leaves, rows = sender.start_state()
-            >>> float(leaves["config", "x"]), rows
-            (0.0, None)
-            >>> sender.close()
-        """
-        with self._lock:
-            leaves = self._start_leaves()
-            rows = self._core.desired.restored_rows
-            return leaves, [dict(r) for r in rows] if rows is not None else None
-
-    def _start_leaves(self) -> Flat:
-        known = self._probe is not None or self._declared
-        template = self.env_state_template().flat if known else {}
-        return self._core.desired.start_leaves(self.template.flat, template, lambda s: self.env_state_template().fit(s))
-
-    def detach(self, attachment: Attachment) -> None:
-        """Take a collector out of the fleet and release its link; idempotent."""
-        with self._lock:
-            self._core.detach(attachment)
+    def _main_stats(self, config: TensorDict) -> Mapping[str, Any]:
+        return self.port.probe_or_fail().main_stats(self.spec, config)
 
     # ---- pushing ---------------------------------------------------------------------------
 
@@ -288,45 +186,7 @@ class Sender:
             AckTimeout: some targeted workers did not answer in time, or died.
         """
 
-        def prepare() -> tuple[dict[int, Flat], Flat | None]:
-            targets = self._fleet.targets(workers, envs)
-            fitted = self.template.fit_rows(config, len(targets)) if config is not None else {}
-            rows = fitted if isinstance(fitted, list) else None
-            cfg = fitted if isinstance(fitted, dict) else {}
-            env = self.env_state_template().fit(env_state) if env_state is not None else {}
-            if envs is not None and any(map(is_batched, env)):
-                self._check_whole_workers(targets)
-            version = self._core.desired.version + 1
-            cache: dict[bytes, dict[str, torch.Tensor]] = {}
-
-            def update(c: Mapping[str, Leaf], e: int | None) -> Flat:
-                return desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
-
-            fleet_wide = workers is None and envs is None
-            one_for_all = rows is None and not self.spec.reinit.computes_in_main  # never mutated
-            # the shared update is also what a worker joining later starts from (fleet-wide)
-            shared = update(cfg, None) if rows is None and (fleet_wide or one_for_all) else None
-            if one_for_all and shared is not None:
-                updates = dict.fromkeys(targets, shared)
-            else:
-                updates = {e: update(c, e) for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)}
-            if fleet_wide and shared is None and env:  # rows of config, one env state for all
-                shared = desired.leaves({}, env, version)
-            return updates, shared if fleet_wide else None
-
-        return self._send(prepare, wait=wait, timeout=timeout)
-
-    def _check_whole_workers(self, targets: list[int]) -> None:
-        """A batched env's own entries belong to its worker: a push of them with ``envs=``
-        must target every env of each worker it touches."""
-        chosen = set(targets)
-        touched = {self._fleet.worker_of(e) for e in targets}
-        partial = sorted(w for w in touched if not set(self._fleet.envs_of(w)) <= chosen)
-        if partial:
-            raise ValidationError(
-                f"env_state 'batched.*' belongs to a worker's batched env, shared by all its envs: target whole "
-                f"workers (workers={partial}, or every env of each), not some of their envs"
-            )
+        return self._send(lambda: self._updates.push(config, env_state, workers, envs), wait=wait, timeout=timeout)
 
     def push_each(
         self,
@@ -357,19 +217,7 @@ class Sender:
         timeout: float,
     ) -> int:
         """One version giving each listed worker (or, ``by_env``, env) its own config."""
-
-        def prepare() -> tuple[dict[int, Flat], Flat | None]:
-            version = self._core.desired.version + 1
-            cache: dict[bytes, dict[str, torch.Tensor]] = {}
-            updates = {}
-            for index in list(configs):
-                cfg = self.template.fit(configs[index])
-                envs = self._fleet.targets(None, [index]) if by_env else self._fleet.targets([index])
-                for e in envs:
-                    updates[e] = desired.leaves(cfg, self._with_main_stats(cfg, {}, e, cache), version)
-            return updates, None
-
-        return self._send(prepare, wait=wait, timeout=timeout)
+        return self._send(lambda: self._updates.rows(configs, by_env=by_env), wait=wait, timeout=timeout)
 
     def _send(self, prepare: Prepare, *, wait: str | None, timeout: float) -> int:
         """The one way a push goes out: check -> raise pending failures -> ``prepare`` the
@@ -389,33 +237,13 @@ class Sender:
     def _check_configs(self, updates: Mapping[int, Flat], default: Flat | None) -> None:
         """Let the apply refuse, on the probe env, the whole config each update leads to (not
         with a declared env-state template: then no env is built in this process)."""
-        if self._probe is None or self._declared or not hasattr(self.spec.apply, "check_config"):
+        probe = self.port.probe
+        if probe is None or self.port.declared or not hasattr(self.spec.apply, "check_config"):
             return
         pairs = [(self._core.mirror(index), update) for index, update in updates.items()]
         pairs += [(self._core.desired.default, default)] if default is not None else []
         configs = [{**desired.section(old, "config"), **desired.section(new, "config")} for old, new in pairs]
-        self._probe.check_configs(self.spec, configs)
-
-    def _with_main_stats(
-        self,
-        config: Mapping[str, Leaf],
-        env_state: dict[str, torch.Tensor],
-        worker: int | None,
-        cache: dict[bytes, dict[str, torch.Tensor]],
-    ) -> dict[str, torch.Tensor]:
-        """Add the statistics of ``recompute(where="main")`` policies, computed on the probe
-        env under the config ``worker`` (or, for ``None``, a worker joining later) will run;
-        ``cache`` holds them per distinct config, so equal configs get identical statistics."""
-        if not self.spec.reinit.computes_in_main or not config:
-            return env_state
-        source = self._core.desired.default if worker is None else self._core.mirror(worker)
-        merged = desired.section(source, "config")
-        merged.update(config)
-        key = b"".join(tensor_of(merged[k]).numpy().tobytes() for k in sorted(merged))
-        if key not in cache:
-            stats = self._probe_or_fail().main_stats(self.spec, nest(merged))
-            cache[key] = self.env_state_template().fit(stats)
-        return {**cache[key], **env_state}
+        probe.check_configs(self.spec, configs)
 
     # ---- reading back (envsync.gather decides what, the links move the bytes) ----------------
 
@@ -473,7 +301,7 @@ class Sender:
                 do), or no collector is attached (envs of ``attach_env`` only receive).
         """
         template = self.env_state_template()
-        decays = self._probe_or_fail().stats_indices(self.spec, selector)
+        decays = self.port.probe_or_fail().stats_indices(self.spec, selector)
 
         def push(*, env_state: dict[str, torch.Tensor], wait: str, timeout: float) -> int:
             return self.push(env_state=env_state, wait=wait, timeout=timeout)
@@ -615,9 +443,7 @@ class Sender:
     def close(self) -> None:
         """Release every link, the probe env and in-process listeners; idempotent."""
         with self._lock:
-            if self._probe is not None:
-                self._probe.close()
-                self._probe = None
+            self.port.close()
             self._core.close()
 
     def __enter__(self) -> Sender:

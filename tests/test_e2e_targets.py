@@ -144,7 +144,7 @@ def test_close_and_gc_leave_no_shared_memory_and_no_process() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
     collector = build("async", sender, labelled())
     next(iter(collector))
-    path = sender._fleet.attachments[0].link.path
+    path = sender.port.links()[0].path
     pids = [p.pid for p in collector.procs]
     assert os.path.exists(path)
     assert os.stat(path).st_mode & 0o777 == 0o600
@@ -163,7 +163,7 @@ def test_gc_of_an_unclosed_sender_removes_its_file() -> None:
     with start_method("fork"):  # a single Collector has no file: its link is in-process
         collector = build("sync", sender, partial(make_counter_env, label=0), workers=1)
     next(iter(collector))
-    path = sender._fleet.attachments[0].link.path
+    path = sender.port.links()[0].path
     collector.shutdown()
     del collector, sender
     gc.collect()

@@ -47,7 +47,7 @@ def test_bad_input_with_a_collector_changes_nothing() -> None:
     try:
         next(iter(collector))
         good = sender.push(config={"difficulty": 1.0}, wait="applied")
-        before = [sender._fleet.attachments[0].link.read_back(w) for w in range(WORKERS)]
+        before = [sender.port.links()[0].read_back(w) for w in range(WORKERS)]
         bad_calls = [
             (lambda: sender.push(config={"difficulty": "x"}), "'difficulty' must be a number"),
             (lambda: sender.push(config={"difficulty": float("inf")}), "NaN or inf"),
@@ -62,7 +62,7 @@ def test_bad_input_with_a_collector_changes_nothing() -> None:
             with pytest.raises(ValidationError, match=message):
                 call()
             assert sender.version == good and sender.versions() == [good, good]
-            after = [sender._fleet.attachments[0].link.read_back(w) for w in range(WORKERS)]
+            after = [sender.port.links()[0].read_back(w) for w in range(WORKERS)]
             for a, b in zip(before, after, strict=True):
                 assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     finally:
@@ -134,7 +134,7 @@ def test_a_failure_after_the_push_returned_is_raised_by_the_next_push() -> None:
         good = sender.push(config={"difficulty": 1.0}, wait="applied")
         sender.push(config={"difficulty": -2.0}, workers=[0], wait=None)
         deadline = time.monotonic() + 10
-        while sender._fleet.attachments[0].link.status(0).failed < 0 and time.monotonic() < deadline:
+        while sender.port.links()[0].status(0).failed < 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(WorkerApplyError, match="worker 0 failed to apply version") as info:
             sender.push(config={"difficulty": 2.0}, wait="applied")
@@ -154,7 +154,7 @@ def test_a_dead_worker_is_reported_promptly_and_close_still_cleans_up() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     with start_method("fork"):
         collector = build("sync", sender, labelled())
-    path = sender._fleet.attachments[0].link.path
+    path = sender.port.links()[0].path
     try:
         next(iter(collector))
         timeout, took = push_to_a_killed_process(sender, collector.procs[1], timeout=30)

@@ -270,7 +270,7 @@ def test_single_collector_uses_an_in_process_link() -> None:
         sender.env_fn(make_counter_env), None, frames_per_batch=8, total_frames=-1, weight_sync_schemes=sender.schemes()
     )
     try:
-        assert isinstance(sender._fleet.attachments[0].link, LocalLink)
+        assert isinstance(sender.port.links()[0], LocalLink)
         version = sender.push(config={"difficulty": 2.0}, wait="applied")
         assert set(next(iter(collector))["next", "observation"][:, 0].tolist()) == {2.0}
         assert sender.versions() == [version]

@@ -132,7 +132,7 @@ def test_push_reaches_every_env_on_every_node_and_a_killed_actor_is_reported_dea
         per_collector = size // 2  # two remote collectors
         expected = [(i // per_collector, i % per_collector) for i in range(size)]
         assert [(m.collector, m.worker) for m in sender.fleet()] == expected
-        link = sender._fleet.attachments[0].link
+        link = sender.port.links()[0]
         before = [t.objects for t in link.traffic]  # the starting state's shares
 
         def shares() -> list[int]:

@@ -241,7 +241,7 @@ def test_each_node_gets_one_object_of_its_own_rows_per_push_decoded_once(cluster
     sender = EnvStateSender(config={"difficulty": 0.0, "table": table}, apply=set_difficulty, apply_at="step")
     collector = ray_collector(sender, make_counter_env, kind=Collector, nodes=("n0", "n0", "n1"))
     try:
-        link = sender._fleet.attachments[0].link
+        link = sender.port.links()[0]
         assert link.nodes == [0, 0, 1]
         per_env = TensorDict(difficulty=torch.arange(3.0), table=torch.rand(3, 32 * 1024), batch_size=[3])
         pushes = [({"config": per_env}, {0, 1, 2}), ({"config": {"difficulty": 5.0}, "envs": [2]}, {2})]

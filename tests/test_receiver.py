@@ -13,7 +13,8 @@ from helpers import make_normed_counter_env, run_to_exit
 from envsync import EnvStateSender, WorkerApplyError
 from envsync.links.local import LocalLink
 from envsync.protocol import ApplyAt
-from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.receiver import EnvStateReceiver
+from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, config_applier, env_state_dict
 
 
@@ -57,7 +58,7 @@ def fleet(sender: EnvStateSender, workers: int = 2, apply_at: str = "step") -> l
     """Attach ``workers`` receivers, each beside its own env, through a local link."""
     envs = [make_normed_counter_env(label=i) for i in range(workers)]
     sender.env_fn(make_normed_counter_env)  # the probe: env-state keys
-    attachment = sender.attach(workers, lambda leaves: LocalLink(leaves, workers), detached=lambda: False)
+    attachment = sender.port.attach(workers, lambda leaves: LocalLink(leaves, workers), detached=lambda: False)
     spec = ApplySpec(sender.spec.apply, ApplyAt(apply_at), sender.spec.reinit)
     receivers = [
         EnvStateReceiver(
@@ -146,7 +147,7 @@ def test_a_listener_wake_while_busy_does_not_hide_a_step_version_from_the_next_s
 
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     sender.env_fn(make_counter_env)
-    attachment = sender.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: False)
+    attachment = sender.port.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: False)
     env = make_counter_env()
     hooks = EnvHooks.install(env, sender.spec, sender.template.values.clone())
     receiver = EnvStateReceiver(
@@ -191,7 +192,7 @@ def test_an_outpaced_receiver_acknowledges_nothing_it_did_not_load_and_loads_it_
     with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") as sender:
         env = make_normed_counter_env(label=0)
         sender.env_fn(make_normed_counter_env)
-        attachment = sender.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: False)
+        attachment = sender.port.attach(1, lambda leaves: LocalLink(leaves, 1), detached=lambda: False)
         adapter = RacingAdapter(env, sender.spec.apply, sender, races=100)
         receiver = EnvStateReceiver(
             link=attachment.link.handle().open(0),

@@ -65,7 +65,7 @@ def test_recompute_in_main_gives_every_worker_identical_statistics() -> None:
         batches = iter(collector)
         next(batches)
         sender.push(config={"scale": 10.0}, wait="applied")
-        probe = sender._probe.env  # type: ignore[union-attr]
+        probe = sender.port.probe.env  # type: ignore[union-attr]
         main_loc, main_scale = probe.transform[0].loc, probe.transform[0].scale
         assert main_scale.min() > 5.0
         for loc in collector.get_distant_attr("env.transform.transforms.0.loc"):

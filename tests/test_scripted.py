@@ -31,7 +31,7 @@ def attach(sender: Sender, script: object, workers: int = 3, *, alive: object = 
         links.append(ScriptedLink(leaves, workers, script, **kwargs))  # type: ignore[arg-type]
         return links[0]
 
-    sender.attach(workers, make, detached=lambda: False)
+    sender.port.attach(workers, make, detached=lambda: False)
     return links[0]
 
 

@@ -28,7 +28,8 @@ from envsync import reinit
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
 from envsync.links.base import LinkHandle
-from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.receiver import EnvStateReceiver
+from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, config_applier, env_state_dict
 
 VERSION_KEY = "env_version"

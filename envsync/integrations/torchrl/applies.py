@@ -28,7 +28,7 @@ from torchrl.envs import EnvBase
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.factory import split
 from envsync.protocol import ApplyAt
-from envsync.receiver import ApplySpec
+from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, Leaf, chain_names, config_kwargs, wrapper_chain
 
 _MISSING = object()

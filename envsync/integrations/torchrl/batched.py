@@ -48,7 +48,8 @@ from envsync.integrations.torchrl.adapter import (
 from envsync.integrations.torchrl.outer import OuterState, outer_env
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
-from envsync.receiver import ApplySpec, EnvStateReceiver, start_listener
+from envsync.receiver import EnvStateReceiver, start_listener
+from envsync.spec import ApplySpec
 from envsync.state import apply_config
 
 BIND = "_envsync_bind"

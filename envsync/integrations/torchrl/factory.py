@@ -22,7 +22,7 @@ from envsync.integrations.torchrl.batched import find_batched, prepare_batched, 
 from envsync.integrations.torchrl.native import prepare_native
 from envsync.levels import split_reinit
 from envsync.probe import Layout, Probe
-from envsync.receiver import ApplySpec
+from envsync.spec import ApplySpec
 from envsync.state import apply_config
 
 if TYPE_CHECKING:
@@ -127,10 +127,10 @@ def wrap_env_fn(sender: Sender, fn: Callable[..., EnvBase] | EnvBase) -> Any:
                 "instead (env_fn(make_env)), or use recompute(where='worker')"
             )
         env = prepare_env(fn, sender.spec, initial)
-        sender.use_probe(Probe(make=lambda: env, owned=False, split=split))
+        sender.port.use_probe(Probe(make=lambda: env, owned=False, split=split))
         return env
     if not callable(fn):
         raise ValidationError(f"env_fn expects an env factory or an EnvBase, got {type(fn).__name__}")
     factory = EnvFactory(fn, sender.spec, initial)
-    sender.use_probe(Probe(make=factory, owned=True, split=split))
+    sender.port.use_probe(Probe(make=factory, owned=True, split=split))
     return factory

@@ -36,7 +36,8 @@ from envsync.integrations.torchrl.outer import outer_env
 from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
-from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.receiver import EnvStateReceiver
+from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, config_kwargs, env_state_dict, find_config_method, flat_names, tensor_of
 
 

@@ -24,7 +24,8 @@ from torchrl.envs import EnvBase, TransformedEnv
 from envsync.integrations.torchrl.adapter import CollectorAdapter
 from envsync.levels import PREFIX, inner, is_batched, split_reinit
 from envsync.links.base import ReceiverLink
-from envsync.receiver import ApplySpec, answer
+from envsync.receiver import answer
+from envsync.spec import ApplySpec
 
 
 def outer_env(env: Any) -> TransformedEnv | None:

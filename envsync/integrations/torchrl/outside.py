@@ -25,7 +25,8 @@ from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import CollectorAdapter, EnvHooks
 from envsync.links.base import Flat
 from envsync.links.local import LocalLink
-from envsync.receiver import ApplySpec, EnvStateReceiver
+from envsync.receiver import EnvStateReceiver
+from envsync.spec import ApplySpec
 from envsync.state import apply_config, env_state_dict
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ def attach_env(sender: Sender, env: EnvBase) -> int:
     def make(leaves: Flat) -> LocalLink:
         return LocalLink(leaves, 1)
 
-    attachment = sender.attach(1, make, detached=lambda: env_ref() is None, outside=True)
+    attachment = sender.port.attach(1, make, detached=lambda: env_ref() is None, outside=True)
     try:
         receiver = EnvStateReceiver(
             link=attachment.link.handle().open(0),
@@ -73,7 +74,7 @@ def attach_env(sender: Sender, env: EnvBase) -> int:
             exclusion=hooks.exclusion,
         )
     except BaseException:
-        sender.detach(attachment)
+        sender.port.detach(attachment)
         raise
     hooks.bind(receiver, attachment.offset)
     attachment.on_close = _unbinder(env_ref, hooks, receiver)
@@ -88,7 +89,7 @@ def detach_env(sender: Sender, env: EnvBase) -> None:
     attached = env.__dict__.get(_ATTACHED) if isinstance(env, EnvBase) else None
     if attached is None or attached[0]() is not sender:
         raise ValidationError(f"this {type(env).__name__} was not attached to this sender with attach_env")
-    sender.detach(attached[1])
+    sender.port.detach(attached[1])
 
 
 def _hook(sender: Sender, env: EnvBase) -> EnvHooks:
@@ -190,7 +191,7 @@ def _wrap(env: EnvBase, hooks: EnvHooks, receiver_ref: weakref.ReferenceType[Env
         attached = self.__dict__.get(_ATTACHED)
         sender = attached[0]() if attached is not None else None
         if sender is not None:
-            sender.detach(attached[1])
+            sender.port.detach(attached[1])
         return cls.close(self, *args, **kwargs)
 
     env.__dict__["rollout"] = types.MethodType(rollout, env)

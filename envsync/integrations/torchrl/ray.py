@@ -197,7 +197,7 @@ class RayEnvScheme(EnvSchemeBase):
 
         try:
             # the remote workers tag their frames with the indices ray_kwargs() gave them
-            attachment = sender.attach(
+            attachment = sender.port.attach(
                 sum(counts),
                 make,
                 detached=lambda: _ray_detached(collector_ref),
@@ -212,7 +212,7 @@ class RayEnvScheme(EnvSchemeBase):
                 ray.kill(mailbox)
             for actor in actors:
                 ray.kill(actor)
-            if isinstance(err, ValidationError) and sender.next_env_index() > self._offset:
+            if isinstance(err, ValidationError) and sender.port.next_env_index() > self._offset:
                 raise ValidationError(f"{err}; call ray_kwargs() right before building the RayCollector") from err
             raise
         link: Any = attachment.link
@@ -255,7 +255,7 @@ class RayEnvScheme(EnvSchemeBase):
         if self._relay is not None:
             self._relay.stop()
         if self._attachment is not None and self._sender is not None:
-            self._sender.detach(self._attachment)
+            self._sender.port.detach(self._attachment)
             self._attachment = None
             # torchrl has just killed the actors (ray.kill returns at once), so nothing in
             # them cleaned up: sweep their files here once their processes let go
@@ -314,9 +314,9 @@ def make_ray_kwargs(
     inner = dict(kwargs.get("weight_sync_schemes") or {})
     if "env" in inner:
         raise ValidationError("collector_kwargs['weight_sync_schemes'] already has an 'env' scheme")
-    envs = sender.envs_per_worker()
-    offset = sender.next_env_index()  # the RayCollector attaches there (RayEnvScheme)
-    leaves, rows = sender.start_state()
+    envs = sender.port.envs_per_worker()
+    offset = sender.port.next_env_index()  # the RayCollector attaches there (RayEnvScheme)
+    leaves, rows = sender.port.start_state()
     inner["env"] = NodeScheme(leaves, sender.version, offset, start_method, rows=rows, envs=envs)
     inner.setdefault("policy", PolicySyncScheme())
     kwargs["weight_sync_schemes"] = inner

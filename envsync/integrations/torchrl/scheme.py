@@ -157,7 +157,7 @@ class EnvSyncScheme(EnvSchemeBase):
             self._attach_in_process(self._sender, context)
             return
 
-        envs = self._envs = self._sender.envs_per_worker()
+        envs = self._envs = self._sender.port.envs_per_worker()
 
         def make(leaves: Flat) -> SharedMemoryLink:
             link = worker_link(context, leaves, envs)
@@ -171,7 +171,7 @@ class EnvSyncScheme(EnvSchemeBase):
             if scheme is not None:
                 scheme._handle = None
 
-        attachment = self._sender.attach(
+        attachment = self._sender.port.attach(
             context.num_workers, make, detached=lambda: _detached(collector_ref), on_close=forget, envs_per_worker=envs
         )
         self._offset = attachment.offset
@@ -180,7 +180,7 @@ class EnvSyncScheme(EnvSchemeBase):
         collector_ref = weakref.ref(collector)
         found = BatchedHooks.of(collector.env)
         envs = 1 if found is None else found[1].num_envs
-        attachment = sender.attach(
+        attachment = sender.port.attach(
             1,
             lambda leaves: in_process_link(collector, leaves),
             detached=lambda: _detached(collector_ref),
@@ -189,7 +189,7 @@ class EnvSyncScheme(EnvSchemeBase):
         try:
             self._receiver = receiver = bind(collector, attachment.link.handle(), 0, attachment.offset, envs)
         except BaseException:
-            sender.detach(attachment)
+            sender.port.detach(attachment)
             raise
         attachment.on_close = receiver.close
 
