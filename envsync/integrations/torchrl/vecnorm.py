@@ -29,25 +29,47 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import VecNorm, VecNormV2
 
 from envsync.errors import ValidationError
 from envsync.stats import Moments, decayed_mass, ratio, whole_updates
 
 NestedKey = str | tuple[str, ...]
+Statistics = dict[NestedKey, torch.Tensor]
 
 
-def _v2_statistics(transform: VecNormV2) -> TensorDictBase:
-    """``loc``, ``var`` and ``count``: the transform's own tensors."""
-    if not bool(getattr(transform, "initialized", False)):  # a stateless one has the plain False
+def _leaves(transform: VecNorm | VecNormV2) -> Statistics:
+    """The tensors of ``get_extra_state()`` (the transform's own) by nested key."""
+    leaves: Statistics = {}
+    for flat, value in transform.get_extra_state().items():
+        key = tuple(flat.split(transform.SEP))
+        leaves[key[0] if len(key) == 1 else key] = value
+    return leaves
+
+
+def _group(leaves: Statistics, name: str) -> Statistics:
+    """The leaves under ``name``, by the rest of their key."""
+    out: Statistics = {}
+    for key, value in leaves.items():
+        if isinstance(key, tuple) and key[0] == name:
+            out[key[1] if len(key) == 2 else key[1:]] = value
+    return out
+
+
+def _has_statistics(transform: VecNorm | VecNormV2) -> bool:
+    if isinstance(transform, VecNormV2):
+        return bool(getattr(transform, "initialized", False))  # a stateless one has the plain False
+    return transform._td is not None  # see the module docstring: no public reader stays quiet here
+
+
+def _v2_statistics(transform: VecNormV2) -> tuple[Statistics, Statistics, Statistics]:
+    """``loc``, ``var`` and ``count`` by normalised key: the transform's own tensors."""
+    if not _has_statistics(transform):
         raise ValidationError(f"{type(transform).__name__} has no statistics yet (stateless, or never called)")
-    return TensorDict(transform.get_extra_state()).unflatten_keys(transform.SEP)
-
-
-def _v2_count(statistics: TensorDictBase, key: NestedKey) -> torch.Tensor:
-    counts = statistics.get("count")
-    return counts if isinstance(counts, torch.Tensor) else counts.get(key)
+    leaves = _leaves(transform)
+    loc, var = _group(leaves, "loc"), _group(leaves, "var")
+    count = leaves.get("count")  # one count for every key, or one per key
+    return loc, var, _group(leaves, "count") if count is None else dict.fromkeys(loc, count)
 
 
 def vecnorm_v2_moments(transform: VecNormV2) -> dict[NestedKey, Moments]:
@@ -61,14 +83,13 @@ def vecnorm_v2_moments(transform: VecNormV2) -> dict[NestedKey, Moments]:
         >>> vecnorm_v2_moments(env.transform)["observation"].count.item()
         4.0
     """
-    statistics = _v2_statistics(transform)
+    loc, second, count = _v2_statistics(transform)
     decay = float(transform.decay)
-    loc, second = statistics.get("loc"), statistics.get("var")
     result: dict[NestedKey, Moments] = {}
-    for key in loc.keys(True, True):
-        mass, weight = decayed_mass(_v2_count(statistics, key).double(), decay)
-        mean = ratio(loc.get(key).double(), mass)
-        squares = ratio(second.get(key).double(), mass)
+    for key in loc:
+        mass, weight = decayed_mass(count[key].double(), decay)
+        mean = ratio(loc[key].double(), mass)
+        squares = ratio(second[key].double(), mass)
         result[key] = Moments(weight, mean, weight * (squares - mean**2).clamp_min(0))
     return result
 
@@ -84,8 +105,8 @@ def vecnorm_v2_updates(transform: VecNormV2) -> dict[NestedKey, int]:
         >>> vecnorm_v2_updates(env.transform)
         {'observation': 4, 'reward': 3}
     """
-    statistics = _v2_statistics(transform)
-    return {key: int(_v2_count(statistics, key).item()) for key in statistics.get("loc").keys(True, True)}
+    loc, _, count = _v2_statistics(transform)
+    return {key: int(count[key].item()) for key in loc}
 
 
 def _single_count(moments: Moments, key: NestedKey) -> float:
@@ -126,28 +147,26 @@ def load_vecnorm_v2_(transform: VecNormV2, moments: Mapping[NestedKey, Moments])
         >>> stored.count.item(), vecnorm_v2_updates(env.transform)["observation"], stored.var.tolist()
         (10.0, 10, [2.0, 2.0, 2.0])
     """
-    statistics = _v2_statistics(transform)
+    locs, seconds, counts = _v2_statistics(transform)
     decay = float(transform.decay)
-    known = set(statistics.get("loc").keys(True, True))
     for key, m in moments.items():
-        if key not in known:
-            raise ValidationError(f"{key!r} is not normalised by this VecNormV2 (it has {sorted(map(str, known))})")
-        loc, second, count = statistics.get(("loc", key)), statistics.get(("var", key)), _v2_count(statistics, key)
-        _check_shape(m, loc, key)
+        if key not in locs:
+            raise ValidationError(f"{key!r} is not normalised by this VecNormV2 (it has {sorted(map(str, locs))})")
+        _check_shape(m, locs[key], key)
         updates = whole_updates(_single_count(m, key), decay)
         mass, _ = decayed_mass(torch.tensor(updates, dtype=torch.float64), decay)
-        loc.copy_(m.mean * mass)
-        second.copy_((m.var + m.mean**2) * mass)
-        count.copy_(torch.as_tensor(updates))
+        locs[key].copy_(m.mean * mass)
+        seconds[key].copy_((m.var + m.mean**2) * mass)
+        counts[key].copy_(torch.as_tensor(updates))
     stored = vecnorm_v2_moments(transform)
     return {key: stored[key] for key in moments}
 
 
-def _v1_statistics(transform: VecNorm) -> TensorDictBase:
+def _v1_statistics(transform: VecNorm) -> Statistics:
     """``<key>_sum``, ``<key>_ssq`` and ``<key>_count``: the transform's own tensors."""
-    if transform._td is None:  # see the module docstring: no public reader stays quiet here
+    if not _has_statistics(transform):
         raise ValidationError("VecNorm has no statistics yet (never called)")
-    return TensorDict(transform.get_extra_state()).unflatten_keys(transform.SEP)
+    return _leaves(transform)
 
 
 def _suffixed(key: NestedKey, suffix: str) -> NestedKey:
@@ -156,9 +175,9 @@ def _suffixed(key: NestedKey, suffix: str) -> NestedKey:
     return (*key[:-1], key[-1] + suffix)
 
 
-def _v1_keys(transform: VecNorm, statistics: TensorDictBase) -> list[NestedKey]:
+def _v1_keys(transform: VecNorm, statistics: Statistics) -> list[NestedKey]:
     """The in_keys a ``VecNorm`` has statistics for (a key gets them when first seen)."""
-    present = set(statistics.keys(True, True))
+    present = set(statistics)
     keys = [k if isinstance(k, str) else tuple(k) for k in transform.in_keys]
     return [k for k in keys if _suffixed(k, "_sum") in present]
 
@@ -177,9 +196,9 @@ def vecnorm_moments(transform: VecNorm) -> dict[NestedKey, Moments]:
     statistics = _v1_statistics(transform)
     result: dict[NestedKey, Moments] = {}
     for key in _v1_keys(transform, statistics):
-        total = statistics.get(_suffixed(key, "_sum")).double()
-        squares = statistics.get(_suffixed(key, "_ssq")).double()
-        weight = statistics.get(_suffixed(key, "_count")).double()
+        total = statistics[_suffixed(key, "_sum")].double()
+        squares = statistics[_suffixed(key, "_ssq")].double()
+        weight = statistics[_suffixed(key, "_count")].double()
         mean = ratio(total, weight)
         result[key] = Moments(weight, mean, (squares - total * mean).clamp_min(0))
     return result
@@ -205,12 +224,12 @@ def load_vecnorm_(transform: VecNorm, moments: Mapping[NestedKey, Moments]) -> d
     for key, m in moments.items():
         if key not in present:
             raise ValidationError(f"{key!r} has no statistics in this VecNorm (it has {present})")
-        total = statistics.get(_suffixed(key, "_sum"))
+        total = statistics[_suffixed(key, "_sum")]
         _check_shape(m, total, key)
         weight = _single_count(m, key)
         total.copy_(m.mean * weight)
-        statistics.get(_suffixed(key, "_ssq")).copy_(m.m2 + weight * m.mean**2)
-        statistics.get(_suffixed(key, "_count")).fill_(weight)
+        statistics[_suffixed(key, "_ssq")].copy_(m.m2 + weight * m.mean**2)
+        statistics[_suffixed(key, "_count")].fill_(weight)
     stored = vecnorm_moments(transform)
     return {key: stored[key] for key in moments}
 
@@ -227,9 +246,6 @@ def zero_(transform: VecNorm | VecNormV2) -> None:
         >>> vecnorm_v2_updates(env.transform)
         {'observation': 0}
     """
-    read = _v2_statistics if isinstance(transform, VecNormV2) else _v1_statistics
-    try:
-        statistics = read(transform)
-    except ValidationError:
-        return
-    statistics.zero_()
+    if _has_statistics(transform):
+        for value in _leaves(transform).values():
+            value.zero_()
