@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
 from envsync.levels import BATCHED, selector_level, split_reinit
-from envsync.reinit import ReinitSpec, compute_in_main, plan, stats_entries, stats_indices, stats_sources
+from envsync.reinit import Chain, ReinitSpec, compute_in_main, plan, stats_entries, stats_indices, stats_sources
 from envsync.state import EnvStateTemplate, Leaf, StatePath, apply_config, state_leaves, tensor_of
 
 if TYPE_CHECKING:
@@ -52,12 +52,15 @@ class Probe:
     Args:
         make: builds the env (the wrapped factory), or returns the user's own env.
         owned: whether the sender built it (and so closes it).
+        chain: given an env (or ``None``), its transform chain as the integration reads it
+            (:class:`envsync.reinit.Chain`).
         split: given the env, its :class:`Layout`; a batched env holds one env of the fleet
             per sub-env, and is described by one sub-env and its own transforms.
     """
 
     make: Callable[[], Any]
     owned: bool
+    chain: Callable[[Any], Chain]
     split: Callable[[Any], Layout] = lambda env: Layout()
     env: Any = None
     _leaf: Any = None
@@ -115,25 +118,25 @@ class Probe:
                 f"truncated and needs a 'truncated' done key on the env (it has {env.done_keys}); "
                 "add a StepCounter or use GymEnv"
             )
-        plan(env, leaf_rules)
+        plan(self.chain(env), leaf_rules)
         if self.owned or env is not self.env:
             env.reset()  # lazy transforms (VecNorm) create their statistics at the first reset
         covers: dict[str, list[str]] = {}
         if layout.rows:  # a row's state is its row of the env's own entries (no moments of its own)
             entries = _rows_of(state_leaves(env.state_dict(keep_vars=True)), layout.num_envs)
         else:
-            entries = _entries(env, leaf_rules)
-            covers = stats_sources(env, leaf_rules)
+            entries = self._entries(env, leaf_rules)
+            covers = stats_sources(self.chain(env), leaf_rules)
         outer = self.outer()
         if outer is not None:
-            plan(outer, outer_rules)
+            plan(self.chain(outer), outer_rules)
             if outer is not env:
                 outer.reset()
-            entries.update({(BATCHED, *path): v for path, v in _entries(outer, outer_rules).items()})
-            outer_covers = stats_sources(outer, outer_rules)
+            entries.update({(BATCHED, *path): v for path, v in self._entries(outer, outer_rules).items()})
+            outer_covers = stats_sources(self.chain(outer), outer_rules)
             covers |= {f"{BATCHED}.{p}": [f"{BATCHED}.{k}" for k in keys] for p, keys in outer_covers.items()}
         elif outer_rules.rules:
-            plan(None, outer_rules)  # nothing to match: raises, naming the selectors
+            plan(self.chain(None), outer_rules)  # nothing to match: raises, naming the selectors
         return EnvStateTemplate(entries, allow_nonfinite=allow_nonfinite, covers=covers)
 
     def check_configs(self, spec: ApplySpec, configs: Iterable[Mapping[str, Leaf]]) -> None:
@@ -160,10 +163,10 @@ class Probe:
         leaf_rules, outer_rules = split_reinit(spec.reinit)
         if batched:
             outer = self.outer()
-            return {} if outer is None else stats_indices(outer, outer_rules, own)
+            return {} if outer is None else stats_indices(self.chain(outer), outer_rules, own)
         if self.layout().rows:
             return {}  # the rows share the env's transforms: their statistics are the whole env's
-        return stats_indices(self.leaf(), leaf_rules, own)
+        return stats_indices(self.chain(self.leaf()), leaf_rules, own)
 
     def main_stats(self, spec: ApplySpec, config: TensorDictBase) -> dict[str, torch.Tensor]:
         """Run the ``recompute(where="main")`` policies under ``config``; return the state.
@@ -174,9 +177,14 @@ class Probe:
         env = self.leaf()
         try:
             apply_config(env, spec.apply, config)
-            return compute_in_main(env, split_reinit(spec.reinit)[0])
+            return compute_in_main(self.chain(env), split_reinit(spec.reinit)[0])
         except Exception as err:
             raise ValidationError(f"recompute(where='main') failed on the probe env: {err!r}") from err
+
+    def _entries(self, env: Any, rules: ReinitSpec) -> dict[StatePath, Any]:
+        """An env's ``state_dict()`` leaves by path, and its derived moments (``stats.*``)."""
+        derived = {tuple(k.split(".")): v for k, v in stats_entries(self.chain(env), rules).items()}
+        return {**state_leaves(env.state_dict(keep_vars=True)), **derived}
 
     def close(self) -> None:
         """Close the env if the sender built it (and the sub-env it built to describe it)."""
@@ -189,12 +197,6 @@ class Probe:
         self.env = None
         self._leaf = None
         self._outer = None
-
-
-def _entries(env: Any, rules: ReinitSpec) -> dict[StatePath, Any]:
-    """An env's ``state_dict()`` leaves by path, and its derived moments (``stats.*``)."""
-    derived = {tuple(k.split(".")): v for k, v in stats_entries(env, rules).items()}
-    return {**state_leaves(env.state_dict(keep_vars=True)), **derived}
 
 
 def _rows_of(entries: dict[StatePath, Any], n: int) -> dict[StatePath, Any]:

@@ -17,12 +17,11 @@ Teach envsync a new stateful transform with :func:`register`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
-from torchrl.envs.transforms import Compose, Transform
 
 from envsync import stats
 from envsync.errors import ValidationError
@@ -124,7 +123,7 @@ def register(cls: type, handler: Any) -> None:
             ``recompute(transform, num_iter)`` method.
 
     Examples:
-        >>> class Counter(Transform):
+        >>> class Counter:  # a torchrl Transform, say
         ...     pass
         >>> class CounterHandler:
         ...     def reset(self, transform):
@@ -166,21 +165,40 @@ class ReinitSpec:
         return any(policy.kind == "recompute" and policy.where == "main" for _, policy in self.rules)
 
 
-def flatten(transform: Transform | None) -> Iterator[Transform]:
-    """The transforms of a transform tree in order, nested ``Compose`` flattened."""
-    if isinstance(transform, Compose):
-        for child in transform:
-            yield from flatten(child)
-    elif isinstance(transform, Transform):
-        yield transform
+class Chain(Protocol):
+    """An env seen as its transform chain, as an integration reads it from its env
+    (``envsync.integrations.torchrl.chain.chain_of``): the transforms the selection rules
+    count, in order (nested groups flattened, envsync's own left out), and where each keeps
+    its entries in the env's ``state_dict()``.
+
+    Examples:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Lone:  # an env with one transform, whose keys are the env's own
+        ...     env: object
+        ...     transforms: tuple
+        ...     def prefixes(self):
+        ...         return [""]
+        >>> class Norm:
+        ...     pass
+        >>> [type(t).__name__ for t in Lone(None, (Norm(),)).transforms]
+        ['Norm']
+    """
+
+    @property
+    def env(self) -> Any:
+        """The env (``None`` for no env: an empty chain)."""
+
+    @property
+    def transforms(self) -> Sequence[Any]:
+        """Its transforms, in the order the selectors' indices count them."""
+
+    def prefixes(self) -> Sequence[str]:
+        """The ``state_dict()`` key prefix of each transform, in the same order (asked only
+        where statistics are exported, so an integration may compute it lazily)."""
 
 
-def chain(env: Any) -> list[Transform]:
-    """The env's transforms in order, nested Compose flattened, envsync's own left out."""
-    return [t for t in flatten(getattr(env, "transform", None)) if not getattr(t, "envsync_internal", False)]
-
-
-def _matches(selector: Selector, index: int, transform: Transform) -> bool:
+def _matches(selector: Selector, index: int, transform: Any) -> bool:
     if isinstance(selector, int):
         return selector == index
     if isinstance(selector, str):
@@ -188,7 +206,7 @@ def _matches(selector: Selector, index: int, transform: Transform) -> bool:
     return isinstance(transform, selector)
 
 
-def _handler(spec: ReinitSpec, transform: Transform) -> Any:
+def _handler(spec: ReinitSpec, transform: Any) -> Any:
     for klass in type(transform).__mro__:
         if klass in spec.handlers:
             return spec.handlers[klass]
@@ -199,7 +217,7 @@ def _handler(spec: ReinitSpec, transform: Transform) -> Any:
 class Step:
     """One policy bound to one transform of one env."""
 
-    transform: Transform
+    transform: Any
     policy: Policy
     handler: Any
 
@@ -213,14 +231,24 @@ class Step:
             getattr(self.transform, self.policy.method)(*self.policy.args, **self.policy.kwargs)
 
 
-def plan(env: Any, spec: ReinitSpec) -> list[Step]:
-    """Bind each rule to the env's transforms, in transform order.
+def plan(chain: Chain, spec: ReinitSpec) -> list[Step]:
+    """Bind each rule to the chain's transforms, in transform order.
 
     Raises:
         ValidationError: a selector that matches nothing, or a policy a transform does not
             support; the message names the selector and the transforms that exist.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> class Tally:
+        ...     def clear(self):
+        ...         print("cleared")
+        >>> chain = SimpleNamespace(env=None, transforms=[Tally()], prefixes=lambda: [""])
+        >>> [step.run() for step in plan(chain, ReinitSpec.from_mapping({"Tally": call("clear")}))]
+        cleared
+        [None]
     """
-    transforms = chain(env)
+    transforms = list(chain.transforms)
     names = [f"{i}: {type(t).__name__}" for i, t in enumerate(transforms)]
     chosen: dict[int, tuple[Selector, Policy]] = {}
     for selector, policy in spec.rules:
@@ -243,7 +271,7 @@ def plan(env: Any, spec: ReinitSpec) -> list[Step]:
     return steps
 
 
-def _check_supported(selector: Selector, policy: Policy, transform: Transform, handler: Any) -> None:
+def _check_supported(selector: Selector, policy: Policy, transform: Any, handler: Any) -> None:
     name = type(transform).__name__
     if policy.kind == "call" and not callable(getattr(transform, policy.method, None)):
         raise ValidationError(f"reinit[{selector!r}]: {name} has no method {policy.method!r}")
@@ -255,91 +283,80 @@ def _check_supported(selector: Selector, policy: Policy, transform: Transform, h
         )
 
 
-def runner(steps: list[Step]) -> Callable[[Any, int], None]:
-    """The receiver callback: run every step in order, then drop the env's cached specs."""
-
-    def run(env: Any, version: int) -> None:
-        for step in steps:
-            step.run()
-        if steps:
-            env.empty_cache()
-
-    return run
-
-
-def compute_in_main(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
-    """Run the ``where="main"`` recomputes on a probe env; return their state_dict entries."""
-    transforms = chain(env)
+def compute_in_main(chain: Chain, spec: ReinitSpec) -> dict[str, torch.Tensor]:
+    """Run the ``where="main"`` recomputes on a probe env's chain; return their state_dict entries."""
+    transforms = list(chain.transforms)
     keys = []
-    for step in plan(env, spec):
+    for step in plan(chain, spec):
         if step.policy.kind == "recompute" and step.policy.where == "main":
             step.handler.recompute(step.transform, step.policy.num_iter)
             keys.append(transforms.index(step.transform))
-    state = env_state_dict(env)
-    prefixes = _state_prefixes(env)
+    state = env_state_dict(chain.env)
+    prefixes = chain.prefixes()
     return {k: v.detach().clone() for k, v in state.items() if any(k.startswith(prefixes[i]) for i in keys)}
 
 
 STATS = "stats"
 """The env-state namespace of a *derived* view of running statistics:
 ``stats.<transform index>.<name>``, the moments (count, mean, m2) a handler's ``export`` gives,
-by the transform's index in :func:`chain`. They are not ``state_dict`` entries (those keep
-torchrl's keys: ``_extra_state.*`` for a ``VecNormV2``); ``sync_stats`` merges through them."""
+by the transform's index in its :class:`Chain`. They are not ``state_dict`` entries (those keep
+the framework's keys: ``_extra_state.*`` for torchrl's ``VecNormV2``); ``sync_stats`` merges
+through them."""
 
 
-def _stats_handlers(env: Any, spec: ReinitSpec) -> list[tuple[int, Transform, Any]]:
+def _stats_handlers(chain: Chain, spec: ReinitSpec) -> list[tuple[int, Any, Any]]:
     found = []
-    for index, transform in enumerate(chain(env)):
+    for index, transform in enumerate(chain.transforms):
         handler = _handler(spec, transform)
         if callable(getattr(handler, "export", None)) and callable(getattr(handler, "load", None)):
             found.append((index, transform, handler))
     return found
 
 
-def _stats_prefixes(env: Any, spec: ReinitSpec) -> dict[int, str]:
+def _stats_prefixes(chain: Chain, spec: ReinitSpec) -> dict[int, str]:
     """Per chain index of a transform with exported statistics, the ``state_dict`` key prefix
     of its own entries (none without such a transform: then the env need not be transformed)."""
-    handlers = _stats_handlers(env, spec)
+    handlers = _stats_handlers(chain, spec)
     if not handlers:
         return {}
-    prefixes = _state_prefixes(env)
+    prefixes = chain.prefixes()
     return {index: prefixes[index] for index, _, _ in handlers}
 
 
-def stats_sources(env: Any, spec: ReinitSpec) -> dict[str, list[str]]:
+def stats_sources(chain: Chain, spec: ReinitSpec) -> dict[str, list[str]]:
     """Per exported-statistics prefix (``stats.<index>``), the env's own ``state_dict``
     entries that hold the same statistics (its transform's entries): a push of the prefix
     supersedes them."""
-    owned = _stats_prefixes(env, spec)
-    keys = list(env_state_dict(env)) if owned else []
+    owned = _stats_prefixes(chain, spec)
+    keys = list(env_state_dict(chain.env)) if owned else []
     return {f"{STATS}.{index}": [k for k in keys if k.startswith(prefix)] for index, prefix in owned.items()}
 
 
-def replaced_stats(env: Any, spec: ReinitSpec, keys: Iterable[str]) -> set[int]:
+def replaced_stats(chain: Chain, spec: ReinitSpec, keys: Iterable[str]) -> set[int]:
     """The chain indices of the transforms with exported statistics whose own ``state_dict``
     entries are among ``keys``: writing those entries replaced their statistics (a checkpoint
-    row holds them under torchrl's keys beside their ``stats.*`` view)."""
+    row holds them under the framework's keys beside their ``stats.*`` view)."""
     raw = [k for k in keys if not k.startswith(f"{STATS}.")]
     if not raw:
         return set()
-    return {index for index, prefix in _stats_prefixes(env, spec).items() if any(k.startswith(prefix) for k in raw)}
+    return {index for index, prefix in _stats_prefixes(chain, spec).items() if any(k.startswith(prefix) for k in raw)}
 
 
-def stats_indices(env: Any, spec: ReinitSpec, selector: Selector) -> dict[int, float]:
+def stats_indices(chain: Chain, spec: ReinitSpec, selector: Selector) -> dict[int, float]:
     """The chain indices of the transforms ``selector`` matches whose handler can export and
     load statistics, with each one's forgetting factor (``handler.decay``; 1 without one)."""
     return {
         index: _decay(handler, transform)
-        for index, transform, handler in _stats_handlers(env, spec)
+        for index, transform, handler in _stats_handlers(chain, spec)
         if _matches(selector, index, transform)
     }
 
 
-def stats_entries(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
+def stats_entries(chain: Chain, spec: ReinitSpec) -> dict[str, torch.Tensor]:
     """The running statistics of every transform whose handler exports them, by name
     (``stats.<index>.<name>``); fresh tensors."""
     out = {}
-    for index, transform, handler in _stats_handlers(env, spec):
+    for index, transform, handler in _stats_handlers(chain, spec):
         try:
             exported = handler.export(transform)
         except ValidationError:  # no statistics yet (a transform that initialises lazily)
@@ -348,9 +365,9 @@ def stats_entries(env: Any, spec: ReinitSpec) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_stats(env: Any, spec: ReinitSpec, values: dict[str, torch.Tensor]) -> None:
+def load_stats(chain: Chain, spec: ReinitSpec, values: dict[str, torch.Tensor]) -> None:
     """Load ``stats.*`` entries into their transforms (every entry of a transform at once)."""
-    for index, transform, handler in _stats_handlers(env, spec):
+    for index, transform, handler in _stats_handlers(chain, spec):
         prefix = f"{STATS}.{index}."
         mine = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
         if mine:
@@ -358,7 +375,7 @@ def load_stats(env: Any, spec: ReinitSpec, values: dict[str, torch.Tensor]) -> N
 
 
 def on_top_of_own(
-    env: Any, spec: ReinitSpec, pushed: dict[str, torch.Tensor], read: Mapping[str, torch.Tensor]
+    chain: Chain, spec: ReinitSpec, pushed: dict[str, torch.Tensor], read: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """``pushed`` statistics (a merge computed from ``read``, what a gather read from this
     env) plus what the env's transforms have seen since that read, aged by their decay: a
@@ -366,21 +383,12 @@ def on_top_of_own(
     saw meanwhile. Without a read of every pushed entry, ``pushed`` as it is."""
     if not read or any(k not in read for k in pushed):
         return pushed
-    now = stats_entries(env, spec)
-    decays = {index: _decay(handler, transform) for index, transform, handler in _stats_handlers(env, spec)}
+    now = stats_entries(chain, spec)
+    decays = {index: _decay(handler, transform) for index, transform, handler in _stats_handlers(chain, spec)}
     by_prefix = {k.rsplit(".", 1)[0]: decays.get(int(k.split(".")[1]), 1.0) for k in pushed}
     own = {k: read[k] for k in pushed}
     return stats.sync_round(pushed, {0: own}, {0: {k: now[k] for k in pushed}}, by_prefix)
 
 
-def _decay(handler: Any, transform: Transform) -> float:
+def _decay(handler: Any, transform: Any) -> float:
     return float(handler.decay(transform)) if callable(getattr(handler, "decay", None)) else 1.0
-
-
-def _state_prefixes(env: Any) -> list[str]:
-    """The state_dict key prefix of each transform of :func:`chain`, in the same order (a
-    lone transform's keys are the env's: torchrl gives them no prefix)."""
-    if not isinstance(env.transform, Compose):
-        return [""]
-    names = {id(module): name for name, module in env.transform.named_modules()}
-    return [f"{names[id(t)]}." for t in chain(env)]

@@ -10,36 +10,31 @@ float64, with the pairwise formulas of Chan, Golub and LeVeque (1979):
 * :func:`merge_rounds` is what a sync does: ``base ⊕ Σ deltas``, where each worker's delta is its
   current moments ⊖ the base it was last given, so no sample is ever counted twice.
 
-The converters read and write the running statistics of torchrl's normalising transforms, as
-verified against torchrl 0.14.1 (``x`` a value seen, ``a`` the number of updates since it was
-seen, ``d`` the transform's ``decay``, ``c`` its number of updates):
+Two kinds of accumulators keep such statistics with a forgetting factor ``decay`` ``d``
+(``envsync.integrations.torchrl.vecnorm`` reads torchrl's normalisers as them): one that
+counts its whole updates ``c`` and weighs ``(1 - d**c) / (1 - d)`` (``c`` if ``d == 1``;
+torchrl's ``VecNormV2``, see :func:`decayed_mass`), and one that decays its count instead
+(``VecNorm``: ``count = d * count + N`` per update of ``N`` values).
 
-* ``VecNormV2``: ``_loc[k] = (1 - d) * Σ d**a x`` and ``_var[k] = (1 - d) * Σ d**a x**2`` (a raw
-  second moment, *not* a variance), ``_count[k]`` the integer ``c`` (int64, one per key: a reset
-  updates the observation but not the reward). With ``d == 1`` they are the plain mean, the
-  mean of squares and the number of values. Its weight is ``(1 - d**c) / (1 - d)`` (``c`` if
-  ``d == 1``); :func:`vecnorm_v2_moments` divides ``_loc`` and ``_var`` by the mass ``1 - d**c``.
-* ``VecNorm`` (v1): ``_td[k + "_sum"] = Σ d**a x`` and ``_td[k + "_ssq"] = Σ d**a x**2`` (summed over
-  the batch), ``_td[k + "_count"] = Σ d**a N`` (float32, shape ``(1,)``; ``N`` the batch numel).
-
-**Decay.** With ``d < 1`` both transforms are exponentially weighted accumulators: a value seen
-``a`` updates ago weighs ``d**a``. The converters return exactly those weights' ``W``, mean and
-``m2``, and :func:`merge` is the weighted Chan merge (the moments of the union of the weighted
+**Decay.** With ``d < 1`` both are exponentially weighted accumulators: a value seen ``a``
+updates ago weighs ``d**a``. Their moments are exactly those weights' ``W``, mean and ``m2``,
+and :func:`merge` is the weighted Chan merge (the moments of the union of the weighted
 samples). A worker given ``base`` that then made ``n`` updates holds ``base.scaled(d**n) ⊕ new``,
 so its delta is ``delta(current, base.scaled(d**n))``, and the sync ages the base by the same
 factor: ``merge_rounds(base, deltas, base_factor=d**n)``. When every worker made the same ``n``
 updates (a collector steps its envs in lockstep), the merged statistics are the weighted moments
 of every value every worker saw, a value ``a`` (lockstep) updates old weighing ``d**a``.
-``VecNormV2`` keeps ``n`` (:func:`vecnorm_v2_updates`). ``VecNorm``'s count determines it: each
-update does ``count = d * count + N``, so the count tends to its *limit* ``K = N / (1 - d)``
-and ``K - count = d**n * (K - c0)`` after ``n`` updates from ``c0``: the aging factor is
-``d**n = (K - count) / (K - c0)``, with ``d`` the decay in float32 (the dtype of its counts):
-its handler exports ``K`` (:data:`LIMIT`). That ratio is well determined while ``c0`` is away
-from ``K``; near ``K`` the count's float32 rounding blurs ``n`` (``docs/statistics.md``).
-``VecNormV2`` holds at most the weight ``1 / (1 - d)`` and only weights of a whole number of
-updates: loading keeps the mean and the variance and rounds the weight, and the loaders return
-the moments *as stored*, the base for the next delta. Each merge with ``d == 1`` is exact to
-the precision of the transform's dtype.
+An accumulator that counts updates exports ``n`` (:data:`UPDATES`). One that decays its count
+determines it: each update does ``count = d * count + N``, so the count tends to its *limit*
+``K = N / (1 - d)`` and ``K - count = d**n * (K - c0)`` after ``n`` updates from ``c0``: the
+aging factor is ``d**n = (K - count) / (K - c0)``, with ``d`` the decay in the dtype of its
+counts (float32 for ``VecNorm``): it exports ``K`` (:data:`LIMIT`). That ratio is well
+determined while ``c0`` is away from ``K``; near ``K`` the count's float32 rounding blurs ``n``
+(``docs/statistics.md``). An accumulator that counts whole updates holds at most the weight
+``1 / (1 - d)`` and only weights of a whole number of updates: loading keeps the mean and the
+variance and rounds the weight (:func:`stored`), and the loaders return the moments *as
+stored*, the base for the next delta. Each merge with ``d == 1`` is exact to the precision of
+the accumulator's dtype.
 """
 
 from __future__ import annotations
@@ -47,13 +42,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
 from envsync.errors import ValidationError
-
-NestedKey = str | tuple[str, ...]
 
 # A delta whose weight is below this fraction of the total is treated as empty: float32 state
 # leaves noise of about 1e-7 of the total weight, and dividing by that noise would blow up the mean.
@@ -64,8 +56,13 @@ def _f64(value: torch.Tensor | float) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.float64)
 
 
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``num / den`` where ``den > 0``, else 0 (an empty accumulator has mean and m2 0)."""
+def ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` where ``den > 0``, else 0 (an empty accumulator has mean and m2 0).
+
+    Examples:
+        >>> ratio(torch.tensor([2.0, 3.0]), torch.tensor([4.0, 0.0])).tolist()
+        [0.5, 0.0]
+    """
     positive = den > 0
     return torch.where(positive, num / torch.where(positive, den, torch.ones_like(den)), torch.zeros_like(num))
 
@@ -111,7 +108,7 @@ class Moments:
         shape[dim] = x.shape[dim]
         w = torch.ones(shape, dtype=torch.float64) if weights is None else _f64(weights).reshape(shape)
         count = w.sum()
-        mean = _ratio((w * x).sum(dim), count)
+        mean = ratio((w * x).sum(dim), count)
         m2 = (w * (x - mean.unsqueeze(dim)) ** 2).sum(dim)
         return cls(count, mean, m2)
 
@@ -134,7 +131,7 @@ class Moments:
             >>> Moments.from_samples(torch.tensor([0.0, 2.0])).var.item()
             1.0
         """
-        return _ratio(self.m2, self.count)
+        return ratio(self.m2, self.count)
 
     def scaled(self, factor: torch.Tensor | float) -> Moments:
         """The same samples with every weight multiplied by ``factor``: ``d**n`` ages them ``n`` updates.
@@ -151,7 +148,7 @@ class Moments:
 def _merge2(a: Moments, b: Moments) -> Moments:
     count = a.count + b.count
     shift = b.mean - a.mean
-    share_b = _ratio(b.count, count)
+    share_b = ratio(b.count, count)
     mean = a.mean + shift * share_b
     m2 = a.m2 + b.m2 + shift**2 * a.count * share_b
     return Moments(count, mean, m2)
@@ -194,8 +191,8 @@ def delta(new: Moments, old: Moments) -> Moments:
         raise ValidationError(f"old (count {old.count}) is not an earlier snapshot of new (count {new.count})")
     added = torch.where(added > _EMPTY * new.count, added, torch.zeros_like(added))
     shift = new.mean - old.mean
-    mean = new.mean + shift * _ratio(old.count, added)
-    m2 = new.m2 - old.m2 - shift**2 * _ratio(old.count * new.count, added)
+    mean = new.mean + shift * ratio(old.count, added)
+    m2 = new.m2 - old.m2 - shift**2 * ratio(old.count * new.count, added)
     nonempty = added > 0
     return Moments(
         added,
@@ -222,99 +219,30 @@ def merge_rounds(base: Moments, deltas: list[Moments], *, base_factor: torch.Ten
     return merge(base.scaled(base_factor), *deltas)
 
 
-class VecNormV2Like(Protocol):
-    """What the converters read of a ``torchrl.envs.VecNormV2``: its running statistics."""
+def decayed_mass(updates: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of an accumulator that counts whole updates (``x = d * x + (1 - d) * value`` per update):
+    the mass ``1 - d**c`` its sums carry after ``c`` updates, and the weight it stands for,
+    ``(1 - d**c) / (1 - d)`` (with ``d == 1``: mass 1 once updated, weight ``c``).
 
-    decay: float
-    _loc: Any
-    _var: Any
-    _count: Any
-
-
-class VecNormLike(Protocol):
-    """What the converters read of a ``torchrl.envs.VecNorm`` (v1): its running statistics."""
-
-    decay: float
-    in_keys: Any
-    _td: Any
-
-
-def _v2_count(transform: VecNormV2Like, key: NestedKey) -> torch.Tensor:
-    counts = transform._count
-    return counts if isinstance(counts, torch.Tensor) else counts.get(key)
-
-
-def _v2_mass_weight(updates: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The mass ``1 - d**c`` that ``_loc``/``_var`` carry, and the weight it stands for."""
+    Examples:
+        >>> mass, weight = decayed_mass(torch.tensor(2.0, dtype=torch.float64), 0.5)
+        >>> mass.item(), weight.item()
+        (0.75, 1.5)
+    """
     if decay == 1.0:
         return (updates > 0).to(torch.float64), updates
     mass = -torch.expm1(updates * math.log(decay))
     return mass, mass / (1.0 - decay)
 
 
-def _require_v2(transform: VecNormV2Like) -> None:
-    if getattr(transform, "_loc", None) is None:
-        raise ValidationError(f"{type(transform).__name__} has no statistics yet (stateless, or never called)")
-
-
-def vecnorm_v2_moments(transform: VecNormV2Like) -> dict[NestedKey, Moments]:
-    """The moments a ``VecNormV2`` holds, one per normalised key.
+def whole_updates(weight: float, decay: float) -> int:
+    """The whole number of updates whose weight (:func:`decayed_mass`) is nearest ``weight``,
+    capped for ``decay < 1`` where ``decay ** updates`` no longer changes in float64.
 
     Examples:
-        >>> import warnings; warnings.filterwarnings("ignore")
-        >>> from torchrl.envs import GymEnv, TransformedEnv, VecNormV2
-        >>> env = TransformedEnv(GymEnv("Pendulum-v1"), VecNormV2(in_keys=["observation"], decay=1.0))
-        >>> _ = env.rollout(3)  # a reset and 3 steps: 4 observations
-        >>> vecnorm_v2_moments(env.transform)["observation"].count.item()
-        4.0
+        >>> whole_updates(10.4, 1.0), whole_updates(1.5, 0.5), whole_updates(100.0, 0.5)
+        (10, 2, 53)
     """
-    _require_v2(transform)
-    decay = float(transform.decay)
-    result: dict[NestedKey, Moments] = {}
-    for key in transform._loc.keys(True, True):
-        mass, weight = _v2_mass_weight(_f64(_v2_count(transform, key)), decay)
-        mean = _ratio(_f64(transform._loc.get(key)), mass)
-        second = _ratio(_f64(transform._var.get(key)), mass)
-        result[key] = Moments(weight, mean, weight * (second - mean**2).clamp_min(0))
-    return result
-
-
-def vecnorm_v2_updates(transform: VecNormV2Like) -> dict[NestedKey, int]:
-    """How many updates a ``VecNormV2`` made per key: ``decay ** (now - then)`` ages a base.
-
-    Examples:
-        >>> import warnings; warnings.filterwarnings("ignore")
-        >>> from torchrl.envs import GymEnv, TransformedEnv, VecNormV2
-        >>> env = TransformedEnv(GymEnv("Pendulum-v1"), VecNormV2(in_keys=["observation", "reward"]))
-        >>> _ = env.rollout(3)  # a reset updates the observation, not the reward
-        >>> vecnorm_v2_updates(env.transform)
-        {'observation': 4, 'reward': 3}
-    """
-    _require_v2(transform)
-    return {key: int(_v2_count(transform, key).item()) for key in transform._loc.keys(True, True)}
-
-
-def _single_count(moments: Moments, key: NestedKey) -> float:
-    """The one weight a transform that keeps a single count per key can store."""
-    flat = moments.count.reshape(-1)
-    if flat.numel() == 0 or not bool((flat == flat[0]).all()):
-        raise ValidationError(f"{key!r}: the transform keeps one count per key, got counts {moments.count}")
-    return float(flat[0])
-
-
-def _check_shape(moments: Moments, target: torch.Tensor, key: NestedKey) -> None:
-    for name in ("mean", "m2"):
-        shape = getattr(moments, name).shape
-        try:
-            fits = torch.broadcast_shapes(shape, target.shape) == target.shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValidationError(f"{key!r}: {name} of shape {tuple(shape)} does not fit {tuple(target.shape)}")
-
-
-def _v2_updates_for(weight: float, decay: float) -> int:
-    """The whole number of updates whose weight is nearest ``weight`` (capped for ``decay < 1``)."""
     if decay == 1.0:
         return round(weight)
     most = math.ceil(math.log(2.0**-53) / math.log(decay))
@@ -322,107 +250,6 @@ def _v2_updates_for(weight: float, decay: float) -> int:
     if mass >= 1.0:
         return most
     return min(round(math.log1p(-mass) / math.log(decay)), most)
-
-
-def load_vecnorm_v2_(transform: VecNormV2Like, moments: Mapping[NestedKey, Moments]) -> dict[NestedKey, Moments]:
-    """Write ``moments`` into a ``VecNormV2``'s tensors in place (``copy_``; shared memory stays shared).
-
-    Keys not in ``moments`` are left alone. The count is a whole number of updates, so the weight
-    is rounded (and, with ``decay < 1``, capped at ``1 / (1 - decay)``); mean and variance are kept.
-
-    Returns:
-        The moments as stored, read back: the base for the next :func:`delta`.
-
-    Examples:
-        >>> import warnings; warnings.filterwarnings("ignore")
-        >>> from torchrl.envs import GymEnv, TransformedEnv, VecNormV2
-        >>> env = TransformedEnv(GymEnv("Pendulum-v1"), VecNormV2(in_keys=["observation"], decay=1.0))
-        >>> _ = env.rollout(3)
-        >>> merged = Moments(torch.tensor(10.0), torch.tensor([0.5, -0.5, 1.0]), torch.full((3,), 20.0))
-        >>> stored = load_vecnorm_v2_(env.transform, {"observation": merged})["observation"]
-        >>> stored.count.item(), env.transform._count["observation"].item(), stored.var.tolist()
-        (10.0, 10, [2.0, 2.0, 2.0])
-    """
-    _require_v2(transform)
-    decay = float(transform.decay)
-    known = set(transform._loc.keys(True, True))
-    for key, m in moments.items():
-        if key not in known:
-            raise ValidationError(f"{key!r} is not normalised by this VecNormV2 (it has {sorted(map(str, known))})")
-        loc, second, count = transform._loc.get(key), transform._var.get(key), _v2_count(transform, key)
-        _check_shape(m, loc, key)
-        updates = _v2_updates_for(_single_count(m, key), decay)
-        mass, _ = _v2_mass_weight(_f64(updates), decay)
-        loc.copy_(m.mean * mass)
-        second.copy_((m.var + m.mean**2) * mass)
-        count.copy_(torch.as_tensor(updates))
-    stored = vecnorm_v2_moments(transform)
-    return {key: stored[key] for key in moments}
-
-
-def _suffixed(key: NestedKey, suffix: str) -> NestedKey:
-    if isinstance(key, str):
-        return key + suffix
-    return (*key[:-1], key[-1] + suffix)
-
-
-def _v1_keys(transform: VecNormLike) -> list[NestedKey]:
-    """The in_keys a ``VecNorm`` has statistics for (a key gets them when first seen)."""
-    if transform._td is None:
-        raise ValidationError("VecNorm has no statistics yet (never called)")
-    present = set(transform._td.keys(True, True))
-    keys = [k if isinstance(k, str) else tuple(k) for k in transform.in_keys]
-    return [k for k in keys if _suffixed(k, "_sum") in present]
-
-
-def vecnorm_moments(transform: VecNormLike) -> dict[NestedKey, Moments]:
-    """The moments a ``VecNorm`` (v1) holds, one per normalised key it has seen.
-
-    Examples:
-        >>> import warnings; warnings.filterwarnings("ignore")
-        >>> from torchrl.envs import GymEnv, TransformedEnv, VecNorm
-        >>> env = TransformedEnv(GymEnv("Pendulum-v1"), VecNorm(in_keys=["observation"], decay=1.0))
-        >>> _ = env.rollout(3)
-        >>> vecnorm_moments(env.transform)["observation"].count.item()
-        4.0
-    """
-    result: dict[NestedKey, Moments] = {}
-    for key in _v1_keys(transform):
-        total = _f64(transform._td.get(_suffixed(key, "_sum")))
-        squares = _f64(transform._td.get(_suffixed(key, "_ssq")))
-        weight = _f64(transform._td.get(_suffixed(key, "_count")))
-        mean = _ratio(total, weight)
-        result[key] = Moments(weight, mean, (squares - total * mean).clamp_min(0))
-    return result
-
-
-def load_vecnorm_(transform: VecNormLike, moments: Mapping[NestedKey, Moments]) -> dict[NestedKey, Moments]:
-    """Write ``moments`` into a ``VecNorm``'s (v1) tensors in place (``copy_``); other keys stay.
-
-    Returns:
-        The moments as stored (float32), read back: the base for the next :func:`delta`.
-
-    Examples:
-        >>> import warnings; warnings.filterwarnings("ignore")
-        >>> from torchrl.envs import GymEnv, TransformedEnv, VecNorm
-        >>> env = TransformedEnv(GymEnv("Pendulum-v1"), VecNorm(in_keys=["observation"], decay=0.99))
-        >>> _ = env.rollout(3)
-        >>> merged = Moments(torch.tensor(2.5), torch.zeros(3), torch.full((3,), 5.0))
-        >>> load_vecnorm_(env.transform, {"observation": merged})["observation"].var.tolist()
-        [2.0, 2.0, 2.0]
-    """
-    present = _v1_keys(transform)
-    for key, m in moments.items():
-        if key not in present:
-            raise ValidationError(f"{key!r} has no statistics in this VecNorm (it has {present})")
-        total = transform._td.get(_suffixed(key, "_sum"))
-        _check_shape(m, total, key)
-        weight = _single_count(m, key)
-        total.copy_(m.mean * weight)
-        transform._td.get(_suffixed(key, "_ssq")).copy_(m.m2 + weight * m.mean**2)
-        transform._td.get(_suffixed(key, "_count")).fill_(weight)
-    stored = vecnorm_moments(transform)
-    return {key: stored[key] for key in moments}
 
 
 FIELDS = ("count", "mean", "m2")
@@ -474,8 +301,8 @@ def stored(merged: Moments, decay: float) -> tuple[Moments, int]:
         >>> updates, kept.count.item(), kept.var.tolist()
         (10, 10.0, [2.0])
     """
-    updates = _v2_updates_for(float(merged.count.reshape(-1)[0]), decay)
-    _, weight = _v2_mass_weight(_f64(updates), decay)
+    updates = whole_updates(float(merged.count.reshape(-1)[0]), decay)
+    _, weight = decayed_mass(_f64(updates), decay)
     return Moments(weight, merged.mean, merged.var * weight), updates
 
 

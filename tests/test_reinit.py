@@ -9,9 +9,11 @@ import torch
 from conftest import build
 from helpers import make_noisy_env, make_ppo_env, rows, set_gravity, start_method
 from torchrl.envs import StepCounter, TransformedEnv, VecNormV2
+from torchrl.envs.transforms import Transform
 
 from envsync import EnvStateSender, ValidationError, reinit
 from envsync.envs import make_drift_env
+from envsync.integrations.torchrl.chain import chain_of, runner
 
 WORKERS = 2
 
@@ -234,7 +236,7 @@ def test_bad_selectors_and_policies_are_named_in_the_main_process() -> None:
 
 
 def test_register_teaches_a_new_transform() -> None:
-    class Custom(reinit.Transform):  # type: ignore[name-defined]
+    class Custom(Transform):
         def __init__(self) -> None:
             super().__init__()
             self.level = 5
@@ -246,8 +248,8 @@ def test_register_teaches_a_new_transform() -> None:
     env = TransformedEnv(make_drift_env(), Custom())
     spec = reinit.ReinitSpec.from_mapping({Custom: reinit.reset()})
     with pytest.raises(ValidationError, match="Custom does not support reset"):
-        reinit.plan(env, spec)
+        reinit.plan(chain_of(env), spec)
     reinit.register(Custom, Handler())
-    steps = reinit.plan(env, reinit.ReinitSpec.from_mapping({"Custom": reinit.reset()}))
-    reinit.runner(steps)(env, 1)
+    steps = reinit.plan(chain_of(env), reinit.ReinitSpec.from_mapping({"Custom": reinit.reset()}))
+    runner(steps)(env, 1)
     assert env.transform.level == 0

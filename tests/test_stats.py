@@ -12,18 +12,15 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import EnvBase, TransformedEnv, VecNorm, VecNormV2
 
 from envsync.errors import ValidationError
-from envsync.stats import (
-    Moments,
+from envsync.integrations.torchrl.vecnorm import (
     NestedKey,
-    delta,
     load_vecnorm_,
     load_vecnorm_v2_,
-    merge,
-    merge_rounds,
     vecnorm_moments,
     vecnorm_v2_moments,
     vecnorm_v2_updates,
 )
+from envsync.stats import Moments, delta, merge, merge_rounds
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

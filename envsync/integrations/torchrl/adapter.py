@@ -27,6 +27,7 @@ from torchrl.envs import EnvBase
 from envsync import reinit
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
+from envsync.integrations.torchrl.chain import chain_of, runner
 from envsync.links.base import LinkHandle
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
@@ -292,9 +293,9 @@ class CollectorAdapter:
         self._env = weakref.ref(env)
         self._spec = spec
         self._apply = config_applier(env, spec.apply)
-        steps = reinit.plan(env, spec.reinit)
+        steps = reinit.plan(chain_of(env), spec.reinit)
         self.has_reinit = bool(steps)
-        self._reinit = reinit.runner(steps)
+        self._reinit = runner(steps)
         # (the target when read, the statistics a gather read), latest last: the bases a
         # merge pushed later is loaded on top of
         self._bases: list[tuple[int, dict[str, torch.Tensor]]] = []
@@ -310,7 +311,7 @@ class CollectorAdapter:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         env = self._live_env()
-        return {**env_state_dict(env, keep_vars=True), **reinit.stats_entries(env, self._spec.reinit)}
+        return {**env_state_dict(env, keep_vars=True), **reinit.stats_entries(chain_of(env), self._spec.reinit)}
 
     def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
         stats = {k: v.clone() for k, v in entries.items() if k.startswith(f"{reinit.STATS}.")}
@@ -320,21 +321,21 @@ class CollectorAdapter:
     def commit(self, written: dict[str, torch.Tensor], *, version: int, restore: bool = False) -> None:
         if not written:
             return
-        env = self._live_env()
+        chain = chain_of(self._live_env())
         # statistics whose transform's own entries were written here are that transform's
         # whole state, as written: what the env saw since a read is gone with the old state
-        replaced = reinit.replaced_stats(env, self._spec.reinit, written)
+        replaced = reinit.replaced_stats(chain, self._spec.reinit, written)
         stats = {k: v for k, v in written.items() if k.startswith(f"{reinit.STATS}.")}
         if not stats and not replaced:
             return
         merged = {k: v for k, v in stats.items() if int(k.split(".")[1]) not in replaced}
         if merged and not restore:  # a merge of what a gather read before `version` was published
             base = next((read for target, read in reversed(self._bases) if target < version), {})
-            stats = {**stats, **reinit.on_top_of_own(env, self._spec.reinit, merged, base)}
+            stats = {**stats, **reinit.on_top_of_own(chain, self._spec.reinit, merged, base)}
         if stats:
-            reinit.load_stats(env, self._spec.reinit, stats)
+            reinit.load_stats(chain, self._spec.reinit, stats)
         # earlier reads no longer describe what the env holds: later merges go on top of this
-        self._bases = [(version, reinit.stats_entries(env, self._spec.reinit))]
+        self._bases = [(version, reinit.stats_entries(chain, self._spec.reinit))]
 
     def reinit(self, version: int) -> None:
         self._reinit(self._live_env(), version)

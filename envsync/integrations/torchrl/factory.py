@@ -19,6 +19,7 @@ from torchrl.envs.batched_envs import BatchedEnvBase
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks
 from envsync.integrations.torchrl.batched import find_batched, prepare_batched, prepare_leaf
+from envsync.integrations.torchrl.chain import chain_of
 from envsync.integrations.torchrl.native import prepare_native
 from envsync.levels import split_reinit
 from envsync.probe import Layout, Probe
@@ -127,10 +128,10 @@ def wrap_env_fn(sender: Sender, fn: Callable[..., EnvBase] | EnvBase) -> Any:
                 "instead (env_fn(make_env)), or use recompute(where='worker')"
             )
         env = prepare_env(fn, sender.spec, initial)
-        sender.port.use_probe(Probe(make=lambda: env, owned=False, split=split))
+        sender.port.use_probe(Probe(make=lambda: env, owned=False, chain=chain_of, split=split))
         return env
     if not callable(fn):
         raise ValidationError(f"env_fn expects an env factory or an EnvBase, got {type(fn).__name__}")
     factory = EnvFactory(fn, sender.spec, initial)
-    sender.port.use_probe(Probe(make=factory, owned=True, split=split))
+    sender.port.use_probe(Probe(make=factory, owned=True, chain=chain_of, split=split))
     return factory

@@ -1,6 +1,13 @@
-"""envsync's reinit handlers for torchrl's stateful transforms. They reach into the
-transforms' private fields, so they live with the integration; importing this module
-registers them."""
+"""envsync's reinit handlers for torchrl's stateful transforms; importing this module
+registers them (:func:`envsync.reinit.register`).
+
+The normalisers' statistics are read and written by :mod:`.vecnorm`. One reach into torchrl's
+private members is left here: ``recompute`` feeds a normaliser fresh data through
+``Transform._reset`` and ``Transform._step``, the hooks its ``TransformedEnv`` calls on a reset
+and a step. torchrl has no public way to update a transform as its env would: ``forward`` is
+``_call`` (``VecNormV2`` updates in ``_step``, and neither sees the reset), and rolling out the
+transformed env would also run every transform above it and step envsync's own.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from torch import nn
 from torchrl.envs.transforms import CatFrames, ObservationNorm, RewardSum, VecNorm, VecNormV2
 
 from envsync import stats
+from envsync.integrations.torchrl import vecnorm
 from envsync.reinit import register
 
 _CONSTANT = 1e-6
@@ -20,17 +28,20 @@ _CONSTANT = 1e-6
 class ObservationNormHandler:
     """``reset``: back to the loc/scale the env was built with; ``recompute``: re-run the
     statistics although they are initialised, keeping the tensors' storage (features that do
-    not vary in the gathered data get scale 1: they are only centred)."""
+    not vary in the gathered data get scale 1: they are only centred).
 
-    def __init__(self) -> None:
-        self._initial: tuple[torch.Tensor, torch.Tensor] | None = None
+    Args:
+        initial: the loc and scale to reset to (:meth:`bind` reads them from a transform).
+    """
+
+    def __init__(self, initial: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self._initial = initial
 
     def bind(self, transform: ObservationNorm) -> ObservationNormHandler:
         """A handler for ``transform`` that remembers its loc/scale as built."""
-        bound = ObservationNormHandler()
-        if not isinstance(transform.loc, nn.UninitializedBuffer):
-            bound._initial = (transform.loc.detach().clone(), transform.scale.detach().clone())
-        return bound
+        if isinstance(transform.loc, nn.UninitializedBuffer):
+            return ObservationNormHandler()
+        return ObservationNormHandler((transform.loc.detach().clone(), transform.scale.detach().clone()))
 
     def reset(self, transform: ObservationNorm) -> None:
         if self._initial is None:
@@ -70,13 +81,8 @@ class ZeroStatsHandler:
     CatFrames): zero them in place, so shared statistics stay shared."""
 
     def reset(self, transform: Any) -> None:
-        if isinstance(transform, VecNormV2):
-            for stats in (transform._loc, transform._var, transform._count):
-                if stats is not None:
-                    stats.zero_()
-        elif isinstance(transform, VecNorm):
-            if transform._td is not None:
-                transform._td.zero_()
+        if isinstance(transform, VecNorm | VecNormV2):
+            vecnorm.zero_(transform)
         else:
             for buffer in transform.buffers():
                 if not isinstance(buffer, nn.UninitializedBuffer):
@@ -115,7 +121,7 @@ def _v1_limits(transform: VecNorm) -> dict[str, torch.Tensor]:
     env = transform.container
     elements = max(1, env.batch_size.numel()) if env is not None else 1
     limit = elements / (1.0 - _v1_decay(transform))
-    keys = stats.vecnorm_moments(transform)
+    keys = vecnorm.vecnorm_moments(transform)
     return {f"{_name(key)}.{stats.LIMIT}": torch.tensor(limit, dtype=torch.float64) for key in keys}
 
 
@@ -153,12 +159,12 @@ class NormStatsHandler(ZeroStatsHandler):
 
     def export(self, transform: Any) -> dict[str, torch.Tensor]:
         if isinstance(transform, VecNormV2):
-            out = _flat_moments(stats.vecnorm_v2_moments(transform))
-            for key, updates in stats.vecnorm_v2_updates(transform).items():  # decay ages by these
+            out = _flat_moments(vecnorm.vecnorm_v2_moments(transform))
+            for key, updates in vecnorm.vecnorm_v2_updates(transform).items():  # decay ages by these
                 name = "-".join(key) if isinstance(key, tuple) else key
                 out[f"{name}.updates"] = torch.tensor(float(updates), dtype=torch.float64)
             return out
-        out = _flat_moments(stats.vecnorm_moments(transform))
+        out = _flat_moments(vecnorm.vecnorm_moments(transform))
         if _v1_decay(transform) < 1.0:  # its counts tell its updates, given their limit
             out.update(_v1_limits(transform))
         return out
@@ -169,9 +175,9 @@ class NormStatsHandler(ZeroStatsHandler):
 
     def load(self, transform: Any, values: dict[str, torch.Tensor]) -> None:
         if isinstance(transform, VecNormV2):
-            stats.load_vecnorm_v2_(transform, _moments(values, list(stats.vecnorm_v2_moments(transform))))
+            vecnorm.load_vecnorm_v2_(transform, _moments(values, list(vecnorm.vecnorm_v2_moments(transform))))
         else:
-            stats.load_vecnorm_(transform, _moments(values, list(stats.vecnorm_moments(transform))))
+            vecnorm.load_vecnorm_(transform, _moments(values, list(vecnorm.vecnorm_moments(transform))))
 
 
 class EpisodicHandler:

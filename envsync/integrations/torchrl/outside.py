@@ -23,6 +23,7 @@ from torchrl.envs import EnvBase
 from envsync import reinit
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import CollectorAdapter, EnvHooks
+from envsync.integrations.torchrl.chain import chain_of
 from envsync.links.base import Flat
 from envsync.links.local import LocalLink
 from envsync.receiver import EnvStateReceiver
@@ -136,7 +137,7 @@ def _check_keys(sender: Sender, env: EnvBase) -> None:
         ) from err
 
     def missing() -> list[str]:
-        held = {*env_state_dict(env), *reinit.stats_entries(env, sender.spec.reinit)}
+        held = {*env_state_dict(env), *reinit.stats_entries(chain_of(env), sender.spec.reinit)}
         return [k for k in wanted if k not in held]
 
     if missing():
