@@ -1,13 +1,16 @@
-"""The sender: validate -> write -> bump version -> wait for acknowledgements.
+"""The sender: validate -> publish a version -> wait for acknowledgements; the public front.
 
-:class:`Sender` owns the *desired* env state of every worker: a config (fixed template)
-and, optionally, entries of the env's ``state_dict()``. Each push publishes a new integer
-version (the template is version 0). Before a collector is attached, pushes only change the
-desired state; a collector attached later starts every worker from it.
+:class:`Sender` is what users call (push, wait, gather, sync_stats, checkpoints). What it
+desires lives in its :class:`~envsync.core.Core` (records, books, fleet, lock); a push's
+updates are built by :mod:`envsync.updates` and published by the core; waiting is
+:mod:`envsync.acks`, reading back :mod:`envsync.gather`, checkpoints :mod:`envsync.checkpoint`.
+Each push publishes a new integer version (the template is version 0). Before a collector
+is attached, pushes only change the desired state; a collector attached later starts every
+worker from it.
 
 The core knows no framework: an integration (``envsync.integrations.torchrl``) gives it a
-probe env (:meth:`Sender.use_probe`) and attaches collectors through :meth:`Sender.attach`
-and :meth:`Sender.detach`. Users build :class:`envsync.EnvStateSender`, the torchrl front.
+probe env and attaches collectors through :attr:`Sender.port` (:class:`~envsync.port.AttachPort`).
+Users build :class:`envsync.EnvStateSender`, the torchrl front.
 """
 
 from __future__ import annotations

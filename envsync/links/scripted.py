@@ -12,7 +12,7 @@ Examples:
     >>> import torch
     >>> from envsync.sender import Sender
     >>> sender = Sender(config={"x": 0.0})
-    >>> _ = sender.attach(2, lambda leaves: ScriptedLink(leaves, 2, applies), detached=lambda: False)
+    >>> _ = sender.port.attach(2, lambda leaves: ScriptedLink(leaves, 2, applies), detached=lambda: False)
     >>> sender.push(config={"x": 1.0}, wait="applied"), sender.versions()
     (1, [1, 1])
     >>> sender.close()
