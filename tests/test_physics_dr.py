@@ -120,6 +120,16 @@ def test_a_path_or_value_that_does_not_fit_is_refused_at_attach_naming_the_path(
     sender.close()
 
 
+def test_a_tensor_attribute_is_written_in_place_and_a_float_into_an_int_tensor_is_refused() -> None:
+    env = make_cheetah()
+    gains = env.unwrapped.gains = torch.zeros(3)  # an attribute of the unwrapped env, a tensor
+    envsync.apply.attributes().bind(env)({"gains": np.array([1.0, 2.0, 3.0], dtype=np.float32)})
+    assert env.unwrapped.gains is gains and gains.tolist() == [1.0, 2.0, 3.0]
+    env.unwrapped.counts = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValidationError, match=re.escape("'counts' is a int64 array of shape (3,)")):
+        envsync.apply.attributes().bind(env)({"counts": np.ones(3)})
+
+
 def test_scales_are_relative_to_the_model_as_built_per_body_or_for_all() -> None:
     apply = envsync.apply.scales({"mass": ["model.body_mass", "model.body_inertia"], "friction": "model.geom_friction"})
     sender = EnvStateSender(config={"mass": torch.ones(8, dtype=torch.float64), "friction": 1.0}, apply=apply)

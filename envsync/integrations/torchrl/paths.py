@@ -131,9 +131,12 @@ class AttributePath:
         current = self.get()
         shape = tuple(value.shape)
         if _is_array(current):
-            target = current.numpy() if isinstance(current, torch.Tensor) else current
-            source = value.numpy() if isinstance(value, torch.Tensor) else value
-            if shape != tuple(current.shape) or not np.can_cast(source.dtype, target.dtype, casting="same_kind"):
+            if isinstance(current, torch.Tensor):
+                fits = torch.can_cast(torch.as_tensor(value).dtype, current.dtype)
+            else:
+                source = value.numpy() if isinstance(value, torch.Tensor) else value
+                fits = np.can_cast(source.dtype, current.dtype, casting="same_kind")
+            if shape != tuple(current.shape) or not fits:
                 raise ValidationError(
                     f"attributes(): {self.name!r} is {_describe(current)}, written in place; "
                     f"the config gives {_describe(value)}"
