@@ -329,3 +329,17 @@ def test_adr_over_mass_and_friction_credits_each_episode_with_the_physics_it_ran
 
 def make_pair_fork() -> ParallelEnv:
     return ParallelEnv(2, make_cheetah, mp_start_method="fork")
+
+
+def test_adr_draws_a_per_body_mass_factor_element_by_element() -> None:
+    apply = envsync.apply.scales({"mass": ["model.body_mass", "model.body_inertia"]})
+    sender = EnvStateSender(config={"mass": torch.ones(8, dtype=torch.float64), "friction": 1.0}, apply=apply)
+    adr = ADR(sender, ranges={"mass": (0.5, 1.5), "friction": (0.8, 1.2)}, boundary_fraction=0.5, seed=3)
+    draws = [adr.draw() for _ in range(20)]
+    for row, boundary in draws:
+        assert row["mass"].shape == (8,) and ((row["mass"] >= 0.5) & (row["mass"] <= 1.5)).all()
+        if boundary is not None and boundary[0] == "mass":
+            assert (row["mass"] == adr.boundary_value(boundary)).all()
+        sender.push(config=row)  # fits the template
+    assert any(b is None and row["mass"].unique().numel() == 8 for row, b in draws)  # each body its own factor
+    sender.close()
