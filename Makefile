@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel from this machine's disk instead of a CUDA build
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e ".[test,bench,docs,ray]"
+	$(BIN)/python -m pip install --quiet -e ".[test,bench,docs,ray,mujoco]"
 	touch $(STAMP)
 
 demo: $(STAMP)

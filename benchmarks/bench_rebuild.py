@@ -9,6 +9,11 @@ gymnasium env, seeded, plus the main-process check that the spaces stay the same
 * push -> applied by every worker of an idle ``MultiSyncCollector`` (``apply_at="truncate"``:
   applied at once, then the worker's env is reset through its collector).
 
+A third row measures an attribute *path* into a simulator: HalfCheetah-v5's
+``model.body_mass`` (MuJoCo, an (8,) float64 array written in place): one apply in process,
+and a ``push_each`` of its own mass array to each of ``path_workers`` workers (push ->
+applied by all). It needs the ``mujoco`` extra; without MuJoCo the row is left out.
+
     python benchmarks/bench_rebuild.py [--quick]
 """
 
@@ -35,6 +40,7 @@ APPLIES: dict[str, Callable[[], Any]] = {"attributes": envsync.apply.attributes,
 @dataclass
 class Args:
     workers: int = 2
+    path_workers: int = 4
     repeats: int = 30
     start_method: str = "fork"
     quick: bool = False
@@ -91,6 +97,77 @@ def _push_seconds(apply: Any, args: Args, bar: tqdm) -> tuple[list[float], list[
     return sent, applied
 
 
+PATH = "model.body_mass"
+
+
+def make_cheetah() -> GymEnv:
+    return GymEnv("HalfCheetah-v5")
+
+
+def _path_apply_seconds(repeats: int) -> list[float]:
+    env = make_cheetah()
+    bound = envsync.apply.attributes().bind(env)
+    masses = envsync.apply.attributes().read(env, [PATH])[PATH].copy()
+    bound({PATH: masses})  # the first call resolves and checks the path
+    seconds = [timed(lambda i=i: bound({PATH: masses * (1.0 + 0.1 * (i % 5))})) for i in range(repeats)]
+    env.close()
+    return seconds
+
+
+def _path_push_seconds(args: Args, bar: tqdm) -> tuple[list[float], list[float]]:
+    from torchrl.collectors import MultiSyncCollector
+
+    sender = EnvStateSender.from_env(make_cheetah, config=[PATH], apply=envsync.apply.attributes(), apply_at="truncate")
+    built = sender.desired_config()["model", "body_mass"].clone()
+    collector = None
+    sent, applied = [], []
+    try:
+        with start_method(args.start_method):
+            collector = MultiSyncCollector(
+                [sender.env_fn(make_cheetah)] * args.path_workers,
+                None,
+                frames_per_batch=32 * args.path_workers,
+                total_frames=-1,
+                weight_sync_schemes=sender.schemes(),
+            )
+        batches = iter(collector)
+        next(batches)
+        for i in range(args.repeats + 1):
+            rows = {w: {"model": {"body_mass": built * (1.0 + 0.1 * ((i + w) % 5))}} for w in range(args.path_workers)}
+            start = time.perf_counter()
+            version = sender.push_each(rows, wait=None)
+            pushed = time.perf_counter()
+            sender.wait(version, until="applied", timeout=30.0)
+            if i:
+                sent.append(pushed - start)
+                applied.append(time.perf_counter() - start)
+            bar.update()
+    finally:
+        if collector is not None:
+            collector.shutdown()
+        sender.close()
+    return sent, applied
+
+
+def _measure_path(args: Args, bar: tqdm) -> dict[str, Any]:
+    apply_s = _path_apply_seconds(args.repeats)
+    sent, applied = _path_push_seconds(args, bar)
+    return {
+        "apply": f"attributes() path {PATH} (HalfCheetah, push_each)",
+        "workers": args.path_workers,
+        "apply_us": median(apply_s) * 1e6,
+        "push_us": median(sent) * 1e6,
+        "push_applied_ms": median(applied) * 1e3,
+        "raw_s": {"apply": apply_s, "push": sent, "push_applied": applied},
+    }
+
+
+def _has_mujoco() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mujoco") is not None
+
+
 def _measure(name: str, args: Args, bar: tqdm) -> dict[str, Any]:
     apply_s = _apply_seconds(APPLIES[name](), args.repeats)
     sent, applied = _push_seconds(APPLIES[name](), args, bar)
@@ -118,14 +195,18 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
 
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     for axis, (key, title) in zip(axes, COLUMNS[1:3] + COLUMNS[4:], strict=True):
-        axis.bar([r["apply"] for r in rows], [r[key] for r in rows], color=["tab:blue", "tab:orange"])
+        labels = [r["apply"].split(" ")[0] + (" path" if " path " in r["apply"] else "") for r in rows]
+        axis.bar(labels, [r[key] for r in rows], color=["tab:blue", "tab:orange", "tab:green"][: len(rows)])
         axis.set(title=title, yscale="log")
     return save_plot(fig, out, NAME)
 
 
 def run(args: Args) -> dict[str, Any]:
-    with tqdm(total=len(APPLIES) * (args.repeats + 1), desc=NAME, unit="push") as bar:
+    path = _has_mujoco()
+    with tqdm(total=(len(APPLIES) + path) * (args.repeats + 1), desc=NAME, unit="push") as bar:
         rows = [_measure(name, args, bar) for name in APPLIES]
+        if path:
+            rows.append(_measure_path(args, bar))
     by = {r["apply"]: r for r in rows}
     summary = {
         "plots": [_plot(rows, args.out).name],
@@ -137,13 +218,15 @@ def run(args: Args) -> dict[str, Any]:
         name=NAME,
         args=args,
         rows=rows,
-        tables=[("Median cost of changing Pendulum-v1's g", COLUMNS)],
+        tables=[("Median cost of changing Pendulum-v1's g (and HalfCheetah-v5's body masses, by path)", COLUMNS)],
         summary=summary,
         targets=[],
         notes=[
             "rebuild: gym.make of a new env + torchrl's spec remake + reset(seed=...); its push also makes "
             "the env twice in main (before/after spaces) to refuse a spec change before sending",
             f"collector: MultiSyncCollector ({args.start_method}), idle, apply_at='truncate'",
+            f"path row: {PATH} written in place (an (8,) float64 array); push_each gives each of "
+            f"{args.path_workers} workers its own masses in one version",
         ],
     )
     return report.write(args.out)

@@ -1,7 +1,11 @@
 """Built-in ways for a worker's env to take a config: pass one as ``apply=``.
 
-* :func:`attributes`: set each config name as an attribute of the first object along the
-  env's wrapper chain that has it (Pendulum's ``g``, CartPole's ``gravity``): microseconds.
+* :func:`attributes`: set each config name as an attribute path along the env's wrapper
+  chain (Pendulum's ``g``, CartPole's ``gravity``, a MuJoCo model's ``model.body_mass``
+  written in place): microseconds. ``finish=`` recomputes what the env derives from them.
+* :func:`scales`: the same paths, each config value a factor relative to the env as built
+  (domain randomisation of masses and friction): version 0, all ones, is the env as built.
+* :func:`mj_set_const`: a ``finish=`` for MuJoCo envs (``mujoco.mj_setConst``).
 * :func:`rebuild`: rebuild the gymnasium env inside torchrl's ``GymEnv`` with the config as
   constructor arguments (parameters an env takes only in ``gym.make``): milliseconds, seeded,
   and checked in the main process to keep the env's specs.
@@ -16,15 +20,54 @@ Examples:
 
 from __future__ import annotations
 
-from envsync.integrations.torchrl.applies import Attributes, Rebuild
+from collections.abc import Mapping, Sequence
+
+from envsync.integrations.torchrl.applies import Attributes, Finish, Rebuild, Scales, mj_set_const
 
 
-def attributes() -> Attributes:
-    """Set each config name as an attribute of the first object along the env's wrapper chain
-    that has it: the torchrl env, its base envs, ``GymEnv``'s gymnasium env, its wrappers,
-    then the unwrapped env. A name found nowhere is a ``ValidationError`` at attach.
+def attributes(*, finish: Finish | None = None) -> Attributes:
+    """Set each config name as an attribute path: its first part on the first object along
+    the env's wrapper chain that has it (the torchrl env, its base envs, ``GymEnv``'s
+    gymnasium env, its wrappers, then the unwrapped env), the rest followed as attributes.
+
+    A nested name (``{"model": {"body_mass": ...}}``; ``"model.body_mass"`` in
+    ``EnvStateSender.from_env``) is such a path. An array at its end (numpy or tensor) is
+    written in place, keeping its dtype and shape. A path that does not exist, or a value
+    that does not fit, is a ``ValidationError`` naming the path, at attach.
+
+    Args:
+        finish: called after every apply with the innermost object along the chain (the
+            unwrapped gymnasium env), to recompute what the env derives from the attributes
+            set: CartPole computes ``polemass_length`` and ``total_mass`` from ``length``,
+            ``masspole`` and ``masscart`` in its constructor only; MuJoCo's constants need
+            :func:`mj_set_const`. Picklable with cloudpickle.
 
     Examples:
+        >>> import gymnasium as gym
+        >>> from torchrl.envs import GymWrapper
+        >>> from envsync import EnvStateSender
+        >>> def cartpole_finish(cartpole):
+        ...     cartpole.polemass_length = cartpole.masspole * cartpole.length
+        ...     cartpole.total_mass = cartpole.masspole + cartpole.masscart
+        >>> env = GymWrapper(gym.make("CartPole-v1"))
+        >>> sender = EnvStateSender(config={"length": 1.0}, apply=attributes(finish=cartpole_finish))
+        >>> env = sender.env_fn(env)        # version 0: length 1.0, and its derived fields
+        >>> attributes().read(env, ["length", "polemass_length"])
+        {'length': 1.0, 'polemass_length': 0.1}
+        >>> sender.close()
+
+    Paths into a MuJoCo model (``pip install "envsync[mujoco]"``):
+
+        >>> from torchrl.envs import GymEnv
+        >>> from envsync import EnvStateSender
+        >>> make_env = lambda: GymEnv("HalfCheetah-v5")
+        >>> sender = EnvStateSender.from_env(make_env, config=["model.body_mass"], apply=attributes())
+        >>> sender.desired_config()["model", "body_mass"].shape
+        torch.Size([8])
+        >>> sender.close()
+
+    A plain name:
+
         >>> from torchrl.envs import GymEnv
         >>> from envsync import EnvStateSender
         >>> sender = EnvStateSender(config={"g": 2.0}, apply=attributes())
@@ -33,7 +76,42 @@ def attributes() -> Attributes:
         {'g': 2.0}
         >>> sender.close()
     """
-    return Attributes()
+    return Attributes(finish)
+
+
+def scales(targets: Mapping[str, str | Sequence[str]] | None = None, *, finish: Finish | None = None) -> Scales:
+    """Scale attributes relative to their values as built: each config value is a factor and
+    the attribute (an :func:`attributes` path) becomes *as built × factor*, in place. A
+    template of ones (version 0) is the env as built.
+
+    A factor's dims align with the attribute's leading dims: a 0-d factor scales every
+    element (one mass scale for all bodies), one of shape ``(nbody,)`` each body (of
+    ``model.body_mass``, and of each row of ``model.body_inertia``), one of shape
+    ``(ngeom,)`` each geom's friction coefficients.
+
+    Args:
+        targets: config name -> the attribute path (or paths) it scales; a config name not
+            in it scales the path of its own name.
+        finish: as for :func:`attributes`.
+
+    Examples:
+        >>> from torchrl.envs import GymEnv
+        >>> from envsync import EnvStateSender
+        >>> apply = scales({"mass": ["model.body_mass", "model.body_inertia"], "friction": "model.geom_friction"},
+        ...                finish=mj_set_const)
+        >>> sender = EnvStateSender(config={"mass": 1.0, "friction": 1.0}, apply=apply)
+        >>> make_env = sender.env_fn(lambda: GymEnv("HalfCheetah-v5"))   # what collectors get
+        >>> env = GymEnv("HalfCheetah-v5")
+        >>> sender.attach_env(env)   # an env run by its own rollouts
+        0
+        >>> version = sender.push(config={"mass": 1.5})
+        >>> env.rollout(2)["next", "env_version"].flatten().tolist()   # reset mode: at the rollout's reset
+        [1, 1]
+        >>> round(float(attributes().read(env, ["model.body_mass"])["model.body_mass"].sum()), 3)
+        21.0
+        >>> sender.close()
+    """
+    return Scales(targets, finish)
 
 
 def rebuild() -> Rebuild:
@@ -54,4 +132,4 @@ def rebuild() -> Rebuild:
     return Rebuild()
 
 
-__all__ = ["attributes", "rebuild"]
+__all__ = ["attributes", "mj_set_const", "rebuild", "scales"]

@@ -21,7 +21,7 @@ from torchrl.envs import GymEnv, GymWrapper, ParallelEnv, StepCounter, Transform
 
 import envsync
 from envsync import EnvStateSender, ValidationError
-from envsync.integrations.torchrl.applies import attribute_owner
+from envsync.integrations.torchrl.paths import find_owner
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "docs" / "quickstart.md"
 CHAIN = "TransformedEnv -> GymEnv -> TimeLimit -> OrderEnforcing -> PendulumEnv"
@@ -55,7 +55,7 @@ def test_the_first_holder_along_the_chain_takes_the_value() -> None:
     env = GymWrapper(Heavier(gym.make("Pendulum-v1")))
     sender = EnvStateSender(config={"g": 3.0, "max_speed": 6.0}, apply=envsync.apply.attributes())
     sender.env_fn(env)
-    heavier = attribute_owner(env, "g")
+    heavier = find_owner(env, "g")
     assert isinstance(heavier, Heavier) and heavier.g == 3.0
     assert heavier.unwrapped.g == 10.0 and heavier.unwrapped.max_speed == 6.0
     sender.close()
@@ -64,10 +64,10 @@ def test_the_first_holder_along_the_chain_takes_the_value() -> None:
 def test_methods_and_read_only_properties_are_not_attributes() -> None:
     env = make_counted_pendulum()
     with pytest.raises(ValidationError, match="'set_seed'"):
-        attribute_owner(env, "set_seed")  # a method of the torchrl env, not a parameter
+        find_owner(env, "set_seed")  # a method of the torchrl env, not a parameter
     with pytest.raises(ValidationError, match="'unwrapped'"):
-        attribute_owner(env, "unwrapped")  # a property without a setter on every wrapper
-    assert attribute_owner(env, "dt") is env.base_env._env.unwrapped
+        find_owner(env, "unwrapped")  # a property without a setter on every wrapper
+    assert find_owner(env, "dt") is env.base_env._env.unwrapped
 
 
 def test_an_array_attribute_stays_an_array() -> None:

@@ -146,3 +146,13 @@ def test_plr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert result["draws"]["new"] >= sum(result["seen"])
     assert (tmp_path / "plr.png").stat().st_size > 0
     assert "every frame showed the config" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(180)
+def test_physics_dr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("mujoco")
+    run_smoke("physics_dr", tmp_path)
+    log = json.loads((tmp_path / "physics_dr.json").read_text())
+    assert log["failures"] == [] and log["episodes_checked"] > 0
+    assert log["ranges"][-1]["mass"] != [1.0, 1.0]  # the smoke thresholds widen every boundary
+    assert "episodes checked against the simulator's physics" in capsys.readouterr().out

@@ -6,7 +6,9 @@ it draws its next config: with probability ``boundary_fraction`` it becomes a *b
 for one of the ``2 * len(ranges)`` boundaries, chosen uniformly: that parameter is set to
 the boundary's value (one ``delta`` beyond it with ``extended_boundary_sample``) and every
 other parameter is drawn uniformly in its range; otherwise every parameter is drawn
-uniformly. Each env gets its own row, in one push.
+uniformly. Each env gets its own row, in one push. A parameter whose template is an array (a
+mass factor per body, with ``envsync.apply.scales``) draws each element in its range; a
+boundary env sets every element to the boundary's value.
 
 A whole episode of a boundary env adds its ``objective`` (the return, or a ledger measure) to
 that boundary's queue (the ``queue`` latest results), if the boundary has not moved since the
@@ -32,6 +34,9 @@ import random
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import numpy as np
+import torch
 
 from envsync.curriculum.base import Strategy
 from envsync.curriculum.ledger import Episode, Measure, NestedKey
@@ -107,6 +112,8 @@ class ADR(Strategy):
         self.envs = None if envs is None else list(envs)
         self.queues: dict[Boundary, deque[float]] = {(n, s): deque(maxlen=queue) for n in self.names for s in (0, 1)}
         self.rng = random.Random(seed)
+        flat = sender.template.flat
+        self._shapes = {n: tuple(flat[n].shape) if n in flat else () for n in self.names}
         self.assigned: dict[tuple[int, int], tuple[Boundary, float]] = {}
         self.results = dict.fromkeys(self.queues, 0)
         """Per boundary: how many results it was credited in all."""
@@ -194,16 +201,28 @@ class ADR(Strategy):
             return self._step(name, value, inward=False, limit=self.bounds[name][side], side=side)
         return value
 
-    def draw(self) -> tuple[dict[str, float], Boundary | None]:
+    def draw(self) -> tuple[dict[str, Any], Boundary | None]:
         """One env's next config, and the boundary it evaluates (``None``: a rollout env)."""
         boundary: Boundary | None = None
         if self.rng.random() < self.boundary_fraction:
             mode = self.rng.randrange(2 * len(self.names))
             boundary = (self.names[mode // 2], mode % 2)
-        row = {n: self.rng.uniform(*self.range[n]) for n in self.names}
+        row: dict[str, Any] = {n: self._uniform(n) for n in self.names}
         if boundary is not None:
-            row[boundary[0]] = self.boundary_value(boundary)
+            name = boundary[0]
+            row[name] = torch.full_like(row[name], self.boundary_value(boundary)) if self._shapes[name] else (
+                self.boundary_value(boundary)
+            )
         return row, boundary
+
+    def _uniform(self, name: str) -> float | torch.Tensor:
+        """A draw in ``name``'s range: one number, or one per element of an array parameter
+        (a mass factor per body)."""
+        shape = self._shapes[name]
+        if not shape:
+            return self.rng.uniform(*self.range[name])
+        values = [self.rng.uniform(*self.range[name]) for _ in range(int(np.prod(shape)))]
+        return torch.tensor(values, dtype=torch.float64).reshape(shape)
 
     def _ranges(self) -> dict[str, float]:
         return {f"{n}.{side}": self.range[n][i] for n in self.names for i, side in enumerate(("low", "high"))}

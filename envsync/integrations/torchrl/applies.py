@@ -18,6 +18,7 @@ envs, the gymnasium env ``GymEnv`` holds, its wrappers, and the unwrapped env.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,45 +28,25 @@ from torchrl.envs import EnvBase
 
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.factory import split
+from envsync.integrations.torchrl.paths import AttributePath, as_built, check_factor, scaled
 from envsync.protocol import ApplyAt
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, Leaf, chain_names, config_kwargs, wrapper_chain
 
-_MISSING = object()
+Finish = Callable[[Any], None]
+"""Called after an apply has set its attributes, with the innermost object along the env's
+wrapper chain (the unwrapped gymnasium env, or the torchrl base env): recomputes what the env
+derives from them. Picklable with cloudpickle (it travels to the workers with the apply)."""
 
 
-def _holds(owner: Any, name: str) -> bool:
-    """Whether ``owner`` itself holds a settable data attribute ``name`` (no ``__getattr__``
-    forwarding, as torchrl's wrappers do; no method; no read-only property)."""
-    found = inspect.getattr_static(owner, name, _MISSING)
-    if found is _MISSING or inspect.isroutine(found):
-        return False
-    return not isinstance(found, property) or found.fset is not None
+def _flat(config: Any) -> FlatConfig:
+    """A config as :meth:`Attributes.bind`'s function takes it: leaves by dotted name."""
+    leaves = config.items(include_nested=True, leaves_only=True)
+    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in leaves}
 
 
-def attribute_owner(env: Any, name: str) -> Any:
-    """The first object along the env's wrapper chain that holds attribute ``name``.
-
-    Raises:
-        ValidationError: none does (the message names the chain searched).
-    """
-    if "." in name:
-        raise ValidationError(f"attributes() sets plain attribute names; {name!r} is nested")
-    owners = wrapper_chain(env)
-    for owner in owners:
-        if _holds(owner, name):
-            return owner
-    raise ValidationError(
-        f"attributes(): no object along the env's wrapper chain has an attribute {name!r} "
-        f"(searched {chain_names(owners)})"
-    )
-
-
-def _like(current: Any, value: Any) -> Any:
-    """``value`` (a number or a tensor, from :func:`config_kwargs`) in the form the attribute holds."""
-    if isinstance(current, np.ndarray) and isinstance(value, torch.Tensor):
-        return value.numpy().astype(current.dtype)
-    return value
+def _innermost(env: Any) -> Any:
+    return wrapper_chain(env)[-1]
 
 
 def template_value(name: str, value: Any) -> bool | int | float | torch.Tensor:
@@ -79,20 +60,61 @@ def template_value(name: str, value: Any) -> bool | int | float | torch.Tensor:
     if isinstance(value, bool | np.bool_):
         return torch.tensor(bool(value))
     if isinstance(value, int | float | np.ndarray | np.generic):
-        return torch.as_tensor(np.asarray(value)).clone()
+        return torch.as_tensor(np.array(value))
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
     raise ValidationError(f"from_env: {name!r} holds a {type(value).__name__}, not a number or an array")
 
 
-class Attributes:
-    """Sets each config name as an attribute of the first object along the env's wrapper
-    chain that has it: the torchrl env, its base envs, ``GymEnv``'s gymnasium env, its
-    wrappers, the unwrapped env (Pendulum's ``g``, CartPole's ``gravity``).
+_SCRATCH: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+"""Per MuJoCo model, the spare ``MjData`` that :func:`mj_set_const` computes on."""
 
-    A name found nowhere is a :class:`~envsync.ValidationError` when the env is built (for
-    the main process's probe env: at attach), naming the chain searched. Build it with
+
+def mj_set_const(env: Any) -> None:
+    """A ``finish=`` for MuJoCo envs: ``mujoco.mj_setConst`` on the env's model, which
+    recomputes the constants MuJoCo derives from the model (``body_subtreemass``, the
+    ``*_invweight0`` the constraint solver scales by, ``actuator_acc0``) as compiling a model
+    with the new values would. It computes on a spare ``MjData`` (``mj_setConst`` moves the
+    ``qpos`` of the data it is given), so the episode in progress is untouched.
+
+    Args:
+        env: an object with ``model`` (``mujoco.MjModel``): gymnasium's ``MujocoEnv``, as
+            ``finish`` receives it.
+
+    Examples:
+        >>> import gymnasium as gym
+        >>> cheetah = gym.make("HalfCheetah-v5").unwrapped
+        >>> cheetah.model.body_mass[1] *= 2
+        >>> mj_set_const(cheetah)
+        >>> round(float(cheetah.model.body_subtreemass[0]), 2)
+        20.25
+    """
+    import mujoco
+
+    model = env.model
+    scratch = _SCRATCH.get(model)
+    if scratch is None:
+        scratch = _SCRATCH[model] = mujoco.MjData(model)
+    mujoco.mj_setConst(model, scratch)
+
+
+class Attributes:
+    """Sets each config name as an attribute path along the env's wrapper chain: the first
+    part is found on the first object that holds it (the torchrl env, its base envs,
+    ``GymEnv``'s gymnasium env, its wrappers, the unwrapped env), the rest followed as
+    attributes (``"model.body_mass"``, nested ``{"model": {"body_mass": ...}}`` in a config).
+    An array at the end of a path (a MuJoCo model's ``body_mass``, a tensor) is written in
+    place, keeping its dtype and shape; a number is set (Pendulum's ``g``).
+
+    A path found nowhere, or a value that does not fit (another shape, a dtype that does not
+    cast within its kind), is a :class:`~envsync.ValidationError` naming the path when the
+    env is built (for the main process's probe env: at attach). ``finish``, if given, is
+    called after every apply with the innermost object of the chain, to recompute what the
+    env derives from the attributes set (CartPole's ``polemass_length``). Build it with
     :func:`envsync.apply.attributes`.
+
+    Args:
+        finish: recomputes derived parameters after the attributes are set.
 
     Examples:
         >>> from torchrl.envs import GymEnv
@@ -102,29 +124,110 @@ class Attributes:
         {'g': 3.5, 'max_speed': 8}
     """
 
+    def __init__(self, finish: Finish | None = None) -> None:
+        self.finish = finish
+
     def bind(self, env: Any) -> Callable[[FlatConfig], None]:
-        """The function that sets a whole config on ``env`` (owners found on first use)."""
-        owners: dict[str, Any] = {}
+        """The function that sets a whole config on ``env`` (paths resolved and checked on
+        first use)."""
+        paths: dict[str, AttributePath] = {}
 
         def apply(config: FlatConfig) -> None:
-            for name, value in config_kwargs(config).items():
-                owner = owners.get(name)
-                if owner is None:
-                    owner = owners[name] = attribute_owner(env, name)
-                setattr(owner, name, _like(getattr(owner, name), value))
+            for name, value in config.items():
+                path = paths.get(name)
+                if path is None:
+                    path = AttributePath.resolve(env, name)
+                    path.check(value)
+                    paths[name] = path
+                path.write(value)
+            if self.finish is not None and config:
+                self.finish(_innermost(env))
 
         return apply
 
     def __call__(self, env: Any, config: Any) -> None:
         """As an ``apply=`` callable ``fn(env, config)`` (a natively batched env calls it so)."""
-        self.bind(env)({k: v for k, v in config.items(include_nested=True, leaves_only=True)})
+        self.bind(env)(_flat(config))
 
     def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
-        """The current values of ``names``, read where :meth:`bind` would set them."""
-        return {name: getattr(attribute_owner(env, name), name) for name in names}
+        """The current values of ``names`` (paths), read where :meth:`bind` would set them."""
+        return {name: AttributePath.resolve(env, name).get() for name in names}
 
     def __repr__(self) -> str:
-        return "envsync.apply.attributes()"
+        finish = "" if self.finish is None else f"finish={self.finish!r}"
+        return f"envsync.apply.attributes({finish})"
+
+
+class Scales:
+    """Scales attributes relative to their values as built: each config value is a factor,
+    and the attribute becomes *as built × factor*, written in place as
+    :class:`Attributes` writes (a template of ones, version 0, is the env as built).
+
+    ``targets`` maps a config name to the attribute path(s) it scales (``{"mass":
+    ["model.body_mass", "model.body_inertia"]}``); a name it does not map scales the
+    attribute path of its own name. A factor's dims are aligned with the attribute's leading
+    dims: shape ``()`` scales every element, ``(8,)`` each body's row of an ``(8,)`` or an
+    ``(8, 3)`` array. The values as built are read when a path is first written and kept
+    with the env. Build it with :func:`envsync.apply.scales`.
+
+    Args:
+        targets: config name -> the attribute path or paths it scales.
+        finish: as for :class:`Attributes`.
+
+    Examples:
+        >>> from torchrl.envs import GymEnv
+        >>> env = GymEnv("Pendulum-v1")
+        >>> apply = Scales({"heavier": ["g", "m"]}).bind(env)
+        >>> apply({"heavier": np.array(2.0)}); apply({"heavier": np.array(3.0)})
+        >>> Attributes().read(env, ["g", "m"])
+        {'g': 30.0, 'm': 3.0}
+    """
+
+    def __init__(self, targets: Mapping[str, str | Sequence[str]] | None = None, finish: Finish | None = None) -> None:
+        self.targets = {n: [p] if isinstance(p, str) else list(p) for n, p in (targets or {}).items()}
+        self.finish = finish
+
+    def paths_of(self, name: str) -> list[str]:
+        """The attribute paths config name ``name`` scales."""
+        return self.targets.get(name, [name])
+
+    def bind(self, env: Any) -> Callable[[FlatConfig], None]:
+        """The function that scales ``env``'s attributes by a whole config."""
+        resolved: dict[str, list[AttributePath]] = {}
+
+        def apply(config: FlatConfig) -> None:
+            for name, value in config.items():
+                factor = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+                paths = resolved.get(name)
+                if paths is None:
+                    paths = [AttributePath.resolve(env, p) for p in self.paths_of(name)]
+                    for path in paths:
+                        check_factor(path, factor)
+                        as_built(path)
+                    resolved[name] = paths
+                for path in paths:
+                    path.write(scaled(as_built(path), factor))
+            if self.finish is not None and config:
+                self.finish(_innermost(env))
+
+        return apply
+
+    def __call__(self, env: Any, config: Any) -> None:
+        """As an ``apply=`` callable ``fn(env, config)``."""
+        self.bind(env)(_flat(config))
+
+    def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
+        """A factor of ones for each name, one per element of the first attribute it scales
+        (the env as built; give a template of ``1.0`` instead for one factor for all)."""
+        out = {}
+        for name in names:
+            current = AttributePath.resolve(env, self.paths_of(name)[0]).get()
+            out[name] = np.ones(tuple(current.shape)) if isinstance(current, np.ndarray | torch.Tensor) else 1.0
+        return out
+
+    def __repr__(self) -> str:
+        finish = "" if self.finish is None else f", finish={self.finish!r}"
+        return f"envsync.apply.scales({self.targets!r}{finish})"
 
 
 def _rebuilder(env: Any) -> Any:
@@ -209,7 +312,7 @@ class Rebuild:
 
     def __call__(self, env: Any, config: Any) -> None:
         """As an ``apply=`` callable ``fn(env, config)``."""
-        self.bind(env)({k: v for k, v in config.items(include_nested=True, leaves_only=True)})
+        self.bind(env)(_flat(config))
 
     def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
         """The constructor arguments ``names``: as the env was made, else the constructor's
@@ -226,7 +329,7 @@ class Rebuild:
             elif default is not inspect.Parameter.empty:
                 out[name] = default
             else:
-                out[name] = Attributes().read(env, [name])[name]
+                out[name] = AttributePath.resolve(env, name).get()
         return out
 
     def check_spec(self, spec: ApplySpec) -> None:
@@ -266,7 +369,7 @@ def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, An
     env ``make_env`` builds (or is), by ``apply.read`` (attributes along the chain for an
     apply without one), each as a tensor of its own dtype."""
     if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise ValidationError(f"from_env: config must be a list of names, got {names!r}")
+        raise ValidationError(f"from_env: config must be a list of names or dotted paths, got {names!r}")
     built = not isinstance(make_env, EnvBase)
     env = make_env() if built else make_env
     make_leaf = split(env).make_leaf
@@ -279,7 +382,14 @@ def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, An
             leaf.close()
         if built:
             env.close(raise_if_closed=False)
-    return {name: template_value(name, value) for name, value in values.items()}
+    template: dict[str, Any] = {}
+    for name, value in values.items():  # a dotted path becomes a nested name, as configs nest
+        *parents, last = name.split(".")
+        into = template
+        for part in parents:
+            into = into.setdefault(part, {})
+        into[last] = template_value(name, value)
+    return template
 
 
-__all__ = ["Attributes", "Rebuild", "attribute_owner", "read_config", "template_value"]
+__all__ = ["Attributes", "Finish", "Rebuild", "Scales", "mj_set_const", "read_config", "template_value"]

@@ -1,0 +1,220 @@
+"""Attribute paths into an env: where ``envsync.apply.attributes()`` and ``scales()`` write.
+
+A config name ``"model.body_mass"`` (nested ``{"model": {"body_mass": ...}}`` in a config) is
+an attribute path: its first part is found along :func:`envsync.state.wrapper_chain` (the
+first object that holds it), the rest is followed as attributes. An array at the end of the
+path (a numpy array such as a MuJoCo model's ``body_mass``, or a tensor) is written in place,
+keeping its dtype and shape, so a simulator that reads that memory sees the new values at its
+next step; anything else is set with ``setattr``.
+
+A value that does not fit (another shape, a dtype that does not cast within its kind, an array
+for a number) is a :class:`~envsync.ValidationError` naming the path, raised where the path is
+first written: when the env is built, in the main process for the sender's probe env.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from envsync.errors import ValidationError
+from envsync.state import Leaf, chain_names, wrapper_chain
+
+_MISSING = object()
+
+Array = np.ndarray | torch.Tensor
+
+
+def _holds(owner: Any, name: str, *, settable: bool) -> bool:
+    """Whether ``owner`` itself holds a data attribute ``name`` (no ``__getattr__``
+    forwarding, as torchrl's wrappers do; no method; with ``settable``, no read-only property)."""
+    found = inspect.getattr_static(owner, name, _MISSING)
+    if found is _MISSING or inspect.isroutine(found):
+        return False
+    return not settable or not isinstance(found, property) or found.fset is not None
+
+
+def find_owner(env: Any, name: str, *, settable: bool = True) -> Any:
+    """The first object along the env's wrapper chain that holds attribute ``name``.
+
+    Raises:
+        ValidationError: none does (the message names the chain searched).
+    """
+    owners = wrapper_chain(env)
+    for owner in owners:
+        if _holds(owner, name, settable=settable):
+            return owner
+    raise ValidationError(
+        f"attributes(): no object along the env's wrapper chain has an attribute {name!r} "
+        f"(searched {chain_names(owners)})"
+    )
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray | torch.Tensor)
+
+
+def _describe(value: Any) -> str:
+    if _is_array(value):
+        return f"a {str(value.dtype).removeprefix('torch.')} array of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+@dataclass(frozen=True)
+class AttributePath:
+    """One attribute path, resolved on one env: the object holding its first part, and the
+    rest of the path from there.
+
+    Examples:
+        >>> from torchrl.envs import GymEnv
+        >>> path = AttributePath.resolve(GymEnv("Pendulum-v1"), "g")
+        >>> type(path.owner).__name__, path.get()
+        ('PendulumEnv', 10.0)
+    """
+
+    name: str
+    owner: Any
+    rest: tuple[str, ...]
+
+    @classmethod
+    def resolve(cls, env: Any, name: str) -> AttributePath:
+        """Find ``name``'s first part along ``env``'s chain and check the rest exists.
+
+        Raises:
+            ValidationError: a part of the path that does not exist.
+        """
+        first, *rest = name.split(".")
+        path = cls(name, find_owner(env, first, settable=not rest), tuple(rest))
+        if rest:
+            path._step(path.parent(), rest[-1], len(rest))
+        return path
+
+    def parent(self) -> Any:
+        """The object that holds the path's last attribute."""
+        if not self.rest:
+            return self.owner
+        obj = getattr(self.owner, self.name.split(".")[0])
+        for depth, part in enumerate(self.rest[:-1], start=1):
+            obj = self._step(obj, part, depth)
+        return obj
+
+    def _step(self, obj: Any, part: str, depth: int) -> Any:
+        value = getattr(obj, part, _MISSING)
+        if value is _MISSING or inspect.isroutine(value):
+            followed = ".".join(self.name.split(".")[:depth])
+            raise ValidationError(
+                f"attributes(): {self.name!r}: {followed!r} ({type(obj).__name__}) has no attribute {part!r}"
+            )
+        return value
+
+    @property
+    def last(self) -> str:
+        """The attribute the path ends with."""
+        return (self.rest or (self.name,))[-1]
+
+    def get(self) -> Any:
+        """The attribute's current value (an array is the env's own, not a copy)."""
+        return getattr(self.parent(), self.last)
+
+    def check(self, value: Leaf) -> None:
+        """Refuse a value that the attribute cannot take as it is.
+
+        Raises:
+            ValidationError: an array of another shape or of a dtype that does not cast
+                within its kind; an array (not 0-d) for an attribute that is not one.
+        """
+        current = self.get()
+        shape = tuple(value.shape)
+        if _is_array(current):
+            if isinstance(current, torch.Tensor):
+                fits = torch.can_cast(torch.as_tensor(value).dtype, current.dtype)
+            else:
+                source = value.numpy() if isinstance(value, torch.Tensor) else value
+                fits = np.can_cast(source.dtype, current.dtype, casting="same_kind")
+            if shape != tuple(current.shape) or not fits:
+                raise ValidationError(
+                    f"attributes(): {self.name!r} is {_describe(current)}, written in place; "
+                    f"the config gives {_describe(value)}"
+                )
+        elif shape != ():
+            given = _describe(value)
+            raise ValidationError(f"attributes(): {self.name!r} is {_describe(current)}; the config gives {given}")
+
+    def write(self, value: Leaf | np.generic) -> None:
+        """Write ``value`` into the array in place, or set the attribute to the number."""
+        parent = self.parent()
+        current = getattr(parent, self.last)
+        if isinstance(current, np.ndarray):
+            np.copyto(current, value.numpy() if isinstance(value, torch.Tensor) else value, casting="same_kind")
+        elif isinstance(current, torch.Tensor):
+            current.copy_(torch.as_tensor(value))
+        else:
+            setattr(parent, self.last, value.item() if isinstance(value, np.generic) or _is_array(value) else value)
+
+
+_BUILT: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+"""Per owner object (the unwrapped env, say), the values its paths had before envsync first
+wrote them: what a scale is relative to. Kept with the env, not with an apply's binding, since
+an env is bound more than once (when built, and again when a collector binds it)."""
+
+
+def as_built(path: AttributePath) -> Any:
+    """The value ``path`` had before any scale was written to it (a copy, read on first call).
+
+    Examples:
+        >>> from torchrl.envs import GymEnv
+        >>> env = GymEnv("Pendulum-v1")
+        >>> path = AttributePath.resolve(env, "g")
+        >>> as_built(path)
+        10.0
+        >>> path.write(np.array(3.0)); as_built(path)
+        10.0
+    """
+    try:
+        built = _BUILT.setdefault(path.owner, {})
+    except TypeError as err:
+        raise ValidationError(f"scales(): {type(path.owner).__name__} holding {path.name!r} cannot be tracked") from err
+    if path.name not in built:
+        current = path.get()
+        built[path.name] = current.copy() if isinstance(current, np.ndarray) else (
+            current.clone() if isinstance(current, torch.Tensor) else current
+        )
+    return built[path.name]
+
+
+def scaled(built: Any, factor: np.ndarray) -> np.ndarray:
+    """``built`` times ``factor``, the factor's dims aligned with the leading dims of ``built``
+    (a per-body factor of shape ``(8,)`` scales every column of an ``(8, 3)`` array).
+
+    Examples:
+        >>> scaled(np.ones((2, 3)), np.array([2.0, 3.0]))
+        array([[2., 2., 2.],
+               [3., 3., 3.]])
+    """
+    base = built.numpy() if isinstance(built, torch.Tensor) else np.asarray(built)
+    return base * factor.reshape(factor.shape + (1,) * (base.ndim - factor.ndim))
+
+
+def check_factor(path: AttributePath, factor: np.ndarray) -> None:
+    """Refuse a scale factor whose shape is not a leading part of the attribute's shape.
+
+    Raises:
+        ValidationError: naming the path, its shape and the factor's.
+    """
+    current = path.get()
+    shape = tuple(current.shape) if _is_array(current) else ()
+    if not _is_array(current) and not isinstance(current, int | float | np.generic):
+        raise ValidationError(f"scales(): {path.name!r} is {_describe(current)}, not a number or an array")
+    if tuple(factor.shape) != shape[: factor.ndim]:
+        raise ValidationError(
+            f"scales(): {path.name!r} has shape {shape}; a scale must have a leading part of it "
+            f"(() for all, {shape[:1]} per row), got {tuple(factor.shape)}"
+        )
+
+
+__all__ = ["AttributePath", "as_built", "check_factor", "find_owner", "scaled"]
