@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDictBase
 
+from envsync.configure import apply_config
 from envsync.errors import ValidationError
 from envsync.levels import BATCHED, selector_level, split_reinit
 from envsync.reinit import Chain, ReinitSpec, compute_in_main, plan, stats_entries, stats_indices, stats_sources
-from envsync.state import EnvStateTemplate, Leaf, StatePath, apply_config, state_leaves, tensor_of
+from envsync.state import EnvStateTemplate, Leaf, StatePath, state_leaves, tensor_of
 
 if TYPE_CHECKING:
     from envsync.spec import ApplySpec

@@ -24,8 +24,8 @@ from typing import Any, Literal, Protocol
 import torch
 
 from envsync import stats
+from envsync.configure import env_state_dict
 from envsync.errors import ValidationError
-from envsync.state import env_state_dict
 
 Selector = type | str | int
 

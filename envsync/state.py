@@ -1,4 +1,5 @@
-"""The desired env state: the config template, its validation, and applying it to an env.
+"""The desired env state: the config template and the env-state template, and their validation
+(how an env takes a config is :mod:`envsync.configure`).
 
 The *config* is a fixed set of named numbers or tensors (nested mappings allowed) whose names,
 shapes and dtypes are set by the template. The *env state* is a subset of an env's
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from envsync.buffers import BUFFERS
 from envsync.errors import ValidationError
 
 ConfigValue = int | float | bool | torch.Tensor | Mapping[str, Any]
@@ -58,7 +58,7 @@ _PLAIN = (bool, int, float, torch.Tensor, np.ndarray)
 """Leaf types that are never mappings (checked before the costlier ``Mapping`` ABC)."""
 
 
-def _flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict[str, Any]:
+def flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings (or a TensorDict) of config names (no dots) into dot-joined
     paths to their leaves."""
     if isinstance(values, TensorDictBase):
@@ -74,14 +74,14 @@ def _flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict
             raise ValidationError(f"{what} name {name!r} must be a non-empty string without '.'")
         path = f"{prefix}{name}"
         if not isinstance(value, _PLAIN) and isinstance(value, Mapping):  # numbers skip the ABC check
-            flat.update(_flatten(value, what=what, expected=expected, prefix=f"{path}."))
+            flat.update(flatten(value, what=what, expected=expected, prefix=f"{path}."))
         else:
             flat[path] = value
     return flat
 
 
-def _flatten_config(values: Any) -> dict[str, Any]:
-    return _flatten(values, what="config", expected="a mapping of names to values")
+def flatten_config(values: Any) -> dict[str, Any]:
+    return flatten(values, what="config", expected="a mapping of names to values")
 
 
 def nest(flat: Mapping[str, Leaf], *, copy: bool = False) -> TensorDict:
@@ -102,74 +102,6 @@ def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
         raise ValidationError(
             f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
         )
-
-
-class Buffers:
-    """Where the copy of a large pushed tensor goes: into the buffer of an earlier push of
-    the same shape and dtype that nothing references any more (no Python reference, no view
-    of its storage: the sender's records, a rollback's undo and the config history drop
-    theirs as they move on), else a new one. A fresh 32 MB buffer costs its page faults,
-    about 6x a copy into a warm one; a push of a fixed-shape payload allocates nothing once
-    warm. Small tensors are copied plainly."""
-
-    MIN_BYTES = 1 << 20
-    KEEP = 6
-    """Buffers kept per shape and dtype (the records hold a few: current, undo, history)."""
-
-    def __init__(self) -> None:
-        self._pools: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def copy(self, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """A copy of ``value`` as a CPU tensor of ``dtype``, never ``value`` itself."""
-        nbytes = value.numel() * dtype.itemsize
-        if nbytes < self.MIN_BYTES or _storage_uses is None:
-            return value.to(device="cpu", dtype=dtype, copy=True)
-        key = (tuple(value.shape), dtype)
-        with self._lock:
-            pool = self._pools.setdefault(key, [])
-            for buffer in pool:
-                # referenced by the pool and this loop only (and getrefcount's argument), its
-                # storage by this tensor only (and the storage object asked for here)
-                if sys.getrefcount(buffer) == 3 and _storage_uses(buffer) == 2:
-                    return buffer.copy_(value)
-            buffer = value.to(device="cpu", dtype=dtype, copy=True)
-            if len(pool) < self.KEEP:
-                pool.append(buffer)
-            return buffer
-
-
-class ArrayBuffers:
-    """:class:`Buffers` for numpy copies (a worker's copy of a large config value out of
-    shared memory): into an earlier copy's array of the same shape and dtype that nothing
-    references any more (the env, the receiver's previous config and any view let go of it)."""
-
-    def __init__(self) -> None:
-        self._pools: dict[tuple[tuple[int, ...], np.dtype], list[np.ndarray]] = {}
-
-    def copy(self, view: np.ndarray) -> np.ndarray:
-        if view.nbytes < Buffers.MIN_BYTES:
-            return view.copy()
-        pool = self._pools.setdefault((view.shape, view.dtype), [])
-        for array in pool:
-            if sys.getrefcount(array) == 3:  # the pool, this loop, getrefcount's argument
-                np.copyto(array, view)
-                return array
-        array = view.copy()
-        if len(pool) < Buffers.KEEP:
-            pool.append(array)
-        return array
-
-
-def _storage_uses(tensor: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
-
-
-if not hasattr(torch._C, "_storage_Use_Count"):  # a torch without it: no reuse
-    _storage_uses = None  # type: ignore[assignment]
-
-BUFFERS = Buffers()
-"""The buffers of this process's pushes."""
 
 
 @functools.cache
@@ -256,7 +188,7 @@ class ConfigTemplate:
     """
 
     def __init__(self, config: Mapping[str, ConfigValue], *, allow_nonfinite: bool = False) -> None:
-        flat = {path: _leaf_tensor(path, v) for path, v in _flatten_config(config).items()}
+        flat = {path: _leaf_tensor(path, v) for path, v in flatten_config(config).items()}
         if not allow_nonfinite:
             for path, tensor in flat.items():
                 _check_finite("config value", path, tensor)
@@ -288,7 +220,7 @@ class ConfigTemplate:
     def fit(self, values: Mapping[str, Any] | TensorDictBase) -> dict[str, Leaf]:
         """Like :meth:`validate`, but flat: dotted names to fresh values (a plain number for a
         0-d leaf becomes a numpy array, see :data:`Leaf`; everything else a tensor)."""
-        return {path: self._fit_named(path, value) for path, value in _flatten_config(values).items()}
+        return {path: self._fit_named(path, value) for path, value in flatten_config(values).items()}
 
     def _fit_named(self, path: str, value: Any) -> Leaf:
         like = self._flat.get(path)
@@ -315,7 +247,7 @@ class ConfigTemplate:
         batch = tuple(values.batch_size) if isinstance(values, TensorDictBase) else ()
         if batch and batch != (count,):
             raise ValidationError(f"a config with batch size {list(batch)} needs one row per targeted env: [{count}]")
-        flat = _flatten_config(values)
+        flat = flatten_config(values)
 
         def per_env(path: str, value: Any) -> bool:
             like = self._flat.get(path)
@@ -380,7 +312,7 @@ def state_leaves(state: Mapping[Any, Any] | TensorDictBase) -> dict[StatePath, A
     return leaves
 
 
-def _is_state_tensor(value: Any) -> bool:
+def is_state_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not torch.nn.parameter.is_lazy(value)
 
 
@@ -413,7 +345,7 @@ class EnvStateTemplate:
         allow_nonfinite: bool = False,
         covers: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
-        leaves = {path: v for path, v in state_leaves(state_dict).items() if _is_state_tensor(v)}
+        leaves = {path: v for path, v in state_leaves(state_dict).items() if is_state_tensor(v)}
         self.covers = {prefix: list(keys) for prefix, keys in (covers or {}).items()}
         """Per derived statistics prefix (``stats.<index>``), the entries holding the same
         statistics under torchrl's keys (a push of the prefix supersedes them); empty for a
@@ -483,98 +415,12 @@ class EnvStateTemplate:
         return self._flat
 
 
-def config_kwargs(config: TensorDictBase | Mapping[str, Leaf]) -> dict[str, Any]:
-    """Turn a config (nested, or flat by dotted name) into keyword arguments: 0-d values
-    become Python numbers, others fresh tensors, dotted names nested mappings.
-
-    Examples:
-        >>> config_kwargs(TensorDict({"a": torch.tensor(2.5), "b": {"c": torch.ones(2)}}))
-        {'a': 2.5, 'b': {'c': tensor([1., 1.])}}
-        >>> config_kwargs({"a": torch.tensor(1), "b.c": np.array(True), "d": np.zeros(2)})
-        {'a': 1, 'b': {'c': True}, 'd': tensor([0., 0.], dtype=torch.float64)}
-    """
-    flat = _flatten(config, what="config", expected="a mapping") if isinstance(config, TensorDictBase) else config
-    out: dict[str, Any] = {}
-    for name, value in flat.items():
-        *path, leaf = name.split(".")
-        into = out
-        for part in path:
-            into = into.setdefault(part, {})
-        if value.ndim == 0:
-            into[leaf] = value.item()
-        else:
-            into[leaf] = torch.from_numpy(value.copy()) if isinstance(value, np.ndarray) else value.clone()
-    return out
-
-
-def wrapper_chain(env: Any) -> list[Any]:
-    """The env, its base envs, then the library env a torchrl wrapper holds (``GymEnv``'s
-    gymnasium env) and its wrappers down to the unwrapped env: where envsync looks names up.
-
-    Examples:
-        >>> from torchrl.envs import GymEnv, StepCounter, TransformedEnv
-        >>> [type(o).__name__ for o in wrapper_chain(TransformedEnv(GymEnv("Pendulum-v1"), StepCounter()))]
-        ['TransformedEnv', 'GymEnv', 'TimeLimit', 'OrderEnforcing', 'PendulumEnv']
-    """
-    owners = [env]
-    while hasattr(owners[-1], "base_env"):
-        owners.append(owners[-1].base_env)
-    inner = getattr(owners[-1], "_env", None)  # torchrl's library wrappers keep the library env there
-    while inner is not None:
-        owners.append(inner)
-        unwrapped = getattr(inner, "unwrapped", inner)
-        inner = None if unwrapped is inner else getattr(inner, "env", unwrapped)
-    return owners
-
-
-def chain_names(owners: list[Any]) -> str:
-    """The chain as a reader follows it: ``TransformedEnv -> GymEnv -> ... -> PendulumEnv``."""
-    return " -> ".join(type(o).__name__ for o in owners)
-
-
-def find_config_method(env: Any, name: str) -> Callable[..., Any]:
-    """Look ``name`` up along :func:`wrapper_chain`: the env, its base envs, then the
-    gymnasium env, its wrappers and the unwrapped env.
-
-    Raises:
-        ValidationError: no such method anywhere along the chain.
-    """
-    owners = wrapper_chain(env)
-    for owner in owners:
-        method = getattr(type(owner), name, None)
-        if method is not None and callable(method):
-            return getattr(owner, name)
-    raise ValidationError(f"apply={name!r}: no such method on the env or its wrappers ({chain_names(owners)})")
+def _dotted(key: str | tuple[str, ...]) -> str:
+    return ".".join(key) if isinstance(key, tuple) else key
 
 
 FlatConfig = Mapping[str, Leaf]
 """A whole config by dotted name, as a link carries it."""
-
-
-def config_applier(env: Any, apply: str | ApplyFn | None) -> Callable[[FlatConfig], None]:
-    """Resolve, once, how ``env`` takes a whole (flat) config: its config method, called with
-    keyword arguments; a built-in apply's ``bind(env)`` (see ``envsync.apply``); or the
-    user's callable, called with a nested ``TensorDict``.
-    (Looking a method up through torchrl's env wrappers costs ~0.2 ms.)"""
-    if apply is None:
-        return lambda config: None
-    if isinstance(apply, str):
-        method = find_config_method(env, apply)
-        return lambda config: method(**config_kwargs(config))
-    bind = getattr(apply, "bind", None)
-    if bind is not None:  # a built-in apply (envsync.apply): resolves its targets on this env once
-        applier: Callable[[FlatConfig], None] = bind(env)
-        return applier
-    return lambda config: apply(env, nest(dict(config)))
-
-
-def apply_config(env: Any, apply: str | ApplyFn | None, config: TensorDictBase) -> None:
-    """Apply a whole config to an env once (see :func:`config_applier` to apply repeatedly)."""
-    config_applier(env, apply)(_flatten(config, what="config", expected="a mapping"))
-
-
-def _dotted(key: str | tuple[str, ...]) -> str:
-    return ".".join(key) if isinstance(key, tuple) else key
 
 
 def flat_names(values: TensorDictBase) -> dict[str, torch.Tensor]:
@@ -585,21 +431,3 @@ def flat_names(values: TensorDictBase) -> dict[str, torch.Tensor]:
         ['a', 'b.c']
     """
     return {_dotted(k): v for k, v in values.items(True, True)}
-
-
-def env_state_dict(env: Any, *, keep_vars: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of ``env.state_dict()`` by envsync's flat name (torchrl's keys, nested
-    entries dot-joined: :func:`state_leaves`); lazy buffers left out. With ``keep_vars`` they
-    are the env's own tensors, extra state included (``VecNormV2``'s ``_extra_state`` holds
-    its live statistics): copying into them in place loads a single entry, where torchrl's
-    ``load_state_dict`` takes only a whole extra state and re-points the transform at it.
-
-    Examples:
-        >>> from torchrl.envs import ObservationNorm, TransformedEnv
-        >>> from envsync.envs import make_drift_env
-        >>> norm = ObservationNorm(loc=torch.zeros(2), scale=torch.ones(2), in_keys=["observation"])
-        >>> sorted(env_state_dict(TransformedEnv(make_drift_env(), norm)))
-        ['loc', 'scale', 'standard_normal']
-    """
-    leaves = state_leaves(env.state_dict(keep_vars=True))  # keep_vars=False detaches lazy buffers: raises
-    return {state_name(p): v if keep_vars else v.detach() for p, v in leaves.items() if _is_state_tensor(v)}

@@ -34,7 +34,7 @@ LOC_KEY = "transforms.1.loc"
 OBSERVATION = 4
 """Numbers per observation: ``[difficulty, label, step, table]``."""
 TABLE = 1 << 18
-"""Floats of the ``table`` config value (1 MB: ``envsync.state.Buffers.MIN_BYTES``)."""
+"""Floats of the ``table`` config value (1 MB: ``envsync.buffers.Buffers.MIN_BYTES``)."""
 
 
 def uniform(table: torch.Tensor) -> float:

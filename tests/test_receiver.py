@@ -11,11 +11,12 @@ import torch
 from helpers import make_normed_counter_env, run_to_exit
 
 from envsync import EnvStateSender, WorkerApplyError
+from envsync.configure import config_applier, env_state_dict
 from envsync.links.local import LocalLink
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
-from envsync.state import FlatConfig, config_applier, env_state_dict
+from envsync.state import FlatConfig
 
 
 class EnvAdapter:

@@ -8,15 +8,9 @@ from tensordict import TensorDict
 from torchrl.envs import ObservationNorm, TransformedEnv
 
 from envsync import ValidationError
+from envsync.configure import apply_config, config_kwargs, env_state_dict, find_config_method
 from envsync.envs import make_drift_env
-from envsync.state import (
-    ConfigTemplate,
-    EnvStateTemplate,
-    apply_config,
-    config_kwargs,
-    env_state_dict,
-    find_config_method,
-)
+from envsync.state import ConfigTemplate, EnvStateTemplate
 
 
 def test_template_fixes_names_shapes_and_dtypes() -> None:
@@ -122,7 +116,7 @@ def test_large_pushed_copies_reuse_only_buffers_nothing_holds() -> None:
     """A large pushed tensor is copied into an earlier push's buffer once nothing references
     it (no allocation per push of a fixed-shape payload), and never into one that something
     still holds: a reference, a view of its storage, a numpy array of it."""
-    from envsync.state import Buffers
+    from envsync.buffers import Buffers
 
     buffers = Buffers()
     n = Buffers.MIN_BYTES // 4

@@ -31,10 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
 from envsync.links.base import BROADCAST, Header, Key
 from envsync.protocol import NO_FAILURE, Answer, Counts, WorkerStatus, all_settled, any_owing
-from envsync.state import ArrayBuffers, Leaf, numpy_view, tensor_of
+from envsync.state import Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
 COUNTERS = (

@@ -25,13 +25,14 @@ from tensordict import TensorDictBase
 from torchrl.envs import EnvBase
 
 from envsync import reinit
+from envsync.configure import config_applier, env_state_dict
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.chain import chain_of, runner
 from envsync.links.base import LinkHandle
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
-from envsync.state import FlatConfig, config_applier, env_state_dict
+from envsync.state import FlatConfig
 
 VERSION_KEY = "env_version"
 _UNDER_HOOKS = "_envsync_under_hooks"  # marks the base env of a hooked TransformedEnv

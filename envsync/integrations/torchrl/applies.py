@@ -11,7 +11,7 @@ Each is picklable and has the small interface the rest of envsync looks for:
 * optionally ``check_spec(spec)`` (when the sender is built: the apply mode) and
   ``check_config(env, config)`` (on the probe env, before a push is published).
 
-Objects are looked up along :func:`envsync.state.wrapper_chain`: the torchrl env, its base
+Objects are looked up along :func:`envsync.configure.wrapper_chain`: the torchrl env, its base
 envs, the gymnasium env ``GymEnv`` holds, its wrappers, and the unwrapped env.
 """
 
@@ -26,12 +26,13 @@ import numpy as np
 import torch
 from torchrl.envs import EnvBase
 
+from envsync.configure import chain_names, config_kwargs, wrapper_chain
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.factory import split
 from envsync.integrations.torchrl.paths import AttributePath, as_built, check_factor, scaled
 from envsync.protocol import ApplyAt
 from envsync.spec import ApplySpec
-from envsync.state import FlatConfig, Leaf, chain_names, config_kwargs, wrapper_chain
+from envsync.state import FlatConfig, Leaf
 
 Finish = Callable[[Any], None]
 """Called after an apply has set its attributes, with the innermost object along the env's

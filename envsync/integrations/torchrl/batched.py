@@ -32,6 +32,7 @@ from tensordict import TensorDictBase
 from torchrl.envs import EnvBase, ParallelEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
 
+from envsync.configure import apply_config
 from envsync.errors import EnvSyncError, ValidationError
 from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.adapter import (
@@ -50,7 +51,6 @@ from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver, start_listener
 from envsync.spec import ApplySpec
-from envsync.state import apply_config
 
 BIND = "_envsync_bind"
 APPLY_NOW = "_envsync_apply_now"

@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from torchrl.envs import EnvBase, SerialEnv, TransformedEnv
 from torchrl.envs.batched_envs import BatchedEnvBase
 
+from envsync.configure import apply_config
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks
 from envsync.integrations.torchrl.batched import find_batched, prepare_batched, prepare_leaf
@@ -24,7 +25,6 @@ from envsync.integrations.torchrl.native import prepare_native
 from envsync.levels import split_reinit
 from envsync.probe import Layout, Probe
 from envsync.spec import ApplySpec
-from envsync.state import apply_config
 
 if TYPE_CHECKING:
     from envsync.sender import Sender

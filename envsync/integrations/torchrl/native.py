@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
+from envsync.configure import config_kwargs, env_state_dict, find_config_method
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import truncate_at
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
@@ -38,7 +39,7 @@ from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
-from envsync.state import FlatConfig, config_kwargs, env_state_dict, find_config_method, flat_names, tensor_of
+from envsync.state import FlatConfig, flat_names, tensor_of
 
 
 def _takes_env_ids(fn: Callable[..., Any]) -> bool:

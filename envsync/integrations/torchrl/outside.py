@@ -21,6 +21,7 @@ from tensordict import TensorDictBase
 from torchrl.envs import EnvBase
 
 from envsync import reinit
+from envsync.configure import apply_config, env_state_dict
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import CollectorAdapter, EnvHooks
 from envsync.integrations.torchrl.chain import chain_of
@@ -28,7 +29,6 @@ from envsync.links.base import Flat
 from envsync.links.local import LocalLink
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
-from envsync.state import apply_config, env_state_dict
 
 if TYPE_CHECKING:
     from envsync.sender import Sender

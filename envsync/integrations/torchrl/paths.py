@@ -1,7 +1,7 @@
 """Attribute paths into an env: where ``envsync.apply.attributes()`` and ``scales()`` write.
 
 A config name ``"model.body_mass"`` (nested ``{"model": {"body_mass": ...}}`` in a config) is
-an attribute path: its first part is found along :func:`envsync.state.wrapper_chain` (the
+an attribute path: its first part is found along :func:`envsync.configure.wrapper_chain` (the
 first object that holds it), the rest is followed as attributes. An array at the end of the
 path (a numpy array such as a MuJoCo model's ``body_mass``, or a tensor) is written in place,
 keeping its dtype and shape, so a simulator that reads that memory sees the new values at its
@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from envsync.configure import chain_names, wrapper_chain
 from envsync.errors import ValidationError
-from envsync.state import Leaf, chain_names, wrapper_chain
+from envsync.state import Leaf
 
 _MISSING = object()
 
