@@ -1,11 +1,4 @@
-"""The slot table both links lay out in one block of bytes: per worker, fourteen int64
-counters, two error-text buffers (a failed apply's, a refused gather's), one view per leaf
-of the desired state, for every env-state entry a reply leaf and an "asked" mark (the worker
--> main path of ``gather``), and for every config name a write count (a worker copies out
-only the names written since it last read). After the slots, one broadcast region per config
-name and env-state entry: a value pushed to every worker of the link is written there once,
-and each worker's "source" mark tells it to read that name from the region (config and env
-state take the same path).
+"""How the sender and each worker read and write the slot table (:mod:`envsync.links.table`).
 
 A slot is written by the sender and read by its worker under the worker's *slot lock* (a
 process-shared lock for the shared-memory link), so a reader never sees a half-written
@@ -25,7 +18,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,152 +26,13 @@ import torch
 from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
 from envsync.links.base import BROADCAST, Header, Key
+from envsync.links.table import ERROR_BYTES, Table, pid_alive
 from envsync.protocol import NO_FAILURE, Answer, Counts, WorkerStatus, all_settled, any_owing
-from envsync.state import Leaf, numpy_view, tensor_of
+from envsync.state import Leaf, tensor_of
 
-ERROR_BYTES = 16384
-COUNTERS = (
-    "target",
-    "received",
-    "applied",
-    "failed",
-    "error_len",
-    "pid",
-    "busy",
-    "undo",
-    "ask",
-    "answered",
-    "ran",
-    "obs",
-    "refused",
-    "refusal_len",
-)
-_ALIGN = 64
 _LOCK_TIMEOUT = 10.0
 DRAIN_EVERY = 1024
 """Pushes between two takes-back of unwaited acknowledgement releases (:meth:`SlotWriter.flush`)."""
-_MARKS = ("source", "config_source", "writes", "asked")
-"""The sections of per-worker int64 marks (beside the leaves of the desired state)."""
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` (on this machine) still runs: it exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc: existence is all we can tell
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-@dataclass(frozen=True)
-class Field:
-    """One array of the table: a counter, the error buffer, or a leaf (with a worker dim)."""
-
-    key: tuple[str, ...]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
-
-
-def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int]:
-    """Lay out counters, error buffer and leaves, each 64-byte aligned; return fields and size.
-
-    Examples:
-        >>> fields, size = plan({("config", "x"): torch.zeros(2)}, 3)
-        >>> [f.key for f in fields][-3:], size % 64
-        ([('leaf', 'writes', 'x'), ('leaf', 'config_source', 'x'), ('broadcast', 'config', 'x')], 0)
-    """
-    fields = []
-    offset = 0
-    for name in COUNTERS:
-        fields.append(Field((name,), torch.int64, (num_workers,), offset))
-        offset = _align(offset + 8 * num_workers)
-    for text in ("error", "refusal"):
-        fields.append(Field((text,), torch.uint8, (num_workers, ERROR_BYTES), offset))
-        offset = _align(offset + num_workers * ERROR_BYTES)
-    gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
-    mark = torch.zeros((), dtype=torch.int64)
-    marks = {(kind, k[1]): mark for k in gathered for kind in ("asked", "source")}
-    marks |= {(kind, k[1]): mark for k in leaves if k[0] == "config" for kind in ("writes", "config_source")}
-    for key, leaf in {**leaves, **gathered, **marks}.items():
-        value = tensor_of(leaf)
-        field = Field(("leaf", *key), value.dtype, (num_workers, *value.shape), offset)
-        fields.append(field)
-        offset = _align(offset + field.nbytes)
-    for key, leaf in leaves.items():  # the broadcast region: one copy for every worker
-        if key[0] in BROADCAST:
-            value = tensor_of(leaf)
-            field = Field(("broadcast", *key), value.dtype, tuple(value.shape), offset)
-            fields.append(field)
-            offset = _align(offset + field.nbytes)
-    return fields, max(offset, _ALIGN)
-
-
-class Table:
-    """Typed views of the block: numpy counters, the error buffer, and per worker a dict of
-    leaf views made once (indexing per push would cost more than the copy), as tensors
-    (``slots``) and as numpy arrays (``arrays``; ``None`` where numpy lacks the dtype): small
-    leaves and marks move through numpy, which costs far less than a torch call when the
-    caches are cold."""
-
-    def __init__(self, raw: torch.Tensor, fields: list[Field], num_workers: int) -> None:
-        self.raw = raw
-        self.num_workers = num_workers
-        arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
-        self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
-        self.error = arrays[("error",)].numpy()
-        self.refusal = arrays[("refusal",)].numpy()
-        leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
-        # every worker's value of a mark at once (a push to all workers sets each in one write)
-        self.columns = {k: v.numpy() for k, v in leaves.items() if k[0] in _MARKS}
-        self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
-        self.arrays = [{k: numpy_view(v) for k, v in slot.items()} for slot in self.slots]
-        self.broadcast: dict[Key, torch.Tensor] = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "broadcast"}
-        self.broadcast_arrays = {k: numpy_view(v) for k, v in self.broadcast.items()}
-
-    @staticmethod
-    def source(key: Key) -> Key:
-        """The mark of a leaf that tells where its worker reads it: 0 its slot, else (the
-        version that wrote it) the broadcast region."""
-        return ("source", key[1]) if key[0] == "env_state" else ("config_source", key[1])
-
-    def array(self, worker: int, key: Key) -> np.ndarray:
-        """The numpy view of a leaf whose dtype numpy has (every stamp and mark)."""
-        view = self.arrays[worker][key]
-        if view is None:
-            raise TypeError(f"leaf {key} has a dtype numpy lacks")
-        return view
-
-    def status(self, worker: int) -> WorkerStatus:
-        c = self.counters
-        target, received, applied = int(c["target"][worker]), int(c["received"][worker]), int(c["applied"][worker])
-        return WorkerStatus(worker, target, received, applied, int(c["failed"][worker]))
-
-    def error_text(self, worker: int) -> str:
-        length = int(self.counters["error_len"][worker])
-        return bytes(self.error[worker, :length]).decode("utf-8", errors="replace")
-
-    def answer(self, worker: int) -> Answer:
-        c = self.counters
-        request = int(c["answered"][worker])
-        if request == 0 or int(c["refused"][worker]) != request:
-            return Answer(request)
-        length = int(c["refusal_len"][worker])
-        return Answer(request, bytes(self.refusal[worker, :length]).decode("utf-8", errors="replace"))
 
 
 def _write_text(buffer: np.ndarray, lengths: np.ndarray, worker: int, text: str) -> None:
