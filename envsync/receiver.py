@@ -204,6 +204,14 @@ class EnvStateReceiver:
         """Whether the step just taken must end the episode (``"truncate"`` mode, pending)."""
         return self._truncates and not self.applying and self._pending(self.link.target())
 
+    def settle(self, truncating: list[int]) -> None:
+        """After a rollout: a truncating version applies here only if the rollout's last
+        frame was truncated for it (``truncating``; one that arrives later is the idle
+        listener's: a fresh episode); then a pending gather is answered."""
+        if truncating or not self.spec.truncates:
+            self.apply_if_idle()
+        self.serve()
+
     def on_wake(self) -> None:
         """Called by the listener thread when woken by the sender (or every half second)."""
         with self._lock:

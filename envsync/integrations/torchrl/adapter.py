@@ -29,6 +29,7 @@ from envsync.configure import config_applier, env_state_dict
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.chain import chain_of, runner
+from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.links.base import LinkHandle
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
@@ -37,7 +38,6 @@ from envsync.state import FlatConfig
 VERSION_KEY = "env_version"
 _UNDER_HOOKS = "_envsync_under_hooks"  # marks the base env of a hooked TransformedEnv
 INDEX_KEY = "env_index"
-_GUARDED = ("reset", "set_seed", "state_dict", "load_state_dict", "shutdown", "cascade_execute", "get_distant_attr")
 
 Changes = list[tuple[int, int]]
 """``(frame index, version)`` pairs: the version from that frame of the rollout on."""
@@ -348,89 +348,6 @@ class CollectorAdapter:
         collector.reset()
 
 
-@contextmanager
-def _busy(ref: weakref.ReferenceType[Any]) -> Iterator[None]:
-    owner = ref()
-    if owner is None:
-        yield
-        return
-    with owner.busy():
-        yield
-
-
-def _guard_commands(collector: Any, ref: weakref.ReferenceType[Any]) -> None:
-    """Mark ``ref``'s owner (a receiver, or a batched env's group) busy while torchrl's worker
-    loop runs one of its commands on the env (reset, seed, state dicts, close)."""
-    collector_ref = weakref.ref(collector)
-    for name in _GUARDED:
-        method = getattr(type(collector), name, None)
-        if method is None:
-            continue
-
-        def guarded(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
-            with _busy(ref):
-                return _method(collector_ref(), *args, **kwargs)
-
-        setattr(collector, name, guarded)
-
-
-def _wrap_rollout(collector: Any, hooks: EnvHooks, receiver_ref: weakref.ReferenceType[EnvStateReceiver]) -> None:
-    collector_ref = weakref.ref(collector)
-    rollout = type(collector).rollout
-
-    def wrapped() -> Any:
-        receiver = receiver_ref()
-        if receiver is None:
-            return rollout(collector_ref())
-        truncated = False
-        with receiver.busy():
-            hooks.begin()
-            with tags_set_aside(collector_ref()):
-                batch = rollout(collector_ref())
-            if batch is not None:
-                hooks.tag(batch)
-                truncated = receiver.truncate_now()
-                if truncated:
-                    hooks.truncate_last(batch)
-        # a truncating version is applied here only if this batch's last frame says so;
-        # one that arrives later is the idle listener's (a fresh episode, see the docs)
-        if truncated or not receiver.spec.truncates:
-            receiver.apply_if_idle()
-        receiver.serve()
-        return batch
-
-    collector.rollout = wrapped
-
-
-def wrap_collector(collector: Any, group: Any, hooks: Any, first_env: int) -> None:
-    """Wrap ``collector``'s rollout and worker commands for a batched env's :class:`EnvGroup`
-    (``hooks``: its :class:`BatchedHooks`): the batched twin of :func:`_wrap_rollout`."""
-    collector_ref = weakref.ref(collector)
-    group_ref = weakref.ref(group)
-    rollout = type(collector).rollout
-
-    def wrapped() -> Any:
-        group = group_ref()
-        if group is None:
-            return rollout(collector_ref())
-        truncating: list[int] = []
-        with group.busy():
-            hooks.begin()
-            with tags_set_aside(collector_ref()):
-                batch = rollout(collector_ref())
-            if batch is not None:
-                hooks.tag(batch, first_env)
-                truncating = group.truncating()
-                hooks.truncate_last(batch, truncating)
-        if truncating or not group.spec.truncates:
-            group.apply_if_idle(truncating if group.spec.truncates else None)
-        group.serve()
-        return batch
-
-    collector.rollout = wrapped
-    _guard_commands(collector, group_ref)
-
-
 def serve_env(
     env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, collector: Any, *, relay: bool = False
 ) -> Any:
@@ -460,8 +377,18 @@ def bind_env(collector: Any, handle: LinkHandle, slot: int, env_index: int) -> E
     """
     env, hooks = find_hooks(collector.env)
     receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, collector)
+
     receiver_ref = weakref.ref(receiver)
-    _wrap_rollout(collector, hooks, receiver_ref)
-    _guard_commands(collector, receiver_ref)
+
+    def finish(batch: TensorDictBase) -> list[int]:
+        hooks.tag(batch)
+        owner = receiver_ref()
+        truncated = [0] if owner is not None and owner.truncate_now() else []
+        if truncated:
+            hooks.truncate_last(batch)
+        return truncated
+
+    wrap_rollout(collector, receiver_ref, hooks.begin, finish, tags_set_aside)
+    guard_commands(collector, receiver_ref)
     receiver.start()
     return receiver

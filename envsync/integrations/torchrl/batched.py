@@ -43,10 +43,11 @@ from envsync.integrations.torchrl.adapter import (
     _mark,
     _set,
     serve_env,
+    tags_set_aside,
     truncate_at,
-    wrap_collector,
 )
 from envsync.integrations.torchrl.outer import OuterState, outer_env
+from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver, start_listener
@@ -455,6 +456,14 @@ class EnvGroup:
             if self.outer is not None:
                 self.outer.serve()
 
+    def settle(self, truncating: list[int]) -> None:
+        """After a rollout: a truncating version applies here only for the sub-envs whose
+        last frame this rollout truncated (one that arrives later is the idle listener's: a
+        fresh episode); then pending gathers are answered."""
+        if truncating or not self.spec.truncates:
+            self.apply_if_idle(truncating if self.spec.truncates else None)
+        self.serve()
+
     def truncating(self) -> list[int]:
         """The sub-envs whose pending version must end their episode as truncated."""
         return self.pending() if self.spec.truncates else []
@@ -512,7 +521,17 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
         group.outer = OuterState(own, hooks.spec, group.ends[0], group.applied)
     caught_up = leaves.bind(handle, first_slot, first_env)
     hooks.group = group
-    wrap_collector(collector, group, hooks, first_env)
+    group_ref = weakref.ref(group)
+
+    def finish(batch: TensorDictBase) -> list[int]:
+        hooks.tag(batch, first_env)
+        owner = group_ref()
+        truncating = owner.truncating() if owner is not None else []
+        hooks.truncate_last(batch, truncating)
+        return truncating
+
+    wrap_rollout(collector, group_ref, hooks.begin, finish, tags_set_aside)
+    guard_commands(collector, group_ref)
     group.catch_up()  # the batched env's own entries too, before the reset below sees them
     if caught_up:
         collector.reset()  # the leaves run the latest version: start fresh episodes under it

@@ -25,6 +25,7 @@ from envsync.configure import apply_config, env_state_dict
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import CollectorAdapter, EnvHooks
 from envsync.integrations.torchrl.chain import chain_of
+from envsync.integrations.torchrl.rollouts import drive
 from envsync.links.base import Flat
 from envsync.links.local import LocalLink
 from envsync.receiver import EnvStateReceiver
@@ -172,21 +173,15 @@ def _wrap(env: EnvBase, hooks: EnvHooks, receiver_ref: weakref.ReferenceType[Env
         receiver = receiver_ref()
         if receiver is None:
             return cls.rollout(self, *args, **kwargs)
-        truncated = False
-        with receiver.busy():
-            hooks.begin()
-            out = cls.rollout(self, *args, **kwargs)
-            if isinstance(out, TensorDictBase):
-                hooks.tag(out)
-                truncated = receiver.truncate_now()
-                if truncated:
-                    hooks.truncate_last(out)
-        # as after a collector's rollout: a truncating version applies here only if this
-        # rollout's last frame says so; otherwise the idle listener's (a fresh episode)
-        if truncated or not receiver.spec.truncates:
-            receiver.apply_if_idle()
-        receiver.serve()
-        return out
+
+        def finish(out: TensorDictBase) -> list[int]:
+            hooks.tag(out)
+            truncated = [0] if receiver.truncate_now() else []
+            if truncated:
+                hooks.truncate_last(out)
+            return truncated
+
+        return drive(receiver, hooks.begin, lambda: cls.rollout(self, *args, **kwargs), finish)
 
     def close(self: EnvBase, *args: Any, **kwargs: Any) -> Any:
         attached = self.__dict__.get(_ATTACHED)
