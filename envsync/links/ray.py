@@ -53,6 +53,7 @@ from envsync.errors import EnvSyncError
 from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, Listener, frames
+from envsync.links.ray_codec import WireError
 from envsync.links.ray_relay import RelayHandle
 from envsync.links.ray_wire import (
     CAUGHT_UP,
@@ -63,6 +64,8 @@ from envsync.links.ray_wire import (
     Traffic,
     encode,
     leaf_bytes,
+    post,
+    read_report,
     share_id,
     unwire,
 )
@@ -199,7 +202,7 @@ class RayLink:
                 share = Held(node)
             else:
                 self.traffic[node].add(share_id(seq, node, rows), nbytes)
-            message = frames((seq, share))
+            message = frames(post(seq, share))
             posts.update({c: message for c in takers})
         self._post(posts)
 
@@ -250,7 +253,7 @@ class RayLink:
     def answered(self, worker: int) -> int:
         if self._asking is not None and not self._closed:
             asking, self._asking = self._asking, None
-            message = frames((self._next_seq(), asking))
+            message = frames(post(self._next_seq(), asking))
             self._post({c: message for c in range(len(self.workers))})
         return self._acks[worker][4]
 
@@ -379,8 +382,8 @@ class RayLink:
 
     def _read(self, selector: selectors.BaseSelector, collector: int, channel: Channel) -> None:
         try:
-            report = channel.recv()
-        except (OSError, EOFError):  # its relay stopped, or its process is gone
+            report = read_report(channel.recv(), self.workers[collector])
+        except (OSError, EOFError, WireError):  # its relay stopped, its process is gone, or it sent garbage
             with contextlib.suppress(Exception):
                 selector.unregister(channel)
             with self._posting:
