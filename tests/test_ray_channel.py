@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from envsync.errors import WireError
 from envsync.links import ray_channel
 from envsync.links.ray_channel import HEADER, LENGTH, TOKEN_BYTES, Channel, Listener, connect
-from envsync.links.ray_codec import WireError
 from envsync.links.ray_wire import CAUGHT_UP
 
 UNPICKLED: list[str] = []

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envsync import EnvSyncError
-from envsync.links.ray_codec import MAX_DEPTH, WireError, pack, unpack
+from envsync.errors import WireError
+from envsync.links.ray_codec import MAX_DEPTH, pack, unpack
 
 
 def trip(header: bytes, buffers: list[Any]) -> Any:

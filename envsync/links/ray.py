@@ -49,11 +49,10 @@ from typing import Any
 import ray
 import torch
 
-from envsync.errors import EnvSyncError
+from envsync.errors import EnvSyncError, WireError
 from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, Listener, frames
-from envsync.links.ray_codec import WireError
 from envsync.links.ray_relay import RelayHandle
 from envsync.links.ray_wire import (
     CAUGHT_UP,

@@ -13,7 +13,7 @@ once and is one array again on arrival.
 
 Nothing here is pickled, so nothing a peer sends can name a function to call: a tag outside
 the set below, a dtype outside :data:`NUMPY_DTYPES` or :data:`TORCH_DTYPES`, or any
-malformed header raises :class:`WireError`. Records of the protocol (such as
+malformed header raises :class:`~envsync.errors.WireError`. Records of the protocol (such as
 :class:`~envsync.links.mailbox.Held`) travel as plain tuples, converted at the edges
 (:mod:`envsync.links.ray_wire`).
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from envsync.errors import EnvSyncError
+from envsync.errors import WireError
 
 COUNT = struct.Struct("!I")
 SIZED = struct.Struct("!cI")
@@ -50,42 +50,14 @@ MAX_DEPTH = 64
 """How deeply containers may nest in a message (deeper is refused, not recursed into)."""
 MAX_DIMS = 32
 
+_CODES = ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16")
 NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
-    d.str: d
-    for code in ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16")
-    for d in (np.dtype(code).newbyteorder("<"), np.dtype(code).newbyteorder(">"))
+    d.str: d for code in _CODES for d in (np.dtype(code).newbyteorder("<"), np.dtype(code).newbyteorder(">"))
 }
 """The numpy dtypes an array may travel as, by ``dtype.str`` (numbers and bools: never
 ``object``, whose items would be Python objects)."""
-TORCH_DTYPES = (
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-)
+TORCH_DTYPES = (*(np.dtype(code).name for code in _CODES), "bfloat16", "float8_e4m3fn", "float8_e5m2")
 """The torch dtypes a tensor may travel as, by name (those of them this torch has)."""
-
-
-class WireError(EnvSyncError, ValueError):
-    """A message on a Ray link's connection is malformed, or holds a value that may not
-    travel (the connection it came on is dropped).
-
-    Examples:
-        >>> unpack(b"?", [])
-        Traceback (most recent call last):
-        ...
-        envsync.links.ray_codec.WireError: unknown tag b'?' at byte 0 of the header
-    """
 
 
 def pack(message: Any) -> tuple[bytes, list[memoryview]]:
@@ -104,12 +76,16 @@ def pack(message: Any) -> tuple[bytes, list[memoryview]]:
 
 def unpack(header: bytes | bytearray | memoryview, buffers: list[bytearray]) -> Any:
     """The message :func:`pack` made, its arrays built on ``buffers`` (writable, not copied);
-    :class:`WireError` when the header is malformed or names anything but plain values and
-    arrays of an allowed dtype.
+    :class:`~envsync.errors.WireError` when the header is malformed or names anything but
+    plain values and arrays of an allowed dtype.
 
     Examples:
         >>> unpack(*pack({"a": [True, -(2**70)]}))
         {'a': [True, -1180591620717411303424]}
+        >>> unpack(b"?", [])
+        Traceback (most recent call last):
+        ...
+        envsync.errors.WireError: unknown tag b'?' at byte 0 of the header
     """
     reader = _Reader(header, buffers)
     try:
@@ -140,18 +116,14 @@ class _Packer:
             self.out += data
         elif kind is int and -(2**63) <= value < 2**63:
             self.out += WORD.pack(b"q", value)
+        elif value is None or kind is bool:
+            self.out += b"N" if value is None else b"T" if value else b"F"
         else:
             write = _WRITERS.get(kind)
             if write is None:
                 self.other(value, depth)
             else:
                 write(self, value, depth)
-
-    def none(self, value: None, depth: int) -> None:
-        self.out += b"N"
-
-    def boolean(self, value: bool, depth: int) -> None:
-        self.out += b"T" if value else b"F"
 
     def integer(self, value: int, depth: int) -> None:
         if -(2**63) <= value < 2**63:
@@ -190,7 +162,7 @@ class _Packer:
     def other(self, value: Any, depth: int) -> None:
         """A value of a subclass of a plain type, a numpy scalar, or a tensor."""
         for kind, write in _WRITERS.items():
-            if kind is not bool and isinstance(value, kind):
+            if isinstance(value, kind):
                 write(self, value, depth)
                 return
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":  # e.g. a count read from a numpy table
@@ -238,8 +210,6 @@ class _Packer:
 
 
 _WRITERS: dict[type, Any] = {
-    type(None): _Packer.none,
-    bool: _Packer.boolean,
     int: _Packer.integer,
     float: _Packer.real,
     str: _Packer.text,
@@ -299,6 +269,9 @@ class _Reader:
         if tag == _STR:
             self.pos = at + 5
             return self.decode(self.take(COUNT.unpack_from(data, at + 1)[0]))
+        if tag in _CONSTANTS:
+            self.pos = at + 1
+            return _CONSTANTS[tag]
         read = _READERS.get(tag)
         if read is None:
             raise WireError(f"unknown tag {bytes(data[at : at + 1])!r} at byte {at} of the header")
@@ -316,15 +289,6 @@ class _Reader:
             raise WireError(f"the header ends inside a value (byte {self.pos}, {n} more wanted)")
         self.pos += n
         return self.data[self.pos - n : self.pos]
-
-    def none(self, depth: int) -> None:
-        return None
-
-    def true(self, depth: int) -> bool:
-        return True
-
-    def false(self, depth: int) -> bool:
-        return False
 
     def word(self, depth: int) -> int:
         return int(self.fixed(WORD_BODY))
@@ -418,12 +382,10 @@ class _Reader:
 
 
 _INT, _STR = ord("q"), ord("s")
+_CONSTANTS = {ord("N"): None, ord("T"): True, ord("F"): False}
 _READERS: dict[int, Any] = {
     ord(tag): read
     for tag, read in {
-        "N": _Reader.none,
-        "T": _Reader.true,
-        "F": _Reader.false,
         "q": _Reader.word,
         "i": _Reader.big,
         "f": _Reader.real,

@@ -14,10 +14,10 @@ from typing import Any
 
 import ray
 
+from envsync.errors import WireError
 from envsync.links.base import SenderLink
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, connect
-from envsync.links.ray_codec import WireError
 from envsync.links.ray_wire import CAUGHT_UP, Acks, Reply, Rows, Traffic, leaf_bytes, read_post, share_id, wire
 from envsync.protocol import NO_FAILURE
 

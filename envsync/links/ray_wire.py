@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from envsync.errors import WireError
 from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Held
-from envsync.links.ray_codec import WireError
 from envsync.state import Leaf, numpy_view
 
 Rows = dict[int, tuple[int, int, dict[Key, Leaf]]]
@@ -166,7 +166,7 @@ def read_post(message: Any) -> tuple[int, Rows | Held | Ask]:
         >>> read_post((4, "not rows"))
         Traceback (most recent call last):
         ...
-        envsync.links.ray_codec.WireError: post 4 is neither rows nor a mailbox record: 'not rows'
+        envsync.errors.WireError: post 4 is neither rows nor a mailbox record: 'not rows'
     """
     match message:
         case (int() as seq, dict() as rows):
@@ -191,7 +191,7 @@ def read_report(message: Any, workers: int) -> Report:
         >>> read_report(([(1, 1, 0, True, 0)], {5: "boom"}, {}), 1)
         Traceback (most recent call last):
         ...
-        envsync.links.ray_codec.WireError: a report of 1 workers names worker 5
+        envsync.errors.WireError: a report of 1 workers names worker 5
     """
     match message:
         case (list() as statuses, dict() as errors, dict() as replies):
