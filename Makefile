@@ -52,7 +52,7 @@ test-nightly:
 	# envsync without its torchrl/tensordict pins (the nightlies stand in for them), then its other needs
 	$(NIGHTLY)/bin/python -m pip install --quiet --no-deps -e .
 	$(NIGHTLY)/bin/python -m pip install --quiet cloudpickle gymnasium numpy tqdm pytest pytest-timeout hypothesis psutil
-	$(NIGHTLY)/bin/python -m pytest -q tests/test_matrix.py tests/test_model.py tests/test_receiver.py -k "not ray and not soak"
+	$(NIGHTLY)/bin/python -m pytest -q tests/test_matrix.py tests/test_model.py tests/test_receiver.py tests/test_policy_version.py -k "not ray and not soak"
 
 docs: $(STAMP)
 	test -x $(BIN)/mkdocs || $(BIN)/python -m pip install --quiet -e ".[docs]"

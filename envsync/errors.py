@@ -6,7 +6,8 @@ Every error derives from :class:`EnvSyncError`::
     ├── ValidationError     bad input, raised in the main process before anything is sent
     ├── WorkerApplyError    a worker failed to apply a version (carries its traceback)
     ├── GatherError         a worker failed to answer a gather (carries its traceback)
-    └── AckTimeout          some targeted workers did not answer in time (or died)
+    ├── AckTimeout          some targeted workers did not answer in time (or died)
+    └── WireError           a Ray link's connection carried something that may not travel
 """
 
 from __future__ import annotations
@@ -124,3 +125,14 @@ class AckTimeout(EnvSyncError, TimeoutError):
         self.until = until
         detail = f"; dead: {self.dead}" if self.dead else ""
         super().__init__(f"version {version} not {until} by workers {self.workers}{detail}")
+
+
+class WireError(EnvSyncError, ValueError):
+    """A message on a Ray link's connection is malformed, or holds a value that may not
+    travel: anything but plain values and arrays (:mod:`envsync.links.ray_codec`). The
+    connection it came on is dropped.
+
+    Examples:
+        >>> issubclass(WireError, EnvSyncError)
+        True
+    """

@@ -30,7 +30,7 @@ from envsync.links.mailbox import Held, start_mailbox  # noqa: E402
 from envsync.links.ray import RayLink  # noqa: E402
 from envsync.links.ray_channel import Listener, connect  # noqa: E402
 from envsync.links.ray_relay import RelayHandle  # noqa: E402
-from envsync.links.ray_wire import CAUGHT_UP  # noqa: E402
+from envsync.links.ray_wire import CAUGHT_UP, post  # noqa: E402
 from envsync.protocol import NO_FAILURE  # noqa: E402
 
 
@@ -450,7 +450,7 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monk
         # large share of a node with several relays goes)
         channel.send((1, rows[1]))
         mailbox.hold.remote(2, 0, [ray.put(rows[2])], [0])
-        channel.send((2, Held(0)))
+        channel.send(post(2, Held(0)))
         channel.send(CAUGHT_UP)
         starting.join(30)
         assert node.written == [1, 2]  # start() returns once it caught up
@@ -461,7 +461,7 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monk
         # post, not the next
         monkeypatch.setattr(ray_relay, "TAKE_GIVE_UP", 0.5)
         channel.send((4, "not rows"))
-        channel.send((4, Held(0)))
+        channel.send(post(4, Held(0)))
         channel.send((5, {0: (5, 0, {key: torch.tensor(5.0)})}))
         deadline = time.monotonic() + 10
         while len(node.written) < 4 and time.monotonic() < deadline:

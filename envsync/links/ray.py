@@ -49,7 +49,7 @@ from typing import Any
 import ray
 import torch
 
-from envsync.errors import EnvSyncError
+from envsync.errors import EnvSyncError, WireError
 from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, Listener, frames
@@ -63,6 +63,8 @@ from envsync.links.ray_wire import (
     Traffic,
     encode,
     leaf_bytes,
+    post,
+    read_report,
     share_id,
     unwire,
 )
@@ -199,7 +201,7 @@ class RayLink:
                 share = Held(node)
             else:
                 self.traffic[node].add(share_id(seq, node, rows), nbytes)
-            message = frames((seq, share))
+            message = frames(post(seq, share))
             posts.update({c: message for c in takers})
         self._post(posts)
 
@@ -250,7 +252,7 @@ class RayLink:
     def answer(self, worker: int) -> Answer:
         if self._asking is not None and not self._closed:
             asking, self._asking = self._asking, None
-            message = frames((self._next_seq(), asking))
+            message = frames(post(self._next_seq(), asking))
             self._post({c: message for c in range(len(self.workers))})
         with self._changed:
             request = self._acks[worker][4]
@@ -382,8 +384,8 @@ class RayLink:
 
     def _read(self, selector: selectors.BaseSelector, collector: int, channel: Channel) -> None:
         try:
-            report = channel.recv()
-        except (OSError, EOFError):  # its relay stopped, or its process is gone
+            report = read_report(channel.recv(), self.workers[collector])
+        except (OSError, EOFError, WireError):  # its relay stopped, its process is gone, or it sent garbage
             with contextlib.suppress(Exception):
                 selector.unregister(channel)
             with self._posting:

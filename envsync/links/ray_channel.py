@@ -1,15 +1,18 @@
 """The direct connection between the main process and each relay (see :mod:`envsync.links.ray`).
 
 One TCP connection per remote collector, opened by its relay to the main process's
-:class:`Listener`: posts go down it in order, reports come up. A message is a pickle
-(protocol 5) whose contiguous numpy arrays travel out of band, as raw bytes after it: the
-sender writes them from the arrays' own memory, and the receiver reads each into one buffer
-that the unpickled array then views (no copy beyond the socket's). ``TCP_NODELAY`` is set on
-both ends: messages are small and latency is the point.
+:class:`Listener`: posts go down it in order, reports come up. A message is plain values and arrays, written by
+:mod:`envsync.links.ray_codec` (no pickle) as a small header, then the arrays' bytes out of
+band: the sender writes them from the arrays' own memory, and the receiver reads each into
+one buffer that the decoded array then views (no copy beyond the socket's). ``TCP_NODELAY``
+is set on both ends: messages are small and latency is the point.
 
 A connection is accepted only after it presents the listener's token (32 random bytes,
-compared in constant time) before anything from it is unpickled; the token travels to the
-relays inside torchrl's pickled scheme, over Ray.
+compared in constant time) before anything from it is read; the token travels to the
+relays inside torchrl's pickled scheme, over Ray. A peer with the token still cannot run
+code here: what it sends decodes to plain values and arrays only, or raises
+:class:`~envsync.links.ray_codec.WireError`. The traffic is not encrypted (see
+``docs/ray.md``, Security).
 
 Examples:
     >>> import numpy as np
@@ -23,15 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import pickle
 import secrets
 import socket
 import struct
 import threading
 from typing import Any
 
+from envsync.links.ray_codec import pack, unpack
+
 HEADER = struct.Struct("!QI")
-"""A message's header: the pickle's length, then how many out-of-band buffers follow."""
+"""A message's frame: its header's length (:func:`~envsync.links.ray_codec.pack`), then how
+many out-of-band buffers follow."""
 LENGTH = struct.Struct("!Q")
 """One out-of-band buffer's length (after the header, one per buffer), or a collector index."""
 TOKEN_BYTES = 32
@@ -42,19 +47,17 @@ SEND_TIMEOUT = 30.0
 
 
 def frames(message: Any) -> list[Any]:
-    """``message`` as the byte strings :meth:`Channel.send_frames` writes: the header, the
-    pickle, then each out-of-band buffer (views of the arrays' memory, not copies).
+    """``message`` as the byte strings :meth:`Channel.send_frames` writes: the lengths, the
+    header, then each out-of-band buffer (views of the arrays' memory, not copies).
 
     Examples:
         >>> import numpy as np
         >>> [bytes(f) for f in frames(np.zeros(1, np.uint8))][2]
         b'\\x00'
     """
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
-    header = HEADER.pack(len(data), len(raws)) + b"".join(LENGTH.pack(r.nbytes) for r in raws)
-    return [header, data, *raws]
+    data, raws = pack(message)
+    lengths = HEADER.pack(len(data), len(raws)) + b"".join(LENGTH.pack(r.nbytes) for r in raws)
+    return [lengths, data, *raws]
 
 
 class Channel:
@@ -76,11 +79,13 @@ class Channel:
                 self.sock.sendall(part)
 
     def recv(self) -> Any:
-        """The next message; ``EOFError`` once the peer closed."""
+        """The next message; ``EOFError`` once the peer closed;
+        :class:`~envsync.links.ray_codec.WireError` for one that holds anything but plain
+        values and arrays (the stream is then lost: drop the connection)."""
         size, count = HEADER.unpack(_exactly(self.sock, HEADER.size))
         lengths = [LENGTH.unpack(_exactly(self.sock, LENGTH.size))[0] for _ in range(count)]
         data = _exactly(self.sock, size)
-        return pickle.loads(data, buffers=[_exactly(self.sock, n) for n in lengths])
+        return unpack(data, [_exactly(self.sock, n) for n in lengths])
 
     def fileno(self) -> int:
         return self.sock.fileno()

@@ -14,10 +14,11 @@ from typing import Any
 
 import ray
 
+from envsync.errors import WireError
 from envsync.links.base import SenderLink
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, connect
-from envsync.links.ray_wire import CAUGHT_UP, Acks, Reply, Rows, Traffic, leaf_bytes, share_id, wire
+from envsync.links.ray_wire import CAUGHT_UP, Acks, Reply, Rows, Traffic, leaf_bytes, read_post, share_id, wire
 from envsync.protocol import NO_FAILURE
 
 HEARTBEAT = 0.5
@@ -110,8 +111,8 @@ class Relay:
             with contextlib.suppress(Exception):
                 self.mailbox.forget.remote(self.collector)
 
-    def _deliver(self, post: tuple[int, Any]) -> None:
-        seq, body = post
+    def _deliver(self, post: Any) -> None:
+        seq, body = read_post(post)
         if isinstance(body, Ask):
             self._ask(body)
         elif body is not None:
@@ -154,7 +155,7 @@ class Relay:
         while not self._stopped:
             try:
                 post = self._channel.recv()
-            except (OSError, EOFError):  # the main process closed the link, or is gone
+            except (OSError, EOFError, WireError):  # the main process closed the link, is gone, or garbled it
                 return
             try:
                 self._deliver(post)

@@ -1,9 +1,13 @@
 """What moves between the main process and the relays (on their connections,
 :mod:`envsync.links.ray_channel`, and through the object store): one node's rows and their
-encoding (:func:`encode`), the relays' reports (:data:`Acks`, :data:`Reply`) and the count
-of what moved (:class:`Traffic`).
+encoding (:func:`encode`), the posts as they travel (:func:`post`, :func:`read_post`), the
+relays' reports (:data:`Acks`, :data:`Reply`, :func:`read_report`) and the count of what
+moved (:class:`Traffic`).
 
-Everything here is tensors, numpy arrays, integers and strings: no user code is pickled.
+Everything here is tensors, numpy arrays, integers and strings: no user code is pickled. The
+connection carries plain values and arrays only (:mod:`envsync.links.ray_codec`), so the
+mailbox's records travel as tagged tuples, and what a relay reports is checked for its shape
+before the main process reads it.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from envsync.errors import WireError
 from envsync.links.base import Key
+from envsync.links.mailbox import Ask, Held
 from envsync.state import Leaf, numpy_view
 
 Rows = dict[int, tuple[int, int, dict[Key, Leaf]]]
@@ -26,6 +32,9 @@ Reply = tuple[int, dict[str, Leaf], str | None]
 ``(request, {}, traceback text)`` when it failed to answer; the values as
 numpy arrays where numpy has their dtype (see :func:`wire`), which the connection carries
 out of band (:mod:`envsync.links.ray_channel`)."""
+Report = tuple[list[Acks], dict[int, str], dict[int, Reply]]
+"""A relay's report, per local worker: its acks, the tracebacks of new failures and the
+answers to gathers."""
 
 
 INLINE = 64 * 1024
@@ -131,3 +140,93 @@ def share_id(seq: int, node: int, share: Any) -> str:
         'post-3-node-1'
     """
     return f"post-{seq}-node-{node}" if isinstance(share, dict) else str(share.hex())
+
+
+def post(seq: int, body: Rows | Held | Ask) -> tuple[int, Any]:
+    """Post ``seq`` as it travels on a connection: rows as they are, a mailbox record as a
+    tagged tuple of plain values (read back by :func:`read_post`).
+
+    Examples:
+        >>> post(3, Held(1)), post(4, Ask(2, {0: ["norm"]}))
+        ((3, ('held', 1)), (4, ('ask', 2, {0: ['norm']})))
+    """
+    if isinstance(body, Held):
+        return seq, ("held", body.node)
+    if isinstance(body, Ask):
+        return seq, ("ask", body.request, body.names)
+    return seq, body
+
+
+def read_post(message: Any) -> tuple[int, Rows | Held | Ask]:
+    """A received post (:func:`post`) with its mailbox record rebuilt; :class:`WireError` for
+    anything else.
+
+    Examples:
+        >>> read_post((3, ("held", 1)))
+        (3, Held(node=1))
+        >>> read_post((4, "not rows"))
+        Traceback (most recent call last):
+        ...
+        envsync.errors.WireError: post 4 is neither rows nor a mailbox record: 'not rows'
+    """
+    match message:
+        case (int() as seq, dict() as rows):
+            return seq, rows
+        case (int() as seq, ("held", int() as node)):
+            return seq, Held(node)
+        case (int() as seq, ("ask", int() as request, dict() as names)):
+            return seq, Ask(request, names)
+        case (int() as seq, body):
+            raise WireError(f"post {seq} is neither rows nor a mailbox record: {_short(body)}")
+    raise WireError(f"not a post: {_short(message)}")
+
+
+def read_report(message: Any, workers: int) -> Report:
+    """A relay's report (``(statuses, errors, replies)``) for its ``workers`` workers, checked
+    for its shape, so that no peer can write outside its own workers' entries;
+    :class:`WireError` for anything else.
+
+    Examples:
+        >>> read_report(([(1, 1, 0, True, 0)], {}, {}), 1)
+        ([(1, 1, 0, True, 0)], {}, {})
+        >>> read_report(([(1, 1, 0, True, 0)], {5: "boom"}, {}), 1)
+        Traceback (most recent call last):
+        ...
+        envsync.errors.WireError: a report of 1 workers names worker 5
+    """
+    match message:
+        case (list() as statuses, dict() as errors, dict() as replies):
+            pass
+        case _:
+            raise WireError(f"not a report: {_short(message)}")
+    if len(statuses) != workers or not all(_is_acks(s) for s in statuses):
+        raise WireError(f"a report of {workers} workers has statuses {_short(statuses)}")
+    for entries, fits in ((errors, _is_text), (replies, _is_reply)):
+        for local, value in entries.items():
+            if not (isinstance(local, int) and 0 <= local < workers):
+                raise WireError(f"a report of {workers} workers names worker {_short(local)}")
+            if not fits(value):
+                raise WireError(f"a report's entry for worker {local} is {_short(value)}")
+    return statuses, errors, replies
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_acks(status: Any) -> bool:
+    return isinstance(status, tuple) and len(status) == 5 and all(isinstance(n, int) for n in status)
+
+
+def _is_reply(reply: Any) -> bool:
+    match reply:
+        case (int(), dict() as values, None):
+            return all(isinstance(k, str) and isinstance(v, np.ndarray | torch.Tensor) for k, v in values.items())
+        case (int(), {}, str()):  # a refusal: the worker's traceback
+            return True
+    return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -4,6 +4,8 @@
 * :mod:`.adapter` holds the hooks on an env, the receiver's view of it, and the binding
   to a collector;
 * :mod:`.scheme` attaches a sender to a collector through ``weight_sync_schemes``;
+* :mod:`.routing` keeps env pushes through ``update_policy_weights_`` off torchrl's
+  policy-version count;
 * :mod:`.handlers` teaches ``envsync.reinit`` torchrl's stateful transforms;
 * :mod:`.applies` holds the built-in ``apply=`` objects (front: :mod:`envsync.apply`).
 """

@@ -6,7 +6,8 @@ builds a shared-memory link), pickles the scheme into each worker, and calls
 ``init_on_receiver`` there (we bind a receiver to the worker's inner collector). A
 single-process ``Collector`` gets an in-process link and its receiver at once.
 ``collector.update_policy_weights_(weights=..., model_id="env")`` reaches
-:meth:`EnvSyncScheme.send`.
+:meth:`EnvSyncScheme.send` around torchrl's policy-version count
+(:mod:`.routing`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import bind_env
 from envsync.integrations.torchrl.batched import BatchedHooks, bind_batched
+from envsync.integrations.torchrl.routing import route_env_pushes
 from envsync.links.base import Flat, LinkHandle
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import SharedMemoryLink
@@ -152,6 +154,7 @@ class EnvSyncScheme(EnvSchemeBase):
             raise ValidationError("this envsync scheme was not made by sender.schemes()")
         self.model_id = model_id
         self.context = context
+        route_env_pushes(context, self.send, model_id)  # an env push moves no policy version
         collector_ref = weakref.ref(context)
         if isinstance(context, Collector):
             self._attach_in_process(self._sender, context)
