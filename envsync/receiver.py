@@ -16,14 +16,10 @@ previous version. Nothing is acknowledged as applied before the whole apply succ
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 import traceback
-import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,13 +28,12 @@ from tensordict import TensorDictBase
 from envsync.exclusion import Exclusion
 from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
+from envsync.listener import start_listener
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import STATS
-from envsync.shutdown import EXITING, on_shutdown
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, flat_names
 
-_LISTEN_PERIOD = 0.5
 _MAX_RETRIES = 8
 
 
@@ -75,6 +70,78 @@ class EnvAdapter(Protocol):
         """Reset the env through its collector, so the next rollout starts a fresh episode."""
 
 
+class Place(Protocol):
+    """Where a receiver's env lives, and so what its receiver does besides applying: whether
+    it resets the env itself, how it applies while the collector is idle, and whom it hands
+    a request for the batched env's own entries."""
+
+    @property
+    def resets(self) -> bool:
+        """Whether the receiver resets its env itself (after catching up, or an idle apply)."""
+
+    def idle_apply(self, receiver: EnvStateReceiver) -> None:
+        """Apply ``receiver``'s pending ``"step"`` or ``"truncate"`` version while the
+        collector is idle (called under the receiver's exclusion)."""
+
+    def hand_over(self) -> None:
+        """A request asks for the batched env's own entries: its group answers."""
+
+
+class Standalone:
+    """An env its receiver owns: a plain env of a collector, or an env outside any collector.
+    An idle apply happens at once, followed by a reset when the mode truncates.
+
+    Examples:
+        >>> Standalone().resets
+        True
+    """
+
+    resets = True
+
+    def idle_apply(self, receiver: EnvStateReceiver) -> None:
+        receiver.apply_latest(reset_after=receiver.spec.idle_resets)
+
+    def hand_over(self) -> None:
+        return None  # a standalone env has no batched level
+
+
+class SubEnv:
+    """A sub-env of a batched env (a ``SerialEnv``'s, a ``ParallelEnv``'s, a row of a natively
+    batched env): driven from its group's thread or process, which marks it busy through the
+    link and resets it through the collector. It applies while idle only in plain ``"step"``
+    mode; a truncating version waits for the group's reset.
+
+    Args:
+        before_idle_apply: makes the sub-env's next step note the version it runs under
+            (called before an idle apply).
+        wake_group: wakes the group, for what only it can do (answer for the batched env's
+            own entries, reset while idle); a sub-env in its group's process needs nothing.
+
+    Examples:
+        >>> SubEnv(lambda: None).resets
+        False
+    """
+
+    resets = False
+
+    def __init__(self, before_idle_apply: Callable[[], None], wake_group: Callable[[], None] = lambda: None) -> None:
+        self._before_idle_apply = before_idle_apply
+        self._wake_group = wake_group
+
+    def idle_apply(self, receiver: EnvStateReceiver) -> None:
+        if receiver.spec.idle_resets:
+            self._wake_group()  # the group resets the sub-env through its collector
+            return
+        # first make the sub-env's next step take the slow path, then look at "busy": a step
+        # that saw the fast path was sent after the group marked the sub-env busy
+        self._before_idle_apply()
+        if not receiver.link.is_busy():
+            receiver.apply_latest(reset_after=False)
+
+    def hand_over(self) -> None:
+        self._wake_group()
+
+
 class EnvStateReceiver:
     """The worker side of envsync, bound to one link end and one env adapter.
 
@@ -83,17 +150,9 @@ class EnvStateReceiver:
         spec: how versions are applied.
         adapter: the env this receiver serves.
         initial_config: the config the env was built with (version 0).
-        sub_env: it serves a sub-env of a batched env, driven from another thread or process:
-            it applies while idle only in plain ``"step"`` mode, never resets (the batched
-            env's group resets sub-envs through the collector), takes "busy" from the link
-            (the group marks it), and calls ``before_idle_apply`` first.
-        before_idle_apply: called before an idle apply of a sub-env (its hooks then note, at
-            the next step, the version it runs under).
+        place: where the env lives (:class:`Standalone`, the default, or :class:`SubEnv`).
         exclusion: the env's exclusion (:mod:`envsync.exclusion`), shared with the hooks
             that step and reset it; a fresh one when not given.
-        relay: it serves a sub-env in another process than its batched env's group (a
-            ``ParallelEnv``'s): it wakes the group through the slot's relay for what only
-            the group can do (answer for the batched env's own entries, reset while idle).
 
     Examples:
         >>> EnvStateReceiver.__name__
@@ -107,10 +166,8 @@ class EnvStateReceiver:
         spec: ApplySpec,
         adapter: EnvAdapter,
         initial_config: TensorDictBase | None,
-        sub_env: bool = False,
-        before_idle_apply: Callable[[], None] = lambda: None,
+        place: Place | None = None,
         exclusion: Exclusion | None = None,
-        relay: bool = False,
     ) -> None:
         self.link = link
         self.spec = spec
@@ -132,10 +189,7 @@ class EnvStateReceiver:
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
-        self._resets_after_idle_apply = spec.idle_resets
-        self._sub_env = sub_env
-        self._before_idle_apply = before_idle_apply
-        self._relay = relay
+        self.place: Place = place if place is not None else Standalone()
         self._passed = 0  # the latest request left to the group (the batched env's own entries)
 
     @property
@@ -145,12 +199,12 @@ class EnvStateReceiver:
 
     def start(self, *, listen: bool = True) -> bool:
         """Catch up with the latest desired state, and (``listen``) listen while idle; return
-        whether it caught up. A receiver resets its env after catching up, unless it serves a
-        sub-env (its batched env's group resets it)."""
+        whether it caught up. A receiver resets its env after catching up, unless its place
+        resets it (a sub-env's group does)."""
         caught_up = False
         with self._lock:
             if self._pending(self.link.target()):
-                caught_up = self._apply_latest(reset_after=not self._sub_env)
+                caught_up = self.apply_latest(reset_after=self.place.resets)
         if not listen:
             return caught_up
         start_listener(self, self.link, EnvStateReceiver.on_wake, name=f"envsync-receiver-{self.worker}")
@@ -188,7 +242,7 @@ class EnvStateReceiver:
         target = self.link.target()
         if self._pending(target):
             with self._lock:
-                self._apply_latest(reset_after=False)
+                self.apply_latest(reset_after=False)
 
     def before_step(self) -> None:
         """Safe point before a step: arm a new version; ``"step"`` mode applies it."""
@@ -198,7 +252,7 @@ class EnvStateReceiver:
         with self._lock:
             self._notice(target)
             if self._applies_at_step and self._pending(target):
-                self._apply_latest(reset_after=False)
+                self.apply_latest(reset_after=False)
 
     def truncate_now(self) -> bool:
         """Whether the step just taken must end the episode (``"truncate"`` mode, pending)."""
@@ -229,8 +283,7 @@ class EnvStateReceiver:
             if any(is_batched(name) for name in self.link.asked(request)):
                 # the batched env's own entries: its group answers (a request asks one level)
                 self._passed = request
-                if self._relay:
-                    self.link.poke_relay()
+                self.place.hand_over()
                 return
             answer(self.link, request, self._read)
             self._answered = request
@@ -242,25 +295,14 @@ class EnvStateReceiver:
         return out
 
     def apply_if_idle(self) -> None:
-        """With the collector idle: ``"step"`` and ``"truncate"`` apply at once (a sub-env:
-        plain ``"step"`` only)."""
+        """With the collector idle: ``"step"`` and ``"truncate"`` versions apply as the env's
+        place says (:meth:`Place.idle_apply`)."""
         with self._lock:
             if self.spec.apply_at is ApplyAt.RESET or not self._pending(self.link.target()):
                 return
-            if not self._sub_env:
-                self._apply_latest(reset_after=self._resets_after_idle_apply)
-                return
-            if self._resets_after_idle_apply:
-                if self._relay:  # the group resets the sub-env through its collector
-                    self.link.poke_relay()
-                return
-            # first make the sub-env's next step take the slow path, then look at "busy":
-            # a step that saw the fast path was sent after the group marked the sub-env busy
-            self._before_idle_apply()
-            if not self.link.is_busy():
-                self._apply_latest(reset_after=False)
+            self.place.idle_apply(self)
 
-    def _apply_latest(self, *, reset_after: bool) -> bool:
+    def apply_latest(self, *, reset_after: bool) -> bool:
         """Apply the latest desired state; on failure restore the previous one and report.
         Outpaced by the sender (a newer version each time it loads), it acknowledges
         nothing, restores the previous config, and stays pending for its next safe point."""
@@ -384,62 +426,3 @@ def _merge_only(loaded: list[str], config: FlatConfig, previous: FlatConfig | No
         return False
     same = previous.keys() == config.keys()
     return same and all(config[k] is previous[k] or np.array_equal(config[k], previous[k]) for k in config)
-
-
-_LISTENERS: dict[threading.Thread, ReceiverLink] = {}
-"""This process's running idle listeners, each with the link end it waits on."""
-os.register_at_fork(after_in_child=_LISTENERS.clear)  # a forked worker has none of its parent's
-
-
-def start_listener(owner: Any, link: ReceiverLink, wake: Callable[[Any], None], *, name: str) -> None:
-    """Start an idle listener for ``owner`` (a receiver, or a batched env's group) on one
-    link end: a thread that waits for a wake-up (or half a second) and calls
-    ``wake(owner)``. It holds ``owner`` by weakref and ends with it (or when it is ``closed``,
-    or when the interpreter shuts down: :mod:`envsync.shutdown`). An error that escapes
-    ``wake`` (applies and gather answers report their own) is reported as a failure of the
-    target version (and passed to the owner's ``note_failed``); the listener never dies of one."""
-    thread = threading.Thread(target=_listen, args=(weakref.ref(owner), link, wake), name=name)
-    _LISTENERS[thread] = link
-    thread.start()
-
-
-def _listen(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[Any], None]) -> None:
-    try:
-        _serve(ref, link, wake)
-    finally:
-        _LISTENERS.pop(threading.current_thread(), None)
-
-
-def _serve(ref: weakref.ReferenceType[Any], link: ReceiverLink, wake: Callable[[Any], None]) -> None:
-    while True:
-        owner = ref()
-        if owner is None or owner.closed or EXITING.is_set():
-            return
-        del owner
-        # a wake-up proves the sender alive: its liveness (a syscall and a /proc read) is
-        # checked only after a quiet period
-        if not link.wait_notice(_LISTEN_PERIOD) and not link.owner_alive():
-            # torchrl's workers never notice a killed main process (they hold its pipe
-            # ends themselves and wait forever): without a sender, end the worker
-            os._exit(1)
-        owner = ref()
-        if owner is None or owner.closed or EXITING.is_set():
-            return
-        try:
-            wake(owner)
-        except Exception:
-            target = link.target()
-            owner.note_failed(target)
-            link.report_failure(target, traceback.format_exc())
-        del owner
-
-
-def _wake_listeners() -> None:
-    """Wake this process's listeners when the interpreter shuts down, so that each ends at
-    once (or after its current apply) instead of after a listen period."""
-    for link in list(_LISTENERS.values()):
-        with contextlib.suppress(Exception):
-            link.poke()
-
-
-on_shutdown(_wake_listeners)

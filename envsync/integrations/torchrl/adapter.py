@@ -31,7 +31,7 @@ from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.chain import chain_of, runner
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.links.base import LinkHandle
-from envsync.receiver import EnvStateReceiver
+from envsync.receiver import EnvStateReceiver, Place, Standalone, SubEnv
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig
 
@@ -43,7 +43,8 @@ Changes = list[tuple[int, int]]
 """``(frame index, version)`` pairs: the version from that frame of the rollout on."""
 
 
-def _mark(changes: Changes, frame: int, version: int) -> None:
+def mark_change(changes: Changes, frame: int, version: int) -> None:
+    """Note that ``version`` holds from ``frame`` on (merged with the latest change)."""
     if changes[-1][1] == version:
         return
     if changes[-1][0] == frame:
@@ -52,7 +53,8 @@ def _mark(changes: Changes, frame: int, version: int) -> None:
         changes.append((frame, version))
 
 
-def _fill(out: torch.Tensor, changes: Changes) -> None:
+def fill_changes(out: torch.Tensor, changes: Changes) -> None:
+    """Write each change's version into ``out`` from its frame to the next change's."""
     steps = out.shape[-1]
     for i, (frame, version) in enumerate(changes):
         end = changes[i + 1][0] if i + 1 < len(changes) else steps
@@ -146,11 +148,11 @@ class EnvHooks:
         self._handled = self._targets[self._worker]
         receiver.before_step()
         version = receiver.version
-        _mark(self._next, frame, version)
+        mark_change(self._next, frame, version)
         out = self._step(tensordict)
         if receiver.truncate_now():
             _truncate(out)
-        _mark(self._root, frame + 1, version)
+        mark_change(self._root, frame + 1, version)
         self.obs_version = version
         self._settled = receiver.version == version
         receiver.link.note_versions(version, version)
@@ -164,7 +166,7 @@ class EnvHooks:
             receiver.before_reset()
             out = self._reset(tensordict, **kwargs)
             self.obs_version = receiver.version
-            _mark(self._root, self.frame, self.obs_version)
+            mark_change(self._root, self.frame, self.obs_version)
             self._settled = False
             receiver.link.note_versions(None, self.obs_version)
             return out
@@ -184,13 +186,13 @@ class EnvHooks:
             out = batch.get(key, None)
             if out is None:
                 out = torch.empty(shape, dtype=torch.int64)
-                _fill(out, changes)
-                _set(batch, key, out)
+                fill_changes(out, changes)
+                set_tag(batch, key, out)
             else:
-                _fill(out, changes)
+                fill_changes(out, changes)
         for key in (INDEX_KEY, ("next", INDEX_KEY)):
             if batch.get(key, None) is None:
-                _set(batch, key, torch.full(shape, self.env_index, dtype=torch.int64))
+                set_tag(batch, key, torch.full(shape, self.env_index, dtype=torch.int64))
 
     def truncate_last(self, batch: TensorDictBase) -> None:
         """End the rollout's last frame as truncated (a ``"truncate"`` version is pending)."""
@@ -237,7 +239,8 @@ def _unlocked(batch: TensorDictBase) -> Iterator[None]:
         yield
 
 
-def _set(batch: TensorDictBase, key: Any, value: torch.Tensor) -> None:
+def set_tag(batch: TensorDictBase, key: Any, value: torch.Tensor) -> None:
+    """Set a tag in ``batch`` (unlocked for the write, as torchrl locks its buffers)."""
     with _unlocked(batch):
         batch.set(key, value)
 
@@ -353,16 +356,18 @@ def serve_env(
 ) -> Any:
     """A receiver for the hooked ``env`` on link ``slot``, as fleet env ``env_index``
     (``collector``: the collector that drives it, or ``None`` for a sub-env; ``relay``: a
-    sub-env in another process than its group, see :class:`EnvStateReceiver`)."""
+    sub-env in another process than its group, which it wakes through the slot's relay)."""
+    end = handle.open(slot)
+    place: Place = Standalone()
+    if collector is None:
+        place = SubEnv(hooks.unsettle, end.poke_relay if relay else lambda: None)
     receiver = EnvStateReceiver(
-        link=handle.open(slot),
+        link=end,
         spec=hooks.spec,
         adapter=CollectorAdapter(collector, env, hooks.spec),
         initial_config=hooks.initial_config,
-        sub_env=collector is None,
-        before_idle_apply=hooks.unsettle,
+        place=place,
         exclusion=hooks.exclusion,
-        relay=relay,
     )
     hooks.bind(receiver, env_index)
     return receiver

@@ -6,7 +6,7 @@ otherwise. The wrapped factory swaps the batched env's leaf factories (before it
 :class:`LeafFactory`, which hooks each leaf like an unbatched env, so a leaf applies at its
 own safe points: its own reset (partial resets included), its steps, and its truncation.
 
-What needs the collector lives beside the batched env, in :class:`EnvGroup`: the idle
+What needs the collector lives beside the batched env, in :class:`~.group.EnvGroup`: the idle
 listeners (one per sub-env; an idle apply goes to a ``SerialEnv``'s leaf directly, or as a
 partial reset of that sub-env through the collector; a ``ParallelEnv``'s leaves listen
 themselves and wake the group through their slots' relays), the busy marks, the tags, and
@@ -19,14 +19,11 @@ and writes ``env_version`` and ``env_index`` once per rollout, row by row.
 
 from __future__ import annotations
 
-import functools
 import traceback
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 from tensordict import TensorDictBase
 from torchrl.envs import EnvBase, ParallelEnv
@@ -34,30 +31,27 @@ from torchrl.envs.batched_envs import BatchedEnvBase
 
 from envsync.configure import apply_config
 from envsync.errors import EnvSyncError, ValidationError
-from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.adapter import (
     INDEX_KEY,
     VERSION_KEY,
     EnvHooks,
-    _fill,
-    _mark,
-    _set,
+    fill_changes,
+    mark_change,
     serve_env,
-    tags_set_aside,
+    set_tag,
     truncate_at,
 )
-from envsync.integrations.torchrl.outer import OuterState, outer_env
-from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
+from envsync.integrations.torchrl.outer import outer_env
 from envsync.links.base import LinkHandle
-from envsync.protocol import ApplyAt
-from envsync.receiver import EnvStateReceiver, start_listener
+from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
 
 BIND = "_envsync_bind"
 APPLY_NOW = "_envsync_apply_now"
 SERVE = "_envsync_serve"
 HOOKS = "_envsync_batched"
-_MAX_ROUNDS = 8
+MAX_ROUNDS = 8
+"""Rounds of an idle apply while pushes keep landing (each waits for the group's lock)."""
 
 
 def find_batched(env: Any) -> BatchedEnvBase | None:
@@ -143,7 +137,7 @@ class BatchedHooks:
     def __init__(self, env: EnvBase, spec: ApplySpec) -> None:
         self.num_envs = int(env.batch_size[0])
         self.spec = spec
-        self.group: EnvGroup | None = None
+        self.group: Group | None = None
         self.frame = 0
         self._depth = 0
         self._settled = True
@@ -225,7 +219,7 @@ class BatchedHooks:
         group = self.group
         if not self._depth and group is not None:
             for i, obs in enumerate(group.read()[1]):
-                _mark(self._root[i], self.frame, obs)
+                mark_change(self._root[i], self.frame, obs)
             self._settled = False
 
     def _after_step(self) -> None:
@@ -237,8 +231,8 @@ class BatchedHooks:
         group.catch_up()  # the batched env's own entries, for the next step
         ran, obs, _, settled = group.read()
         for i in range(self.num_envs):
-            _mark(self._next[i], frame, ran[i])
-            _mark(self._root[i], frame + 1, obs[i])
+            mark_change(self._next[i], frame, ran[i])
+            mark_change(self._root[i], frame + 1, obs[i])
         self._settled = settled
 
     def begin(self) -> None:
@@ -259,14 +253,14 @@ class BatchedHooks:
             out = batch.get(key, None)
             if out is None:
                 out = torch.empty(shape, dtype=torch.int64)
-                _set(batch, key, out)
+                set_tag(batch, key, out)
             for i, changes in enumerate(rows):
-                _fill(out[i], changes)
+                fill_changes(out[i], changes)
         index = torch.arange(first_env, first_env + self.num_envs, dtype=torch.int64)
         index = index.view(-1, *([1] * (len(shape) - 1))).expand(shape).clone()
         for key in (INDEX_KEY, ("next", INDEX_KEY)):
             if batch.get(key, None) is None:
-                _set(batch, key, index if key == INDEX_KEY else index.clone())
+                set_tag(batch, key, index if key == INDEX_KEY else index.clone())
 
     @staticmethod
     def truncate_last(batch: TensorDictBase, rows: list[int]) -> None:
@@ -274,6 +268,20 @@ class BatchedHooks:
         nxt = batch.get("next")
         for i in rows:
             truncate_at(nxt, (i, -1))
+
+
+class Group(Protocol):
+    """What a batched env's hooks read of its group (:class:`~.group.EnvGroup`)."""
+
+    def unchanged(self) -> bool:
+        """Whether no push reached any sub-env since the group last settled."""
+
+    def read(self) -> tuple[list[int], list[int], list[int], bool]:
+        """Per sub-env: the version its last step ran under, its observation's, its applied
+        one; and whether every sub-env is settled."""
+
+    def catch_up(self) -> None:
+        """Load the batched env's own entries the worker's envs all applied."""
 
 
 class Leaves(Protocol):
@@ -350,190 +358,3 @@ def call_leaves(batched: BatchedEnvBase, calls: dict[int, tuple[Any, ...]], name
         if text:
             raise EnvSyncError(f"sub-env {index} of the {type(batched).__name__}:\n{text}")
     return {index: result for index, (_, result) in answers.items()}
-
-
-class EnvGroup:
-    """The sub-envs of one batched env, seen from the process that drives it: their idle
-    listeners, their busy marks and the reads behind their tags.
-
-    Args:
-        collector: the (inner) collector that drives the batched env.
-        hooks: the batched env's hooks.
-        leaves: how to reach its envs.
-        handle: the link.
-        first_slot: the link slot of sub-env 0 (the others follow).
-    """
-
-    def __init__(
-        self, collector: Any, hooks: BatchedHooks, leaves: Leaves, handle: LinkHandle, first_slot: int
-    ) -> None:
-        self.spec = hooks.spec
-        self.num_envs = hooks.num_envs
-        self.leaves = leaves
-        self._collector = weakref.ref(collector)
-        self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
-        counters = self.ends[0].table.counters  # type: ignore[attr-defined]
-        window = slice(first_slot, first_slot + self.num_envs)
-        self._targets, self._applied, self._failures = (counters[k][window] for k in ("target", "applied", "failed"))
-        self._ran, self._obs = counters["ran"][window], counters["obs"][window]
-        self._seen = b""
-        self.exclusion = Exclusion()  # the group's: its listeners against its collector's rollouts
-        self._lock = self.exclusion.lock
-        self._closed = False
-        self.outer: OuterState | None = None  # the batched env's own transforms, if any
-
-    @property
-    def applied(self) -> np.ndarray:
-        """The applied-version counters of the group's slots (a live numpy view)."""
-        return self._applied
-
-    def unchanged(self) -> bool:
-        """Whether no push reached any sub-env since the group last settled."""
-        return self._targets.tobytes() == self._seen
-
-    def read(self) -> tuple[list[int], list[int], list[int], bool]:
-        """Per sub-env: the version its last step ran under, its observation's, its applied
-        one; and whether every sub-env is settled (remembering the targets it settled on)."""
-        targets = self._targets.copy()
-        applied, failed = self._applied.copy(), self._failures.copy()
-        ran, obs = self._ran.copy(), self._obs.copy()
-        settled = bool(np.all(((targets == applied) | (targets == failed)) & (ran == applied) & (obs == applied)))
-        settled = settled and (self.outer is None or not self.outer.behind())
-        if settled:
-            self._seen = targets.tobytes()
-        return ran.tolist(), obs.tolist(), applied.tolist(), settled
-
-    def pending(self) -> list[int]:
-        """The sub-envs with a version not applied (nor failed) yet."""
-        t, a, f = self._targets.copy(), self._applied.copy(), self._failures.copy()
-        return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
-
-    def busy(self) -> AbstractContextManager[None]:
-        """Mark the collector as driving the batched env: the listeners keep off meanwhile,
-        and so do a ``ParallelEnv``'s sub-envs' own listeners (told through their slots)."""
-        return self.exclusion.driving(self._mark_busy)
-
-    def _mark_busy(self, busy: bool) -> None:
-        for end in self.ends:
-            end.set_busy(busy)
-
-    def apply_if_idle(self, only: list[int] | None = None) -> None:
-        """With the collector idle: ``"step"`` versions apply at once in their leaves;
-        truncating ones (and re-inits that move the env) reset those sub-envs through the
-        collector, and the leaves apply at their reset."""
-        with self._lock:
-            if self.spec.apply_at is ApplyAt.RESET:
-                return
-            # again while anything is pending: a push may land while this runs (its sub-env's
-            # listener then waits for the lock held here)
-            for _ in range(_MAX_ROUNDS):
-                pending = [i for i in self.pending() if only is None or i in only]
-                collector = self._collector()
-                if not pending or collector is None:
-                    return
-                if self.spec.idle_resets:
-                    collector.reset(index=pending)
-                elif self.leaves.listening:
-                    for i in pending:
-                        self.ends[i].poke()
-                else:
-                    self.leaves.apply_now(pending)
-
-    def catch_up(self) -> None:
-        """Load the batched env's own entries the worker's envs all applied (a safe point)."""
-        if self.outer is not None:
-            with self._lock:
-                self.outer.catch_up()
-
-    def serve(self, only: list[int] | None = None) -> None:
-        """Answer pending gathers: the sub-envs' (unless their receivers listen) and the
-        batched env's own (at a rollout's end, or with the collector idle)."""
-        with self._lock:
-            indices = range(self.num_envs) if only is None else only
-            asked = [i for i in indices if self.ends[i].request() != self.ends[i].answered()]
-            if asked:
-                self.leaves.serve(asked)
-            if self.outer is not None:
-                self.outer.serve()
-
-    def settle(self, truncating: list[int]) -> None:
-        """After a rollout: a truncating version applies here only for the sub-envs whose
-        last frame this rollout truncated (one that arrives later is the idle listener's: a
-        fresh episode); then pending gathers are answered."""
-        if truncating or not self.spec.truncates:
-            self.apply_if_idle(truncating if self.spec.truncates else None)
-        self.serve()
-
-    def truncating(self) -> list[int]:
-        """The sub-envs whose pending version must end their episode as truncated."""
-        return self.pending() if self.spec.truncates else []
-
-    def on_wake(self, index: int) -> None:
-        """A listener was woken for sub-env ``index``: acknowledge; apply and serve if idle."""
-        with self._lock:
-            end = self.ends[index]
-            end.ack_received(end.target())
-            if not self.exclusion.driven:
-                self.apply_if_idle()
-                self.serve([index])
-
-    def start(self) -> None:
-        """Start one idle listener per sub-env: on its slot's wake-up, or, when the sub-envs'
-        own receivers listen there, on its relay (one listener per semaphore)."""
-        for i, end in enumerate(self.ends):
-            wake = end.relayed() if self.leaves.listening else end
-            start_listener(self, wake, functools.partial(EnvGroup.on_wake, index=i), name=f"envsync-group-{i}")
-
-    def close(self) -> None:
-        """Stop the listeners."""
-        self._closed = True
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called (its listeners then end)."""
-        return self._closed
-
-    def note_failed(self, version: int) -> None:
-        """A listener reported a failure of ``version``: each sub-env's receiver keeps its own
-        failed mark, the group none."""
-
-
-def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env: int, envs: int) -> EnvGroup:
-    """Bind every sub-env of ``collector``'s batched env to its slot, and catch up.
-
-    Raises:
-        ValidationError: the batched env has another number of sub-envs than the link
-            expects per worker.
-        EnvSyncError: a leaf could not be bound.
-    """
-    found = BatchedHooks.of(collector.env)
-    assert found is not None
-    env, hooks = found
-    if hooks.num_envs != envs:
-        raise ValidationError(
-            f"this worker's batched env has {hooks.num_envs} sub-envs; the sender expects {envs} per worker "
-            "(every worker must drive as many envs; see envs_per_worker=)"
-        )
-    leaves = hooks.leaves(env)
-    group = EnvGroup(collector, hooks, leaves, handle, first_slot)
-    own = hooks.own_transforms(env, collector)
-    if own is not None:
-        group.outer = OuterState(own, hooks.spec, group.ends[0], group.applied)
-    caught_up = leaves.bind(handle, first_slot, first_env)
-    hooks.group = group
-    group_ref = weakref.ref(group)
-
-    def finish(batch: TensorDictBase) -> list[int]:
-        hooks.tag(batch, first_env)
-        owner = group_ref()
-        truncating = owner.truncating() if owner is not None else []
-        hooks.truncate_last(batch, truncating)
-        return truncating
-
-    wrap_rollout(collector, group_ref, hooks.begin, finish, tags_set_aside)
-    guard_commands(collector, group_ref)
-    group.catch_up()  # the batched env's own entries too, before the reset below sees them
-    if caught_up:
-        collector.reset()  # the leaves run the latest version: start fresh episodes under it
-    group.start()
-    return group

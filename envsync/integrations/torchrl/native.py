@@ -37,7 +37,7 @@ from envsync.integrations.torchrl.outer import outer_env
 from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
-from envsync.receiver import EnvStateReceiver
+from envsync.receiver import EnvStateReceiver, SubEnv
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, flat_names, tensor_of
 
@@ -224,8 +224,7 @@ class Rows:
                 spec=hooks.spec,
                 adapter=RowAdapter(hooks.applier, index, hooks.live_env()),
                 initial_config=hooks.initial_config,
-                sub_env=True,
-                before_idle_apply=hooks.unsettle,
+                place=SubEnv(hooks.unsettle),
             )
             for index in range(hooks.num_envs)
         ]

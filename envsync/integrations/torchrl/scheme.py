@@ -25,7 +25,8 @@ from torchrl.weight_update import SharedMemWeightSyncScheme, WeightSyncScheme
 
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import bind_env
-from envsync.integrations.torchrl.batched import BatchedHooks, bind_batched
+from envsync.integrations.torchrl.batched import BatchedHooks
+from envsync.integrations.torchrl.group import bind_batched
 from envsync.integrations.torchrl.routing import route_env_pushes
 from envsync.links.base import Flat, LinkHandle
 from envsync.links.local import LocalLink
@@ -73,7 +74,7 @@ def in_process_link(collector: Collector, leaves: Flat) -> LocalLink | SharedMem
 def bind(collector: Any, handle: LinkHandle, slot: int, env_index: int, envs: int = 1) -> Any:
     """Bind ``collector``'s env to link ``slot`` as fleet env ``env_index`` (a batched env's
     ``envs`` sub-envs to the slots from there), and catch up. Returns the receiver, or a
-    batched env's :class:`~.batched.EnvGroup`.
+    batched env's :class:`~.group.EnvGroup`.
 
     Raises:
         ValidationError: the env was not built by an envsync factory, or holds another

@@ -1,0 +1,216 @@
+"""A batched env's group: what of its sub-envs needs the collector, beside the batched env.
+
+The idle listeners (one per sub-env), the busy marks, the tags, the batched env's own
+transforms (:class:`~.outer.OuterState`) and the rollout's safe points of a worker whose
+env is a ``SerialEnv``, a ``ParallelEnv`` or a natively batched env (see :mod:`.batched`
+for the sub-envs' own hooks).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from contextlib import AbstractContextManager
+from typing import Any
+
+import numpy as np
+from tensordict import TensorDictBase
+
+from envsync.errors import ValidationError
+from envsync.exclusion import Exclusion
+from envsync.integrations.torchrl.adapter import (
+    tags_set_aside,
+)
+from envsync.integrations.torchrl.batched import MAX_ROUNDS, BatchedHooks, Leaves
+from envsync.integrations.torchrl.outer import OuterState
+from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
+from envsync.links.base import LinkHandle
+from envsync.listener import start_listener
+from envsync.protocol import ApplyAt
+
+
+class EnvGroup:
+    """The sub-envs of one batched env, seen from the process that drives it: their idle
+    listeners, their busy marks and the reads behind their tags.
+
+    Args:
+        collector: the (inner) collector that drives the batched env.
+        hooks: the batched env's hooks.
+        leaves: how to reach its envs.
+        handle: the link.
+        first_slot: the link slot of sub-env 0 (the others follow).
+    """
+
+    def __init__(
+        self, collector: Any, hooks: BatchedHooks, leaves: Leaves, handle: LinkHandle, first_slot: int
+    ) -> None:
+        self.spec = hooks.spec
+        self.num_envs = hooks.num_envs
+        self.leaves = leaves
+        self._collector = weakref.ref(collector)
+        self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
+        counters = self.ends[0].table.counters  # type: ignore[attr-defined]
+        window = slice(first_slot, first_slot + self.num_envs)
+        self._targets, self._applied, self._failures = (counters[k][window] for k in ("target", "applied", "failed"))
+        self._ran, self._obs = counters["ran"][window], counters["obs"][window]
+        self._seen = b""
+        self.exclusion = Exclusion()  # the group's: its listeners against its collector's rollouts
+        self._lock = self.exclusion.lock
+        self._closed = False
+        self.outer: OuterState | None = None  # the batched env's own transforms, if any
+
+    @property
+    def applied(self) -> np.ndarray:
+        """The applied-version counters of the group's slots (a live numpy view)."""
+        return self._applied
+
+    def unchanged(self) -> bool:
+        """Whether no push reached any sub-env since the group last settled."""
+        return self._targets.tobytes() == self._seen
+
+    def read(self) -> tuple[list[int], list[int], list[int], bool]:
+        """Per sub-env: the version its last step ran under, its observation's, its applied
+        one; and whether every sub-env is settled (remembering the targets it settled on)."""
+        targets = self._targets.copy()
+        applied, failed = self._applied.copy(), self._failures.copy()
+        ran, obs = self._ran.copy(), self._obs.copy()
+        settled = bool(np.all(((targets == applied) | (targets == failed)) & (ran == applied) & (obs == applied)))
+        settled = settled and (self.outer is None or not self.outer.behind())
+        if settled:
+            self._seen = targets.tobytes()
+        return ran.tolist(), obs.tolist(), applied.tolist(), settled
+
+    def pending(self) -> list[int]:
+        """The sub-envs with a version not applied (nor failed) yet."""
+        t, a, f = self._targets.copy(), self._applied.copy(), self._failures.copy()
+        return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
+
+    def busy(self) -> AbstractContextManager[None]:
+        """Mark the collector as driving the batched env: the listeners keep off meanwhile,
+        and so do a ``ParallelEnv``'s sub-envs' own listeners (told through their slots)."""
+        return self.exclusion.driving(self._mark_busy)
+
+    def _mark_busy(self, busy: bool) -> None:
+        for end in self.ends:
+            end.set_busy(busy)
+
+    def apply_if_idle(self, only: list[int] | None = None) -> None:
+        """With the collector idle: ``"step"`` versions apply at once in their leaves;
+        truncating ones (and re-inits that move the env) reset those sub-envs through the
+        collector, and the leaves apply at their reset."""
+        with self._lock:
+            if self.spec.apply_at is ApplyAt.RESET:
+                return
+            # again while anything is pending: a push may land while this runs (its sub-env's
+            # listener then waits for the lock held here)
+            for _ in range(MAX_ROUNDS):
+                pending = [i for i in self.pending() if only is None or i in only]
+                collector = self._collector()
+                if not pending or collector is None:
+                    return
+                if self.spec.idle_resets:
+                    collector.reset(index=pending)
+                elif self.leaves.listening:
+                    for i in pending:
+                        self.ends[i].poke()
+                else:
+                    self.leaves.apply_now(pending)
+
+    def catch_up(self) -> None:
+        """Load the batched env's own entries the worker's envs all applied (a safe point)."""
+        if self.outer is not None:
+            with self._lock:
+                self.outer.catch_up()
+
+    def serve(self, only: list[int] | None = None) -> None:
+        """Answer pending gathers: the sub-envs' (unless their receivers listen) and the
+        batched env's own (at a rollout's end, or with the collector idle)."""
+        with self._lock:
+            indices = range(self.num_envs) if only is None else only
+            asked = [i for i in indices if self.ends[i].request() != self.ends[i].answered()]
+            if asked:
+                self.leaves.serve(asked)
+            if self.outer is not None:
+                self.outer.serve()
+
+    def settle(self, truncating: list[int]) -> None:
+        """After a rollout: a truncating version applies here only for the sub-envs whose
+        last frame this rollout truncated (one that arrives later is the idle listener's: a
+        fresh episode); then pending gathers are answered."""
+        if truncating or not self.spec.truncates:
+            self.apply_if_idle(truncating if self.spec.truncates else None)
+        self.serve()
+
+    def truncating(self) -> list[int]:
+        """The sub-envs whose pending version must end their episode as truncated."""
+        return self.pending() if self.spec.truncates else []
+
+    def on_wake(self, index: int) -> None:
+        """A listener was woken for sub-env ``index``: acknowledge; apply and serve if idle."""
+        with self._lock:
+            end = self.ends[index]
+            end.ack_received(end.target())
+            if not self.exclusion.driven:
+                self.apply_if_idle()
+                self.serve([index])
+
+    def start(self) -> None:
+        """Start one idle listener per sub-env: on its slot's wake-up, or, when the sub-envs'
+        own receivers listen there, on its relay (one listener per semaphore)."""
+        for i, end in enumerate(self.ends):
+            wake = end.relayed() if self.leaves.listening else end
+            start_listener(self, wake, functools.partial(EnvGroup.on_wake, index=i), name=f"envsync-group-{i}")
+
+    def close(self) -> None:
+        """Stop the listeners."""
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (its listeners then end)."""
+        return self._closed
+
+    def note_failed(self, version: int) -> None:
+        """A listener reported a failure of ``version``: each sub-env's receiver keeps its own
+        failed mark, the group none."""
+
+
+def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env: int, envs: int) -> EnvGroup:
+    """Bind every sub-env of ``collector``'s batched env to its slot, and catch up.
+
+    Raises:
+        ValidationError: the batched env has another number of sub-envs than the link
+            expects per worker.
+        EnvSyncError: a leaf could not be bound.
+    """
+    found = BatchedHooks.of(collector.env)
+    assert found is not None
+    env, hooks = found
+    if hooks.num_envs != envs:
+        raise ValidationError(
+            f"this worker's batched env has {hooks.num_envs} sub-envs; the sender expects {envs} per worker "
+            "(every worker must drive as many envs; see envs_per_worker=)"
+        )
+    leaves = hooks.leaves(env)
+    group = EnvGroup(collector, hooks, leaves, handle, first_slot)
+    own = hooks.own_transforms(env, collector)
+    if own is not None:
+        group.outer = OuterState(own, hooks.spec, group.ends[0], group.applied)
+    caught_up = leaves.bind(handle, first_slot, first_env)
+    hooks.group = group
+    group_ref = weakref.ref(group)
+
+    def finish(batch: TensorDictBase) -> list[int]:
+        hooks.tag(batch, first_env)
+        owner = group_ref()
+        truncating = owner.truncating() if owner is not None else []
+        hooks.truncate_last(batch, truncating)
+        return truncating
+
+    wrap_rollout(collector, group_ref, hooks.begin, finish, tags_set_aside)
+    guard_commands(collector, group_ref)
+    group.catch_up()  # the batched env's own entries too, before the reset below sees them
+    if caught_up:
+        collector.reset()  # the leaves run the latest version: start fresh episodes under it
+    group.start()
+    return group
