@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit soak bench docs examples-smoke test-nightly clean
+.PHONY: demo test lint typecheck unit wide soak bench docs examples-smoke test-nightly clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,19 +23,33 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The unit tests: every test under tests/ not marked `wide`, and envsync's doctests, in one
+# pytest run (about 8 minutes on 2 cores). Workers fork unless a test is about spawn; the tests
+# on the Ray cluster run last, on one two-node cluster for the whole run (tests/conftest.py).
+# Of the model-based test it runs the covering subset of cells (test_model.py's COVERING:
+# each collector kind, env kind, apply mode and operation); of the matrix, every local cell and
+# the Ray cells of a Collector; of the push soak, the short fork run.
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -rfE --durations=25
+	$(BIN)/python -m pytest -q -rfE --durations=25 -m "not wide"
 
+# What CI runs first, and what a change must pass: lint (ruff), typecheck (mypy), unit, docs.
 test: lint typecheck unit docs
 
-# The model-based test with fresh seeds for ENVSYNC_MODEL_SECONDS (default 20 minutes; set
-# ENVSYNC_MODEL_SEED to repeat a run), then the push soak tests (-s shows the model's summary),
-# then every Ray cell of the matrix (make test runs those of a Collector only), then the
-# model-based test over Ray on every Ray cell for ENVSYNC_MODEL_RAY_SECONDS (default 20 minutes).
+# The wider set, CI's second step (.ci/run: make test, then make wide): the tests marked `wide`,
+# in one pytest run: every other model-based cell once at its fixed seed (with make test's
+# subset: every cell once), the Ray cells of the matrix for MultiSync/MultiAsync collectors, the
+# load runs at a quarter of make soak's sizes, the short push soak with spawned workers.
+wide: $(STAMP)
+	$(BIN)/python -m pytest -q -rfE --durations=25 -m wide
+
+# Long runs, by hand: every model-based cell once at its fixed seed, then the model-based test
+# with fresh seeds for ENVSYNC_MODEL_SECONDS (default 20 minutes; set ENVSYNC_MODEL_SEED to
+# repeat a run), then the push soak tests with the load runs at full size (-s shows the model's
+# summary); then, on one Ray cluster, every Ray cell of the matrix and the model-based test over
+# Ray on every Ray cell for ENVSYNC_MODEL_RAY_SECONDS (default 20 minutes).
 soak: $(STAMP)
-	ENVSYNC_MODEL_SECONDS=$${ENVSYNC_MODEL_SECONDS:-1200} ENVSYNC_SOAK_FULL=1 $(BIN)/python -m pytest -q -s tests/test_model.py::test_model_soak tests/test_e2e_soak.py
-	ENVSYNC_MATRIX_ALL=1 $(BIN)/python -m pytest -q tests/test_matrix.py -k test_ray_cell
-	ENVSYNC_MODEL_RAY_SECONDS=$${ENVSYNC_MODEL_RAY_SECONDS:-1200} $(BIN)/python -m pytest -q -s tests/test_model_ray.py::test_model_ray_soak
+	ENVSYNC_MODEL_SECONDS=$${ENVSYNC_MODEL_SECONDS:-1200} ENVSYNC_SOAK_FULL=1 $(BIN)/python -m pytest -q -s tests/test_model.py::test_model tests/test_model.py::test_model_soak tests/test_e2e_soak.py
+	ENVSYNC_MODEL_RAY_SECONDS=$${ENVSYNC_MODEL_RAY_SECONDS:-1200} $(BIN)/python -m pytest -q -s tests/test_matrix.py::test_ray_cell tests/test_model_ray.py::test_model_ray_soak
 
 # The local cells of the matrix and the model-based test on every local cell, on torchrl-nightly
 # and tensordict-nightly, in a venv of their own on the pinned torch (not part of `make test`);

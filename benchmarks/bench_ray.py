@@ -20,7 +20,7 @@ push: its rows, sent on the node's relay's connection), the distinct shares the 
 and the bytes each node's relays decoded; then a restart: ``collector.shutdown()``
 + a new ``RayCollector`` + its first batch.
 
-    python benchmarks/bench_ray.py [--quick]
+    python benchmarks/bench_ray.py [--quick] [--address ADDRESS]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class Args:
     repeats: int = 20  # rounds of (config push, env-state push, rows push, policy update)
     restarts: int = 3
     frames_per_batch: int = 40
+    address: str = ""  # an existing cluster whose two nodes carry resources n0 and n1; empty: start one
     quick: bool = False
     out: Path = RESULTS
 
@@ -66,23 +67,28 @@ def quick(args: Args) -> Args:
 
 
 @contextmanager
-def cluster() -> Iterator[list[dict[str, Any]]]:
-    """A local head + one node; yield one actor option set per node."""
+def cluster(address: str = "") -> Iterator[list[dict[str, Any]]]:
+    """Connect to ``address``, or start a local head + one node; yield one actor option set per
+    node (nodes ``n0`` and ``n1``)."""
     import ray
     from ray.cluster_utils import Cluster
 
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "object_store_memory": STORE, "resources": {"n0": 1}},
-    )
-    nodes.add_node(num_cpus=1, object_store_memory=STORE, resources={"n1": 1})
-    ray.init(address=nodes.address, log_to_driver=False)
+    nodes = None
+    if not address:
+        nodes = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": 1, "object_store_memory": STORE, "resources": {"n0": 1}},
+        )
+        nodes.add_node(num_cpus=1, object_store_memory=STORE, resources={"n1": 1})
+        address = nodes.address
+    ray.init(address=address, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(bench_envs)  # the cluster's workers cannot import benchmarks/
     try:
         yield [{"num_cpus": 0.25, "memory": 150 * MB, "resources": {f"n{i}": 0.01}} for i in range(2)]
     finally:
         ray.shutdown()
-        nodes.shutdown()
+        if nodes is not None:
+            nodes.shutdown()
 
 
 def make_policy(nbytes: int) -> Any:
@@ -198,7 +204,7 @@ def _measure(args: Args, bar: tqdm) -> tuple[dict[str, list[float]], int, int, M
     policy = make_policy(args.nbytes)
     sender = make_sender(args)
     restarts: list[float] = []
-    with cluster() as configs:
+    with cluster(args.address) as configs:
         collector = build(sender, policy, args, configs)
         try:
             workers = sender.num_workers or 0

@@ -1,8 +1,23 @@
-"""Shared fixtures: collectors are built through one helper so every test attaches the same way."""
+"""Shared fixtures: collectors are built through one helper so every test attaches the same way.
+
+How a run is laid out (what keeps ``make test`` short without losing what it proves):
+
+- workers **fork** unless a test asks for spawn (``start_method("spawn")``, or a ``spawn``
+  parameter): spawn's start-up (a fresh interpreter importing torch and torchrl, ~1-3 s a
+  process here) is only worth paying where the start method is the point;
+- **one Ray cluster** for the whole run (the session-scoped ``cluster`` fixture), started by the
+  first test that asks for it; every such test runs **after all the others**
+  (:func:`pytest_collection_modifyitems`), since a process that forks while Ray's threads run
+  can hang in the child, and from then on workers spawn;
+- tests marked ``wide`` are left out of ``make test`` (``-m "not wide"``) and run by
+  ``make wide`` (CI's second step): the model-based cells outside the covering subset, every
+  Ray cell of the matrix, the load runs.
+"""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -55,14 +70,33 @@ def no_leaked_shared_memory() -> Any:
 RAY_STORE = 80 * 2**20  # bytes of object store per node
 
 
-@pytest.fixture(scope="module")
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "wide: the wider set (make wide, CI's second step), left out of make test (-m 'not wide')"
+    )
+    mp.set_start_method("fork", force=True)  # torchrl's import chose spawn; tests that need it ask for it
+
+
+def uses_ray(item: pytest.Item) -> bool:
+    return "cluster" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests on the Ray cluster run last (each module's in their order), so that no test
+    forks workers after the cluster started."""
+    items.sort(key=uses_ray)  # stable
+
+
+@pytest.fixture(scope="session")
 def cluster() -> Iterator[Any]:
-    """A local two-node Ray cluster (head ``n0``, node ``n1``; 1 CPU each), shared by the
-    tests of one module: shut down at the module's end, since later modules fork workers
-    (a process that forks with Ray's threads running can hang in the child)."""
+    """A local two-node Ray cluster (head ``n0``, node ``n1``; 1 CPU each), shared by every test
+    of the run that asks for it; those run last (see :func:`pytest_collection_modifyitems`), and
+    build their local workers by spawn: a process that forks with Ray's threads running can
+    hang in the child."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
+    mp.set_start_method("spawn", force=True)
     # the raylets' workers inherit the environment: they import this directory's modules
     path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), path) if p)
@@ -78,3 +112,18 @@ def cluster() -> Iterator[Any]:
         ray.shutdown()
         nodes.shutdown()
         os.environ["PYTHONPATH"] = path
+
+
+@pytest.fixture
+def cluster_address(cluster: Any) -> Iterator[str]:
+    """The shared cluster's address, for a program under test that connects by itself
+    (``ray.init(address=...)``, then ``ray.shutdown()``): this process lets go of the cluster
+    for the test and connects again after it."""
+    import ray
+
+    ray.shutdown()
+    try:
+        yield cluster.address
+    finally:
+        if not ray.is_initialized():
+            ray.init(address=cluster.address, log_to_driver=False)

@@ -58,28 +58,32 @@ ROW_KEYS = {
 }
 # Syllabus (syllabus-rl) is a peer under comparison, not part of what these smoke runs check
 EXTRA_ARGS = {"bench_curriculum": ["--systems", "envsync"]}
-# bench_ray starts its own two-node cluster (the Ray test modules' one is shut down at their end)
-MARKS = {
-    "bench_ray": [
-        pytest.mark.timeout(180),
-        pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed"),
-    ]
-}
-QUICK_RUNS = [pytest.param(m, marks=MARKS.get(m, [pytest.mark.timeout(80)])) for m in sorted(ROW_KEYS)]
+QUICK_RUNS = [pytest.param(m, marks=pytest.mark.timeout(80)) for m in sorted(ROW_KEYS) if m != "bench_ray"]
 
 
-@pytest.mark.parametrize("module", QUICK_RUNS)
-def test_benchmark_quick_run_writes_its_results(module: str, tmp_path: Path) -> None:
+def check_quick_run(module: str, out: Path, *extra: str) -> None:
     bench = importlib.import_module(module)
-    returned = bench.main(["--quick", "--out", str(tmp_path), *EXTRA_ARGS.get(module, [])])
-    document = json.loads((tmp_path / f"{bench.NAME}.json").read_text())
+    returned = bench.main(["--quick", "--out", str(out), *EXTRA_ARGS.get(module, []), *extra])
+    document = json.loads((out / f"{bench.NAME}.json").read_text())
     assert document == json.loads(json.dumps(returned))
     assert set(document) >= DOCUMENT_KEYS and document["quick"] is True
     assert document["benchmark"] == bench.NAME and document["machine"]["cpus"] >= 1
     assert document["rows"] and all(ROW_KEYS[module] <= set(row) for row in document["rows"])
     assert all({"target", "measured", "goal", "met"} <= set(t) for t in document["targets"])
-    assert (tmp_path / f"{bench.NAME}.md").read_text().startswith(f"### {bench.NAME}")
-    assert all((tmp_path / plot).is_file() for plot in document["summary"]["plots"])
+    assert (out / f"{bench.NAME}.md").read_text().startswith(f"### {bench.NAME}")
+    assert all((out / plot).is_file() for plot in document["summary"]["plots"])
+
+
+@pytest.mark.parametrize("module", QUICK_RUNS)
+def test_benchmark_quick_run_writes_its_results(module: str, tmp_path: Path) -> None:
+    check_quick_run(module, tmp_path)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
+def test_the_ray_benchmark_quick_run_writes_its_results(cluster_address: str, tmp_path: Path) -> None:
+    # on the test run's two-node cluster (its nodes carry the resources n0 and n1 bench_ray pins to)
+    check_quick_run("bench_ray", tmp_path, "--address", cluster_address)
 
 
 def test_cli_bench_says_where_the_benchmarks_should_be(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -27,11 +27,11 @@ def load(name: str) -> ModuleType:
     return module
 
 
-def run_smoke(name: str, out: Path) -> None:
+def run_smoke(name: str, out: Path, *extra: str) -> None:
     main: Callable[[list[str]], None] = load(name).main
     # fork: the workers start in milliseconds and inherit the example module as imported here
     with start_method("fork"):
-        main(["--smoke", "--out", str(out)])
+        main(["--smoke", "--out", str(out), *extra])
 
 
 @pytest.mark.timeout(120)
@@ -102,9 +102,8 @@ def test_a_failed_check_exits_non_zero(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 @pytest.mark.timeout(150)
-def test_ray_curriculum(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("ray")
-    run_smoke("ray_curriculum", tmp_path)
+def test_ray_curriculum(cluster_address: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_smoke("ray_curriculum", tmp_path, "--address", cluster_address)  # on the test run's cluster
     result = json.loads((tmp_path / "ray_curriculum.json").read_text())
     assert result["stages_reached"] > 1 and result["pushes"] == len(result["push_received_ms"])
     assert result["tags_truthful"] and result["failures"] == []

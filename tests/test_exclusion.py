@@ -9,11 +9,14 @@ that ran during an apply would show the new difficulty under the old tag.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
-from helpers import make_slow_batched, rows, start_method
+from conftest import build
+from helpers import make_normed_counter_env, make_slow_batched, rows, start_method
 from torchrl.collectors import Collector, MultiAsyncCollector
 
 from envsync import EnvStateSender
@@ -69,3 +72,38 @@ def test_no_frame_is_mistagged_while_pushes_land_mid_rollout(stepping: Any, dela
         frames += batch.numel()
         bad += mistagged(batch, difficulty)
     assert frames and bad == 0, f"{bad} of {2 * frames} tags name another config than the frame's"
+
+
+@pytest.mark.timeout(90)
+def test_idle_applies_never_run_inside_torchrls_own_worker_commands() -> None:
+    """``collector.state_dict()`` runs torchrl's command on the worker's env while pushes
+    apply idle: the receiver is marked busy for it, so both complete and nothing is lost."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    with start_method("fork"):
+        collector = build("sync", sender, [partial(make_normed_counter_env, label=i) for i in range(2)])
+    try:
+        next(iter(collector))
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def push_forever() -> None:
+            i = 0
+            while not stop.is_set():
+                i += 1
+                try:
+                    sender.push(config={"difficulty": float(i)}, wait="applied", timeout=20)
+                except BaseException as err:  # noqa: BLE001 - reported below
+                    errors.append(err)
+                    return
+
+        thread = threading.Thread(target=push_forever)
+        thread.start()
+        for _ in range(20):
+            collector.state_dict()
+        stop.set()
+        thread.join()
+        assert errors == []
+        assert sender.versions() == [sender.version] * 2
+    finally:
+        collector.shutdown()
+        sender.close()

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import build
-from helpers import OffsetNoiseEnv, make_counter_env, make_vecnorm_env, rows, start_method
+from env_state_checks import Seen, merged_stats
+from helpers import OffsetNoiseEnv, make_counter_env, make_slow_vecnorm_env, make_vecnorm_env, rows, start_method
 from torchrl.envs import VecNormV2
 
-from envsync import EnvStateSender, ValidationError
+from envsync import AckTimeout, EnvStateSender, ValidationError
 from envsync.integrations.torchrl.handlers import NormStatsHandler
 from envsync.reinit import register
 
@@ -287,4 +288,63 @@ def test_a_per_worker_checkpoint_needs_as_many_workers() -> None:
         with pytest.raises(ValidationError, match=message), start_method("fork"):
             build("sync", sender, [partial(make_counter_env, i) for i in range(3)])
     finally:
+        sender.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_sync_stats_in_reset_mode_returns_and_counts_every_observation_once(kind: str) -> None:
+    """Default apply_at="reset": a sync returns once every worker has the merge armed (it is
+    applied at each env's next reset, on top of what the env saw since the gather); the merge
+    counts every observation once, round after round."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty")
+    makers = [partial(make_slow_vecnorm_env, i, horizon=7) for i in range(2)]
+    with start_method("fork"):
+        collector = build(kind, sender, makers, frames_per_batch=20)
+    seen = Seen()
+    try:
+        batches = iter(collector)
+        for _ in range(4):
+            for _ in range(2):
+                seen.add(next(batches))
+            if kind == "async":  # workers run on: count what they saw up to the gather below
+                break
+            sender.sync_stats("VecNormV2", timeout=20.0)
+            count, mean = seen.count_mean()
+            merged_count, merged_mean = merged_stats(sender)
+            assert merged_count == count, "an observation counted twice, or lost"
+            torch.testing.assert_close(merged_mean, mean, rtol=1e-5, atol=1e-5)
+        if kind == "async":
+            version = sender.sync_stats("VecNormV2", timeout=20.0)
+            assert sender.version == version
+            merged_count, _ = merged_stats(sender)
+            assert merged_count >= seen.count_mean()[0]
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_sync_that_times_out_counts_nothing_twice_in_the_next() -> None:
+    sender = EnvStateSender(config={"difficulty": 0.0, "delay": 0.0}, apply="set_difficulty", apply_at="step")
+    makers = [partial(make_slow_vecnorm_env, i) for i in range(2)]
+    with start_method("fork"):
+        collector = build("sync", sender, makers, frames_per_batch=20)
+    seen = Seen()
+    try:
+        batches = iter(collector)
+        seen.add(next(batches))
+        sender.push(config={"delay": 1.5}, wait="applied", timeout=20.0)  # every apply now takes 1.5 s
+        seen.add(next(batches))
+        with pytest.raises(AckTimeout):
+            sender.sync_stats("VecNormV2", timeout=0.5)
+        sender.push(config={"delay": 0.0}, wait="applied", timeout=20.0)
+        seen.add(next(batches))
+        sender.sync_stats("VecNormV2", timeout=20.0)
+        count, mean = seen.count_mean()
+        merged_count, merged_mean = merged_stats(sender)
+        assert merged_count == count, "the timed-out sync's observations were counted again"
+        torch.testing.assert_close(merged_mean, mean, rtol=1e-5, atol=1e-5)
+    finally:
+        collector.shutdown()
         sender.close()

@@ -315,3 +315,15 @@ def test_acknowledgements_nobody_waits_for_do_not_pile_up() -> None:
         assert link.wait_acks(0.5, applied=True, version=pushes, slots=[0, 1])
     finally:
         link.close()
+
+
+def test_the_sweep_keeps_live_files_whatever_their_pid_says() -> None:
+    link = SharedMemoryLink({("config", "x"): torch.zeros(1)}, 1, ctx=mp.get_context("spawn"))
+    # the same name under a pid that is not running (as seen from another PID namespace)
+    alias = os.path.join(SHM_DIR, "envsync-999999999-alias")
+    os.link(link.path, alias)
+    try:
+        assert alias not in sweep_stale() and os.path.exists(alias)  # a live owner holds its lock
+    finally:
+        os.unlink(alias)
+        link.close()

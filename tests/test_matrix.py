@@ -12,8 +12,8 @@ trip (``state_dict()`` loaded into a new sender gives back the same config and e
 appears in it.
 
 The Ray cells of a ``Collector`` run in ``make test``; those of ``MultiSyncCollector`` and
-``MultiAsyncCollector`` (two more Ray clusters' worth of actors each) run with
-``ENVSYNC_MATRIX_ALL=1`` (``make soak``).
+``MultiAsyncCollector`` (twice the actors' worker processes each) are marked ``wide``: ``make
+wide`` (CI) and ``make soak`` run them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import importlib
 import multiprocessing as mp
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ N = 2  # sub-envs of a batched env
 WORKERS = 2  # workers of a Multi* collector
 ENV_KINDS = ("plain", "serial", "parallel", "native")
 COLLECTOR_KINDS = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
-ALL_CELLS = os.environ.get("ENVSYNC_MATRIX_ALL", "") not in ("", "0")
 SHIFT = torch.tensor([0.0, 0.0, 5.0])  # an ObservationNorm loc that leaves difficulty and label as they are
 
 
@@ -204,15 +202,12 @@ def test_cell(kind: str, env_kind: str) -> None:
     run_cell(kind, env_kind)
 
 
-SOAK_ONLY = pytest.mark.skipif(
-    not ALL_CELLS, reason="every Ray cell: ENVSYNC_MATRIX_ALL=1 (make soak); make test runs ray-single of each env kind"
-)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("kind", "env_kind"),
-    [pytest.param(k, e, id=f"{k}-{e}", marks=() if k == "ray-single" else SOAK_ONLY) for k, e in RAY_CELLS],
+    [pytest.param(k, e, id=f"{k}-{e}", marks=() if k == "ray-single" else pytest.mark.wide) for k, e in RAY_CELLS],
 )
 def test_ray_cell(cluster: Any, kind: str, env_kind: str) -> None:
     run_cell(kind, env_kind)

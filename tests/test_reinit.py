@@ -7,7 +7,7 @@ from functools import partial
 import pytest
 import torch
 from conftest import build
-from helpers import make_noisy_env, make_ppo_env, rows, set_gravity, start_method
+from helpers import make_noisy_env, make_normed_counter_env, make_ppo_env, rows, set_gravity, start_method
 from torchrl.envs import StepCounter, TransformedEnv, VecNormV2
 from torchrl.envs.transforms import Transform
 
@@ -253,3 +253,22 @@ def test_register_teaches_a_new_transform() -> None:
     steps = reinit.plan(chain_of(env), reinit.ReinitSpec.from_mapping({"Custom": reinit.reset()}))
     runner(steps)(env, 1)
     assert env.transform.level == 0
+
+
+@pytest.mark.timeout(180)
+def test_recompute_in_main_is_refused_for_a_built_env_and_never_touches_the_collectors_env() -> None:
+    policy = {"ObservationNorm": reinit.recompute(num_iter=8, where="main")}
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step", reinit=policy)
+    with pytest.raises(ValidationError, match="built TransformedEnv"):
+        sender.env_fn(make_normed_counter_env())
+    collector = build("single", sender, make_normed_counter_env, frames_per_batch=10)
+    try:
+        batches = iter(collector)
+        before = next(batches)
+        sender.push(config={"difficulty": 3.0}, wait="applied")  # statistics on the sender's own env
+        after = next(batches)
+        # the collector's env went on with its episode: no reset or rollout from the push
+        assert after["observation"][0, 2] == before["next", "observation"][-1, 2]
+    finally:
+        collector.shutdown()
+        sender.close()
