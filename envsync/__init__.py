@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from envsync import apply as apply  # the module: envsync.apply.attributes(), .rebuild()
-    from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WorkerApplyError
+    from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WireError, WorkerApplyError
     from envsync.integrations.torchrl import EnvStateSender
     from envsync.receiver import EnvStateReceiver
 
@@ -29,6 +29,7 @@ __all__ = [
     "EnvSyncError",
     "GatherError",
     "ValidationError",
+    "WireError",
     "WorkerApplyError",
 ]
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ _HOMES = {
     "EnvSyncError": "envsync.errors",
     "GatherError": "envsync.errors",
     "ValidationError": "envsync.errors",
+    "WireError": "envsync.errors",
     "WorkerApplyError": "envsync.errors",
     "EnvStateSender": "envsync.integrations.torchrl",
     "EnvStateReceiver": "envsync.receiver",

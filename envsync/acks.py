@@ -16,7 +16,7 @@ from envsync.core import Core
 from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
 from envsync.fleet import Attachment
 from envsync.links.base import SenderLink
-from envsync.protocol import NO_FAILURE, Until, is_done
+from envsync.protocol import NO_FAILURE, Until, all_settled, any_owing, is_done
 
 _ACK_SLICE = 0.05
 """Longest blocking wait for an acknowledgement before liveness is checked again."""
@@ -64,7 +64,12 @@ def _block(link: SenderLink, slots: list[int], version: int, mode: Until, remain
     read next tell what happened."""
     try:
         timeout = max(min(_ACK_SLICE, remaining), 0.0)
-        return link.wait_acks(timeout, applied=mode is Until.APPLIED, version=version, slots=slots)
+        applied = mode is Until.APPLIED
+
+        def done() -> bool:
+            return not any_owing(link.counts(slots, applied=applied), version)
+
+        return link.wait_acks(timeout, applied=applied, done=done)
     except RuntimeError:
         return True
 
@@ -78,7 +83,7 @@ def _settled(core: Core, link: SenderLink, slots: list[int], version: int, mode:
     with core.lock:
         if not any(a.link is link for a in core.fleet.attachments):
             return None
-        if link.settled(slots, version, applied=mode is Until.APPLIED):
+        if all_settled(link.counts(slots, applied=mode is Until.APPLIED), version):
             return True
         return False if all(failed == NO_FAILURE for failed in link.failed()) else None
 

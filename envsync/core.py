@@ -22,7 +22,8 @@ from envsync.desired import Undo
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment, Fleet
 from envsync.history import ConfigHistory
-from envsync.links.base import Flat, write_group
+from envsync.links.base import BROADCAST, Flat, SenderLink
+from envsync.protocol import broadcast_part
 from envsync.records import DesiredState, Failures
 from envsync.state import Leaf
 
@@ -117,7 +118,7 @@ class Core:
         for index, (attachment, slot) in located.items():
             groups.setdefault(id(attachment), (attachment, {}))[1][slot] = updates[index]
         for attachment, group in groups.values():
-            write_group(attachment.link, version, group, undo_mark)
+            _write_group(attachment.link, version, group, undo_mark)
             attachment.link.flush(version)
         undo = Undo(version)
         if default is not None:
@@ -157,3 +158,19 @@ def release(attachment: Attachment) -> None:
     """End an attachment: its integration's clean-up, then its link."""
     attachment.on_close()
     attachment.link.close()
+
+
+def _write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
+    """Write one link's slots (``group``: slot -> update) under ``version``, notifying each as
+    soon as it is written; what :func:`~envsync.protocol.broadcast_part` says all share is
+    written once, to the broadcast region."""
+    shared = broadcast_part(group, BROADCAST, link.num_workers, undo_mark)
+    if shared:
+        own = {w: {k: v for k, v in u.items() if k not in shared} for w, u in group.items()}
+        link.broadcast(version, shared, own)
+        for worker in group:
+            link.notify(worker)
+        return
+    for worker, update in group.items():
+        link.write(worker, version, update, undo=undo_mark)
+        link.notify(worker)

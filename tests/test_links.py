@@ -17,7 +17,7 @@ import torch
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import PREFIX, SHM_DIR, SharedMemoryLink, sweep_stale
 from envsync.links.slots import DRAIN_EVERY
-from envsync.protocol import NO_FAILURE
+from envsync.protocol import NO_FAILURE, all_settled, any_owing
 from envsync.state import tensor_of
 
 LEAVES = {
@@ -87,6 +87,12 @@ def test_acks_and_failure_text_travel_back(kind: str) -> None:
         link.close()
 
 
+
+def settled_rule(link: Any, slots: list[int], version: int) -> Any:
+    """The waiter's rule acks.py gives a link: no slot of ``slots`` owes ``version``."""
+    return lambda: not any_owing(link.counts(slots, applied=True), version)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_ack_wakes_a_blocked_sender(kind: str) -> None:
     link = make(kind, 1)
@@ -110,20 +116,20 @@ def test_a_sender_waiting_on_slots_blocks_only_while_one_owes_the_version(kind: 
             link.write(w, 1, {("config", "level"): torch.tensor(2)})
         ends[0].ack_applied(1)
         # slot 0's release is taken back (its counter shows it): slots 1 and 2 still owe
-        assert not link.wait_acks(0.0, applied=True, version=1, slots=[1, 2])
+        assert not link.wait_acks(0.0, applied=True, done=settled_rule(link, [1, 2], 1))
         ends[1].ack_applied(1)
         assert link.wait_acks(0.0, applied=True)  # slot 1's release wakes a plain wait
-        assert not link.wait_acks(0.0, applied=True, version=1, slots=[2])  # slot 2 still owes
+        assert not link.wait_acks(0.0, applied=True, done=settled_rule(link, [2], 1))  # slot 2 still owes
         ends[2].ack_applied(1)
         # nobody owes version 1 any more: the wait returns at once
-        assert link.wait_acks(0.0, applied=True, version=1, slots=[0, 1, 2])
+        assert link.wait_acks(0.0, applied=True, done=settled_rule(link, [0, 1, 2], 1))
         # a slot that failed the version owes nothing (its failure woke the sender)
         for w in range(3):
             link.write(w, 2, {("config", "level"): torch.tensor(3)})
         ends[0].ack_applied(2)
         ends[1].report_failure(2, "boom")
-        assert link.wait_acks(0.0, applied=True, version=2, slots=[1])
-        assert not link.wait_acks(0.0, applied=True, version=2, slots=[1, 2])
+        assert link.wait_acks(0.0, applied=True, done=settled_rule(link, [1], 2))
+        assert not link.wait_acks(0.0, applied=True, done=settled_rule(link, [1, 2], 2))
     finally:
         link.close()
 
@@ -139,8 +145,9 @@ def test_two_threads_waiting_on_one_link_are_each_woken(kind: str) -> None:
         for w in range(2):
             link.write(w, 1, {("config", "level"): torch.tensor(2)})
         woken: list[bool] = []
+        rule = settled_rule(link, [0, 1], 1)
         waiters = [
-            threading.Thread(target=lambda: woken.append(link.wait_acks(5.0, applied=True, version=1, slots=[0, 1]))),
+            threading.Thread(target=lambda: woken.append(link.wait_acks(5.0, applied=True, done=rule))),
             threading.Thread(target=lambda: woken.append(link.wait_acks(5.0, applied=True))),
         ]
         for started, waiter in enumerate(waiters, 1):
@@ -311,8 +318,8 @@ def test_acknowledgements_nobody_waits_for_do_not_pile_up() -> None:
         # 6 pushes acknowledged since the last take-back (3,072nd to 3,077th), not 2 x 3,077
         assert [acks.get_value() for acks in link._live()._acks] == [2 * 6, 2 * 6]
         # the counters, not the releases, tell a later waiter who acknowledged
-        assert link.settled([0, 1], pushes, applied=True)
-        assert link.wait_acks(0.5, applied=True, version=pushes, slots=[0, 1])
+        assert all_settled(link.counts([0, 1], applied=True), pushes)
+        assert link.wait_acks(0.5, applied=True, done=settled_rule(link, [0, 1], pushes))
     finally:
         link.close()
 

@@ -19,9 +19,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from envsync.protocol import Answer, WorkerStatus
+from envsync.protocol import Answer, Counts, WorkerStatus
 from envsync.state import Leaf
 
 Key = tuple[str, str]
@@ -100,15 +101,15 @@ class SenderLink(Protocol):
     def alive(self, worker: int) -> bool:
         """Whether the worker can still answer."""
 
-    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
-        """Block until some worker acknowledges (``applied``: an apply or a failure; else
-        anything), or ``timeout`` passes; return whether an acknowledgement came. Given the
-        ``slots`` waited for, return at once when none of them owes ``version`` any more
-        (see :func:`~envsync.protocol.owes`)."""
+    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
+        """Per slot of ``slots``: its target, its latest acknowledgement (``applied``: of an
+        apply; else of receipt) and its latest failure, read at once; the rules of what they
+        mean are :mod:`envsync.protocol`'s."""
 
-    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
-        """Whether every one of ``slots`` is done with ``version`` (see
-        :func:`~envsync.protocol.is_done`) and none has ever failed a version."""
+    def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
+        """Block until some worker acknowledges (``applied``: an apply or a failure; else
+        anything), or ``timeout`` passes; return whether an acknowledgement came, or at once
+        ``True`` when the waiter's rule ``done`` holds."""
 
     def handle(self) -> LinkHandle:
         """What a worker needs to open its end (picklable for the shared-memory link)."""
@@ -131,6 +132,11 @@ class ReceiverLink(Protocol):
 
     def target(self) -> int:
         """The latest version published to this worker (one integer read)."""
+
+    def counters(self, name: str, count: int) -> np.ndarray:
+        """A live view of counter ``name`` (``"target"``, ``"applied"``, ``"failed"``, ``"ran"``,
+        ``"obs"``) of ``count`` slots from this end's: what a batched env's group and a step's
+        fast path read without a call per read (an int64 array, written by others)."""
 
     def read_header(self) -> Header:
         """A consistent copy of the version, the config, the stamps and the undo mark."""
@@ -193,22 +199,3 @@ class ReceiverLink(Protocol):
 
     def close(self) -> None:
         """Drop the mapping."""
-
-
-def write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
-    """Write one link's slots (``group``: slot -> update) under ``version``, notifying each as
-    soon as it is written; a config or env-state value that is the same tensor for every slot
-    of the link (a fleet-wide push) is written once for all, to the broadcast region."""
-    updates = list(group.values())
-    first = updates[0]
-    shared = {k: v for k, v in first.items() if k[0] in BROADCAST and all(update.get(k) is v for update in updates)}
-    # only when every worker of the link is written: none may keep reading an older broadcast
-    if shared and len(group) == link.num_workers > 1 and not undo_mark:
-        own = {w: {k: v for k, v in u.items() if k not in shared} for w, u in group.items()}
-        link.broadcast(version, shared, own)
-        for worker in group:
-            link.notify(worker)
-        return
-    for worker, update in group.items():
-        link.write(worker, version, update, undo=undo_mark)
-        link.notify(worker)

@@ -43,7 +43,7 @@ import contextlib
 import selectors
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -68,7 +68,7 @@ from envsync.links.ray_wire import (
     share_id,
     unwire,
 )
-from envsync.protocol import NO_FAILURE, Answer, Until, WorkerStatus, all_settled, any_owing, counts_of
+from envsync.protocol import NO_FAILURE, Answer, Counts, Until, WorkerStatus, counts_of
 from envsync.shutdown import EXITING
 from envsync.state import Leaf
 
@@ -306,16 +306,14 @@ class RayLink:
                     self.mailbox.forget.remote(collector)
             return self._lost[collector]
 
-    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
-        until = Until.APPLIED if applied else Until.RECEIVED
-        return all_settled(counts_of((self.status(s) for s in slots), until), version)
+    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
+        return counts_of([self.status(s) for s in slots], Until.APPLIED if applied else Until.RECEIVED)
 
-    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
+    def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
         if self._closed:
             raise RuntimeError("link is closed")
         with self._changed:
-            until = Until.APPLIED if applied else Until.RECEIVED
-            if slots and not any_owing(counts_of((self.status(s) for s in slots), until), version):
+            if done is not None and done():
                 return True
             seq = self._report_seq
             return self._changed.wait_for(lambda: self._report_seq != seq or self._closed, timeout=max(timeout, 0.0))

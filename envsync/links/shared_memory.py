@@ -30,7 +30,7 @@ import torch
 from envsync.links.base import Key
 from envsync.links.slots import SlotReader, SlotWriter
 from envsync.links.table import Field, Table, pid_alive, plan
-from envsync.protocol import Answer
+from envsync.protocol import Answer, Counts
 from envsync.state import Leaf
 
 SHM_DIR = "/dev/shm"
@@ -233,11 +233,11 @@ class SharedMemoryLink:
         pid = int(self._live().table.counters["pid"][worker])
         return not pid or pid == os.getpid() or pid_alive(pid)
 
-    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
-        return self._live().settled(slots, version, applied=applied)
+    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
+        return self._live().counts(slots, applied=applied)
 
-    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
-        return self._live().wait_acks(timeout, applied=applied, version=version, slots=slots)
+    def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
+        return self._live().wait_acks(timeout, applied=applied, done=done)
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""

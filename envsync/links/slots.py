@@ -27,7 +27,7 @@ from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
 from envsync.links.base import BROADCAST, Header, Key
 from envsync.links.table import ERROR_BYTES, Table, pid_alive
-from envsync.protocol import NO_FAILURE, Answer, Counts, WorkerStatus, all_settled, any_owing
+from envsync.protocol import NO_FAILURE, Answer, Counts, WorkerStatus
 from envsync.state import Leaf, tensor_of
 
 _LOCK_TIMEOUT = 10.0
@@ -232,7 +232,7 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
-    def _counts(self, slots: Sequence[int], applied: bool) -> Counts:
+    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
         """The :data:`~envsync.protocol.Counts` of ``slots`` (distinct), read as Python ints
         (a few slots: a list read costs less than numpy's ufuncs)."""
         c = self.table.counters
@@ -242,15 +242,12 @@ class SlotWriter:
         target, failed = c["target"], c["failed"]
         return ((int(target[s]), int(acked[s]), int(failed[s])) for s in slots)
 
-    def settled(self, slots: Sequence[int], version: int, *, applied: bool) -> bool:
-        return all_settled(self._counts(slots, applied), version)
-
-    def wait_acks(self, timeout: float, *, applied: bool, version: int = 0, slots: Sequence[int] = ()) -> bool:
-        """Block until an acknowledgement wakes the sender, or ``timeout`` passes. With the
-        ``slots`` that still owe ``version`` (up to their target), return at once when none
-        owes it any more. A thread waiting alone on the link first takes back the releases
-        made so far (the counters show them), so that they do not wake it for nothing;
-        threads waiting together leave them to each other.
+    def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
+        """Block until an acknowledgement wakes the sender, or ``timeout`` passes; with
+        ``done`` (the waiter's rule, read from :meth:`counts`), return at once when it holds.
+        A thread waiting alone on the link with a rule first takes back the releases made so
+        far (the counters show them), so that they do not wake it for nothing; threads
+        waiting together leave them to each other.
 
         It returns at the first acknowledgement rather than sleeping on while other slots
         still owe: the caller's reading of the counters takes about as long as the next
@@ -260,9 +257,9 @@ class SlotWriter:
             self._waiters += 1
             alone = self._waiters == 1
         try:
-            if alone and slots:
+            if alone and done is not None:
                 _take_back(semaphore)
-            if slots and not any_owing(self._counts(slots, applied), version):
+            if done is not None and done():
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
         finally:
@@ -318,6 +315,9 @@ class SlotReader:
 
     def target(self) -> int:
         return int(self.targets[self.worker])
+
+    def counters(self, name: str, count: int) -> np.ndarray:
+        return self._c[name][self.worker : self.worker + count]
 
     def read_header(self) -> Header:
         """The slot's header; a config name not written since the last read is the copy made

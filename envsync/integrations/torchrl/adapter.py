@@ -91,8 +91,7 @@ class EnvHooks:
         self._next: Changes = [(0, 0)]
         self._settled = True
         self._handled = 0  # the latest target the step path itself has seen
-        self._targets: Any = None
-        self._worker = 0
+        self._target: Any = None
         self._step = env._step
         self._reset = env._reset
         self.exclusion = Exclusion()
@@ -121,8 +120,7 @@ class EnvHooks:
         self.receiver = receiver
         self.env_index = env_index
         # read through a memoryview: an index gives a Python int (numpy's scalar costs ~1k instructions a step)
-        self._targets = memoryview(receiver.link.targets)  # type: ignore[attr-defined]
-        self._worker = receiver.link.worker
+        self._target = receiver.link.counters("target", 1).data
         self._settled = False
 
     def unsettle(self) -> None:
@@ -138,14 +136,14 @@ class EnvHooks:
             receiver = self.receiver
             # compared with the target this path handled, not the receiver's `seen`: the idle
             # listener's periodic wake notices (and acknowledges) targets too, even while busy
-            if receiver is None or (self._settled and self._targets[self._worker] == self._handled):
+            if receiver is None or (self._settled and self._target[0] == self._handled):
                 return self._step(tensordict)
             return self._slow_step(receiver, frame, tensordict)
 
     def _slow_step(self, receiver: EnvStateReceiver, frame: int, tensordict: TensorDictBase) -> TensorDictBase:
         if receiver.applying:  # a step of the apply itself (a re-init that rolls out)
             return self._step(tensordict)
-        self._handled = self._targets[self._worker]
+        self._handled = self._target[0]
         receiver.before_step()
         version = receiver.version
         mark_change(self._next, frame, version)

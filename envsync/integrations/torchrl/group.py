@@ -49,10 +49,10 @@ class EnvGroup:
         self.leaves = leaves
         self._collector = weakref.ref(collector)
         self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
-        counters = self.ends[0].table.counters  # type: ignore[attr-defined]
-        window = slice(first_slot, first_slot + self.num_envs)
-        self._targets, self._applied, self._failures = (counters[k][window] for k in ("target", "applied", "failed"))
-        self._ran, self._obs = counters["ran"][window], counters["obs"][window]
+        first, count = self.ends[0], self.num_envs
+        self._targets, self._applied = first.counters("target", count), first.counters("applied", count)
+        self._failures = first.counters("failed", count)
+        self._ran, self._obs = first.counters("ran", count), first.counters("obs", count)
         self._seen = b""
         self.exclusion = Exclusion()  # the group's: its listeners against its collector's rollouts
         self._lock = self.exclusion.lock
