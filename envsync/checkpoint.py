@@ -1,5 +1,7 @@
-"""Checkpoints of a sender: what :meth:`Sender.state_dict` writes and how
-:meth:`Sender.load_state_dict` restores it, before or after a collector is attached.
+"""Checkpoints of a sender, decided without moving a byte: records in, a checkpoint dict out
+(:func:`state_dict`); a checkpoint in, a :class:`RestorePlan` out (:func:`plan_restore`),
+validated whole before anything changes. :mod:`envsync.restore` carries a plan out through
+the sender's pushes; the sender gathers the workers' state for ``state_dict(gather=True)``.
 
 A checkpoint holds the version, the desired config of every env (one row per env when
 attached; an unbatched worker drives one env), the pushed ``env_state`` (which includes
@@ -11,7 +13,8 @@ pushed with ``workers=``/``envs=``, or computed in main for its own config), the
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
@@ -19,29 +22,21 @@ from envsync import desired
 from envsync.books import StatsBook
 from envsync.core import Core
 from envsync.errors import ValidationError
-from envsync.gather import read_settled
 from envsync.levels import is_batched
 from envsync.records import DesiredState
 from envsync.state import ConfigTemplate, EnvStateTemplate, Leaf, flat_names, nest
 
-
-class Push(Protocol):
-    """The sender's push, as a restore uses it."""
-
-    def __call__(
-        self, config: Any = None, env_state: Any = None, *, workers: Any = None, envs: Any = None, wait: str | None
-    ) -> int: ...
-
-
-PushRows = Callable[[dict[int, dict[str, Leaf]]], int]
-"""The sender's push of one config row per env (by fleet env index), not waited for."""
+Gathered = tuple[Any, dict[bool, dict[int, int]]]
+"""Every collected env's state as :func:`envsync.gather.read_settled` read it, and the applied
+versions it was read at (per level: ``True`` is the batched envs' own)."""
 
 
 def state_dict(
-    core: Core, template: Callable[[], EnvStateTemplate], *, gather: bool = False, timeout: float = 30.0
+    core: Core, template: Callable[[], EnvStateTemplate], gathered: Gathered | None = None
 ) -> dict[str, Any]:
     """A checkpoint of ``core``'s records (see :meth:`Sender.state_dict`); ``template`` gives
-    the env-state template (asked for only with a collector attached)."""
+    the env-state template (asked for only with a collector attached); ``gathered``: the
+    workers' own state, read back (``state_dict(gather=True)``)."""
     with core.lock:
         core.prune()
         indices = core.fleet.collected()  # an env outside any collector rejoins from the default
@@ -57,13 +52,10 @@ def state_dict(
         if not indices and core.desired.restored_rows is not None:  # a restored checkpoint no collector took yet
             _keep_restored_rows(core.desired, out)
         heads = [core.head(e) for e in indices]
-        if not (gather and indices):
+        if gathered is None or not indices:
             _stats_of(core, out, indices, heads, held=False)
-    if gather and indices:
-        books = {False: core.books.of(False), True: core.books.of(True)}
-        gathered, applied = read_settled(core, template(), None, indices, books, timeout)
-        out["worker_env_state"] = gathered
-        with core.lock:
+        else:
+            out["worker_env_state"], applied = gathered
             _stats_of(core, out, indices, heads, held=True, applied=applied[False], applied_whole=applied[True])
     return out
 
@@ -138,72 +130,71 @@ def _own_rows(state: Mapping[str, Any], count: int) -> list[dict[str, Any]] | No
     return rows
 
 
-def load_state_dict(
-    core: Core, template: ConfigTemplate, push: Push, push_rows: PushRows, state: Mapping[str, Any]
-) -> int:
-    """Restore a checkpoint into ``core`` (see :meth:`Sender.load_state_dict`): kept for the
-    next collector when none is attached, else pushed as new versions through ``push`` and
-    ``push_rows``; returns the version now desired."""
+@dataclass
+class RestorePlan:
+    """What loading a checkpoint does, decided and checked before anything changes.
+
+    Args:
+        version: the checkpoint's version.
+        rows: the config rows (one: the same config for every env).
+        env_state: the env state pushed to every env, if any.
+        own: each env's own env-state entries (pushed to it alone, or gathered from it).
+        books: the statistics books the checkpoint restores, per level (``True``: the
+            batched envs' own).
+        indices: the running envs it goes to, in fleet order; empty: kept for the next
+            collector.
+        before: per level, what each running env counts its statistics from until it
+            applies the checkpoint's.
+    """
+
+    version: int
+    rows: list[dict[str, Leaf]]
+    env_state: Any
+    own: list[dict[str, Any]] | None
+    books: dict[bool, StatsBook] = field(default_factory=dict)
+    indices: list[int] = field(default_factory=list)
+    before: dict[bool, dict[int, dict[str, Any]]] = field(default_factory=dict)
+
+
+def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any]) -> RestorePlan:
+    """Read and check a checkpoint against the template and the fleet (call under the core's
+    lock); nothing changes.
+
+    Raises:
+        ValidationError: not a checkpoint, a row that does not fit the template, a number of
+            rows that is not the number of envs (naming both), or an env outside any
+            collector attached before the load.
+    """
     if "version" not in state or "config" not in state:
         raise ValidationError("a sender checkpoint has the keys 'version' and 'config'")
     config = state["config"]
     if not isinstance(config, TensorDictBase):
         config = TensorDict(config)
     rows = [template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
-    env_state = state.get("env_state") or None
     own = _own_rows(state, len(rows))
     if own is not None and len(own) != len(rows):
         raise ValidationError(f"the checkpoint has {len(rows)} worker configs and {len(own)} worker env states")
-    with core.lock:
-        core.check_open()
-        core.prune()
-        indices = core.fleet.collected()
-        if not indices and core.fleet.attachments:
-            raise ValidationError(
-                "load the checkpoint before attach_env: an env outside any collector joins from the "
-                "restored desired state"
-            )
-        # what the running envs' statistics count from until they apply the checkpoint's
-        before = _baselines(core, core.books.of(False), indices)
-        before_whole = _baselines(core, core.books.of(True), indices, whole=True)
-        if "stats" in state:
-            own_stats = None if own is None else [any(k.startswith("stats.") for k in row) for row in own]
-            core.books.put(False, StatsBook.from_state_dict(state["stats"], own_stats))
-        if "batched_stats" in state:
-            own_outer = None if own is None else [any(is_batched(k) and ".stats." in k for k in row) for row in own]
-            core.books.put(True, StatsBook.from_state_dict(state["batched_stats"], own_outer))
-        if not indices:
-            return core.desired.keep_for_attach(int(state["version"]), rows, env_state, own)
+    indices = core.fleet.collected()
+    if not indices and core.fleet.attachments:
+        raise ValidationError(
+            "load the checkpoint before attach_env: an env outside any collector joins from the restored desired state"
+        )
+    if indices and len(rows) != len(indices) and (len(rows) != 1 or own is not None):
         workers = len({core.fleet.worker_of(e) for e in indices})
-    if len(rows) != len(indices) and (len(rows) != 1 or own is not None):
         what = "workers" if len(indices) == workers else "envs"
         raise ValidationError(
             f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {len(indices)} {what}"
         )
-    # the version at which each env (and each worker's batched env) holds the checkpoint's
-    # statistics: its statistics book counts from there (the env runs on meanwhile)
-    at: dict[int, int] = {}
-    at_whole: dict[int, int] = {}
-    if env_state:
-        version = push(env_state=env_state, wait=None)
-        at = dict.fromkeys(indices, version)
-        at_whole = {core.head(index): version for index in indices}
-    for index, entries in zip(indices, own or [{} for _ in indices], strict=True):
-        mine = {k: v for k, v in entries.items() if not is_batched(k)}
-        if mine:
-            at[index] = push(env_state=mine, envs=[index], wait=None)
-        whole = {k: v for k, v in entries.items() if is_batched(k)}
-        if whole and core.head(index) == index:  # a batched env's own: its worker's
-            at_whole[index] = push(env_state=whole, workers=[core.fleet.worker_of(index)], wait=None)
-    own_book, whole_book = core.books.of(False), core.books.of(True)
-    if "stats" in state and own_book is not None:
-        own_book.loaded_into_running(at, indices, before)
-    if "batched_stats" in state and whole_book is not None:
-        heads = sorted({core.head(index) for index in indices})
-        whole_book.loaded_into_running(at_whole, heads, before_whole)
-    if len(rows) == 1:
-        return push(config=rows[0], wait=None)
-    return push_rows(dict(zip(indices, rows, strict=True)))
+    plan = RestorePlan(int(state["version"]), rows, state.get("env_state") or None, own, indices=indices)
+    if "stats" in state:
+        own_stats = None if own is None else [any(k.startswith("stats.") for k in row) for row in own]
+        plan.books[False] = StatsBook.from_state_dict(state["stats"], own_stats)
+    if "batched_stats" in state:
+        own_outer = None if own is None else [any(is_batched(k) and ".stats." in k for k in row) for row in own]
+        plan.books[True] = StatsBook.from_state_dict(state["batched_stats"], own_outer)
+    # what the running envs' statistics count from until they apply the checkpoint's
+    plan.before = {whole: _baselines(core, core.books.of(whole), indices, whole=whole) for whole in plan.books}
+    return plan
 
 
 def _baselines(

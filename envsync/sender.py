@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import acks, checkpoint, desired, gather
+from envsync import acks, checkpoint, desired, gather, restore
 from envsync.core import Core
 from envsync.errors import ValidationError
 from envsync.fleet import Member
+from envsync.gather import read_settled
 from envsync.history import ConfigHistory
 from envsync.links.base import Flat
 from envsync.port import AttachPort
@@ -413,7 +414,11 @@ class Sender:
         so far. With ``gather=True`` it also holds ``"worker_env_state"``: every worker's
         current entries (running statistics included), read back with :meth:`gather`.
         """
-        return checkpoint.state_dict(self._core, self.env_state_template, gather=gather)
+        gathered = None
+        if gather and self._fleet.collected():
+            books = {False: self._core.books.of(False), True: self._core.books.of(True)}
+            gathered = read_settled(self._core, self.env_state_template(), None, self._fleet.collected(), books, 30.0)
+        return checkpoint.state_dict(self._core, self.env_state_template, gathered)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:
         """Restore a checkpoint made by :meth:`state_dict`; returns the version now desired.
@@ -430,7 +435,11 @@ class Sender:
         def push_rows(rows: dict[int, dict[str, Leaf]]) -> int:
             return self._push_rows(rows, by_env=True, wait=None, timeout=30.0)
 
-        return checkpoint.load_state_dict(self._core, self.template, self.push, push_rows, state)
+        with self._lock:
+            self._core.check_open()
+            self._core.prune()
+            plan = checkpoint.plan_restore(self._core, self.template, state)
+            return restore.carry_out(self._core, plan, self.push, push_rows)
 
     # ---- life cycle ------------------------------------------------------------------------
 

@@ -137,3 +137,22 @@ def test_a_checkpoint_with_per_worker_rows_resumes_each_worker_from_its_row(send
                 again.close()
     finally:
         resumed.close()
+
+
+def test_a_checkpoint_that_does_not_fit_the_running_fleet_changes_nothing(sender: Sender) -> None:
+    attach(sender, applies)
+    sender.push(config={"difficulty": 0.5}, wait="applied")
+    other = Sender(config={"difficulty": 0.0}, env_state_template=STATE)
+    try:
+        attach(other, applies, workers=2)
+        other.push_each({0: {"difficulty": 0.1}, 1: {"difficulty": 0.2}}, wait="applied")
+        state = other.state_dict()
+    finally:
+        other.close()
+    state["stats"] = {"merged": {}, "given": [{}, {}]}  # a restore that also carries books
+    before = (sender.version, sender.state_dict())
+    with pytest.raises(ValidationError, match="2 worker configs; the collector has 3 workers"):
+        sender.load_state_dict(state)
+    assert sender.version == before[0]
+    assert "stats" not in sender.state_dict()  # the checkpoint's books were not taken
+    assert [sender.desired_config(w)["difficulty"].item() for w in range(3)] == [0.5, 0.5, 0.5]
