@@ -7,7 +7,32 @@
 * :mod:`.routing` keeps env pushes through ``update_policy_weights_`` off torchrl's
   policy-version count;
 * :mod:`.handlers` teaches ``envsync.reinit`` torchrl's stateful transforms;
-* :mod:`.applies` holds the built-in ``apply=`` objects (front: :mod:`envsync.apply`).
+* :mod:`.applies` holds the built-in ``apply=`` objects (front: :mod:`envsync.apply`);
+* :mod:`.rollouts` wraps a rollout's safe points once for every env kind; :mod:`.batched`,
+  :mod:`.group`, :mod:`.native` and :mod:`.outer` serve batched envs, :mod:`.outside` an env
+  outside any collector, :mod:`.ray` a ``RayCollector``.
+
+Where torchrl gives no public way, this package (and only it) reaches into torchrl's
+protected members, each for one reason:
+
+* ``EnvBase._step`` / ``EnvBase._reset`` (:mod:`.adapter`, :mod:`.batched`): the safe points
+  are hooks on the env instance's own step and reset, the methods torchrl's ``step`` and
+  ``reset`` call; torchrl has no hook API on an env (a transform appended last would add a
+  layer to every step and re-key the user's ``state_dict``).
+* ``SerialEnv._envs`` (:mod:`.batched`): a ``SerialEnv``'s sub-envs, which it keeps in this
+  list only.
+* ``GymWrapper._env`` (:mod:`.applies`, and :func:`envsync.configure.wrapper_chain` by name):
+  the gymnasium env a torchrl wrapper holds; ``GymWrapper.__getattr__`` forwards attribute
+  reads to it but gives no handle to the object itself (needed to reset it with a seed and
+  read its ``spec`` when rebuilding, and to find attribute owners along the chain).
+* ``Transform._reset`` / ``Transform._step`` (:mod:`.handlers`): ``recompute`` feeds one
+  transform the way its ``TransformedEnv`` does; no public call updates a single transform.
+* ``VecNorm._td`` (:mod:`.vecnorm`): whether a v1 ``VecNorm`` holds statistics yet; its
+  public readers warn and ``loc``/``scale`` raise in that case.
+* ``WeightSyncScheme._init_on_sender_impl`` / ``_init_on_receiver_impl`` (:mod:`.scheme`):
+  the override points torchrl's scheme API defines for subclasses (called through ``super()``);
+  ``Collector._maybe_fallback_update``: the single ``Collector``'s own policy update, which a
+  non-empty ``weight_sync_schemes`` otherwise turns off.
 """
 
 from __future__ import annotations

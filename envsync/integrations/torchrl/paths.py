@@ -92,8 +92,16 @@ class AttributePath:
         first, *rest = name.split(".")
         path = cls(name, find_owner(env, first, settable=not rest), tuple(rest))
         if rest:
-            path._step(path.parent(), rest[-1], len(rest))
+            path.check_exists()
         return path
+
+    def check_exists(self) -> None:
+        """Check that the path's last attribute exists on its parent.
+
+        Raises:
+            ValidationError: it does not, or it is a method.
+        """
+        self._step(self.parent(), self.rest[-1], len(self.rest))
 
     def parent(self) -> Any:
         """The object that holds the path's last attribute."""

@@ -173,7 +173,7 @@ class EnvSyncScheme(EnvSchemeBase):
         def forget() -> None:  # the collector may outlive the sender: let go of the semaphores
             scheme = scheme_ref()
             if scheme is not None:
-                scheme._handle = None
+                scheme.forget_link()
 
         attachment = self._sender.port.attach(
             context.num_workers, make, detached=lambda: _detached(collector_ref), on_close=forget, envs_per_worker=envs
@@ -196,6 +196,10 @@ class EnvSyncScheme(EnvSchemeBase):
             sender.port.detach(attachment)
             raise
         attachment.on_close = receiver.close
+
+    def forget_link(self) -> None:
+        """Let go of the link's handle (and so of its semaphores) once the sender releases it."""
+        self._handle = None
 
     def _init_on_receiver_impl(
         self, *, model_id: str, context: Any = None, worker_idx: int | None = None, **kwargs: Any
