@@ -87,12 +87,13 @@ class Model:
 
     def restart(self, version: int, intermediate: Iterable[int] = ()) -> None:
         """A resumed sender: every env runs its current setting at ``version``; each of the
-        ``intermediate`` versions (a restore pushed piece by piece) may show any mix of the
-        fresh start and the restored setting."""
+        ``intermediate`` versions (a restore pushed piece by piece: the fleet-wide env state
+        first, then each env's own, then the config rows) may show any mix of the fresh start,
+        the restored fleet-wide ``loc`` and the restored setting."""
         self.table.clear()  # the new sender's versions name nothing of the old one's
         self.rolled_back.clear()
         for v in intermediate:
-            self.table[v] = {e: frozenset(_mixes(s)) for e, s in enumerate(self.current)}
+            self.table[v] = {e: frozenset(_mixes(s, self.default_loc)) for e, s in enumerate(self.current)}
         self.table[version] = {e: frozenset({s}) for e, s in enumerate(self.current)}
         self.current_version = [version] * self.num_envs
         self.latest = version
@@ -105,13 +106,13 @@ class Model:
         return reached[env]
 
 
-def _mixes(restored: Setting) -> set[Setting]:
+def _mixes(restored: Setting, default_loc: float) -> set[Setting]:
     fresh = Setting()
     return {
         Setting(d, dl, lc, tb)
         for d in {fresh.difficulty, restored.difficulty}
         for dl in {fresh.delay, restored.delay}
-        for lc in {fresh.loc, restored.loc}
+        for lc in {fresh.loc, default_loc, restored.loc}
         for tb in {fresh.table, restored.table}
     }
 
