@@ -38,7 +38,9 @@ test: lint typecheck unit docs
 # The wider set, CI's second step (.ci/run: make test, then make wide): the tests marked `wide`,
 # in one pytest run: every other model-based cell once at its fixed seed (with make test's
 # subset: every cell once), the Ray cells of the matrix for MultiSync/MultiAsync collectors, the
-# load runs at a quarter of make soak's sizes, the short push soak with spawned workers.
+# load runs at a quarter of make soak's sizes, the short push soak with spawned workers, and the
+# slowest benchmark smoke runs (bench_ray, bench_push_instructions, bench_switch_latency,
+# bench_curriculum_instructions).
 wide: $(STAMP)
 	$(BIN)/python -m pytest -q -rfE --durations=25 -m wide
 

@@ -58,7 +58,13 @@ ROW_KEYS = {
 }
 # Syllabus (syllabus-rl) is a peer under comparison, not part of what these smoke runs check
 EXTRA_ARGS = {"bench_curriculum": ["--systems", "envsync"]}
-QUICK_RUNS = [pytest.param(m, marks=pytest.mark.timeout(80)) for m in sorted(ROW_KEYS) if m != "bench_ray"]
+WIDE = {"bench_push_instructions", "bench_switch_latency", "bench_curriculum_instructions"}
+"""The slowest smoke runs (several seconds each): make wide runs them, make test the others."""
+QUICK_RUNS = [
+    pytest.param(m, marks=[pytest.mark.timeout(80), *([pytest.mark.wide] if m in WIDE else [])])
+    for m in sorted(ROW_KEYS)
+    if m != "bench_ray"
+]
 
 
 def check_quick_run(module: str, out: Path, *extra: str) -> None:
@@ -79,6 +85,7 @@ def test_benchmark_quick_run_writes_its_results(module: str, tmp_path: Path) -> 
     check_quick_run(module, tmp_path)
 
 
+@pytest.mark.wide
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the ray extra is not installed")
 def test_the_ray_benchmark_quick_run_writes_its_results(cluster_address: str, tmp_path: Path) -> None:
