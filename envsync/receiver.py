@@ -199,8 +199,8 @@ class EnvStateReceiver:
 
     def start(self, *, listen: bool = True) -> bool:
         """Catch up with the latest desired state, and (``listen``) listen while idle; return
-        whether it caught up. A receiver resets its env after catching up, unless its place
-        resets it (a sub-env's group does)."""
+        whether it caught up. After catching up it resets its env when its place says it
+        does (:attr:`Place.resets`; a sub-env's group resets the sub-env instead)."""
         caught_up = False
         with self._lock:
             if self._pending(self.link.target()):

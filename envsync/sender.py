@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import acks, checkpoint, desired, gather, restore
@@ -306,11 +305,7 @@ class Sender:
         """
         template = self.env_state_template()
         decays = self.port.probe_or_fail().stats_indices(self.spec, selector)
-
-        def push(*, env_state: dict[str, torch.Tensor], wait: str, timeout: float) -> int:
-            return self.push(env_state=env_state, wait=wait, timeout=timeout)
-
-        return gather.sync_stats(self._core, template, selector, decays, push, self.spec.apply_at, timeout)
+        return gather.sync_stats(self._core, template, selector, decays, self.push, self.spec.apply_at, timeout)
 
     # ---- waiting ---------------------------------------------------------------------------
 
@@ -415,9 +410,13 @@ class Sender:
         current entries (running statistics included), read back with :meth:`gather`.
         """
         gathered = None
-        if gather and self._fleet.collected():
-            books = {False: self._core.books.of(False), True: self._core.books.of(True)}
-            gathered = read_settled(self._core, self.env_state_template(), None, self._fleet.collected(), books, 30.0)
+        if gather:
+            with self._lock:
+                self._core.prune()
+                envs = self._fleet.collected()
+                books = {False: self._core.books.of(False), True: self._core.books.of(True)}
+            if envs:
+                gathered = read_settled(self._core, self.env_state_template(), None, envs, books, 30.0)
         return checkpoint.state_dict(self._core, self.env_state_template, gathered)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> int:

@@ -562,6 +562,14 @@ def make_parallel_flaky(n: int = 2) -> Any:
     return ParallelEnv(n, [partial(make_flaky_env, label=i) for i in range(n)], mp_start_method=mp.get_start_method())
 
 
+def make_serial_flaky(n: int = 2) -> Any:
+    from functools import partial
+
+    from torchrl.envs import SerialEnv
+
+    return SerialEnv(n, [partial(make_flaky_env, label=i) for i in range(n)])
+
+
 def arm_flaky_read(env: Any, config: TensorDictBase) -> None:
     """An apply callable: sets the difficulty, and arms the next state_dict() to fail when
     ``config["fail_read"]`` is 1."""

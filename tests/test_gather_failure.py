@@ -8,14 +8,16 @@ from typing import Any
 
 import pytest
 from conftest import build
-from helpers import arm_flaky_read, make_flaky_env, make_parallel_flaky, start_method
+from helpers import arm_flaky_read, make_flaky_env, make_parallel_flaky, make_serial_flaky, start_method
 
 from envsync import EnvStateSender, GatherError
 
 CASES = {
     "single": (make_flaky_env, 1),
     "sync": (make_flaky_env, 2),
+    "async": (make_flaky_env, 2),
     "single-parallel-env": (make_parallel_flaky, 1),
+    "sync-serial-env": (make_serial_flaky, 2),
 }
 
 
@@ -23,7 +25,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_failure_while_answering_a_gather_raises_from_gather_and_fails_no_version(case: str) -> None:
     make_env, workers = CASES[case]
-    kind = "single" if case.startswith("single") else "sync"
+    kind = case.split("-")[0]
     sender = EnvStateSender(config={"difficulty": 0.0, "fail_read": 0.0}, apply=arm_flaky_read, apply_at="step")
     with start_method("fork"):
         collector: Any = build(kind, sender, make_env, workers=workers, frames_per_batch=8)

@@ -196,6 +196,16 @@ class EnvHooks:
         """End the rollout's last frame as truncated (a ``"truncate"`` version is pending)."""
         truncate_at(batch.get("next"), (..., -1))
 
+    def finish(self, batch: TensorDictBase, receiver: EnvStateReceiver) -> list[int]:
+        """Tag a rollout's batch and, when ``receiver`` (the one that drove the rollout) has
+        a pending version that must end the episode, truncate its last frame; return the
+        envs it truncated (``[0]``, or none)."""
+        self.tag(batch)
+        if not receiver.truncate_now():
+            return []
+        self.truncate_last(batch)
+        return [0]
+
 
 TAG_KEYS: tuple[Any, ...] = (VERSION_KEY, INDEX_KEY, ("next", VERSION_KEY), ("next", INDEX_KEY))
 
@@ -380,18 +390,8 @@ def bind_env(collector: Any, handle: LinkHandle, slot: int, env_index: int) -> E
     """
     env, hooks = find_hooks(collector.env)
     receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, collector)
-
     receiver_ref = weakref.ref(receiver)
-
-    def finish(batch: TensorDictBase) -> list[int]:
-        hooks.tag(batch)
-        owner = receiver_ref()
-        truncated = [0] if owner is not None and owner.truncate_now() else []
-        if truncated:
-            hooks.truncate_last(batch)
-        return truncated
-
-    wrap_rollout(collector, receiver_ref, hooks.begin, finish, tags_set_aside)
+    wrap_rollout(collector, receiver_ref, hooks.begin, hooks.finish, tags_set_aside)
     guard_commands(collector, receiver_ref)
     receiver.start()
     return receiver

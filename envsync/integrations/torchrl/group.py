@@ -18,9 +18,7 @@ from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
-from envsync.integrations.torchrl.adapter import (
-    tags_set_aside,
-)
+from envsync.integrations.torchrl.adapter import tags_set_aside
 from envsync.integrations.torchrl.batched import MAX_ROUNDS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.outer import OuterState
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
@@ -200,10 +198,9 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
     hooks.group = group
     group_ref = weakref.ref(group)
 
-    def finish(batch: TensorDictBase) -> list[int]:
+    def finish(batch: TensorDictBase, owner: EnvGroup) -> list[int]:
         hooks.tag(batch, first_env)
-        owner = group_ref()
-        truncating = owner.truncating() if owner is not None else []
+        truncating = owner.truncating()
         hooks.truncate_last(batch, truncating)
         return truncating
 

@@ -17,7 +17,6 @@ import types
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from tensordict import TensorDictBase
 from torchrl.envs import EnvBase
 
 from envsync import reinit
@@ -173,15 +172,7 @@ def _wrap(env: EnvBase, hooks: EnvHooks, receiver_ref: weakref.ReferenceType[Env
         receiver = receiver_ref()
         if receiver is None:
             return cls.rollout(self, *args, **kwargs)
-
-        def finish(out: TensorDictBase) -> list[int]:
-            hooks.tag(out)
-            truncated = [0] if receiver.truncate_now() else []
-            if truncated:
-                hooks.truncate_last(out)
-            return truncated
-
-        return drive(receiver, hooks.begin, lambda: cls.rollout(self, *args, **kwargs), finish)
+        return drive(receiver, hooks.begin, lambda: cls.rollout(self, *args, **kwargs), hooks.finish)
 
     def close(self: EnvBase, *args: Any, **kwargs: Any) -> Any:
         attached = self.__dict__.get(_ATTACHED)

@@ -32,20 +32,20 @@ class Driven(Protocol):
         pending version): apply what is due while idle, answer pending gathers."""
 
 
-def drive(
-    owner: Driven,
-    begin: Callable[[], None],
-    run: Callable[[], Any],
-    finish: Callable[[TensorDictBase], list[int]],
-) -> Any:
-    """Run one rollout (``run``) between its safe points; ``finish`` tags the batch and
-    returns the envs whose episode it truncated."""
+Finish = Callable[[TensorDictBase, Any], list[int]]
+"""Tags a rollout's batch for the owner that drove it; returns the envs whose episode it
+truncated for a pending version."""
+
+
+def drive(owner: Driven, begin: Callable[[], None], run: Callable[[], Any], finish: Finish) -> Any:
+    """Run one rollout (``run``) between its safe points; ``finish(batch, owner)`` tags the
+    batch and returns the envs whose episode it truncated."""
     truncating: list[int] = []
     with owner.busy():
         begin()
         out = run()
         if isinstance(out, TensorDictBase):
-            truncating = finish(out)
+            truncating = finish(out, owner)
     owner.settle(truncating)
     return out
 
@@ -54,7 +54,7 @@ def wrap_rollout(
     collector: Any,
     owner_ref: weakref.ReferenceType[Any],
     begin: Callable[[], None],
-    finish: Callable[[TensorDictBase], list[int]],
+    finish: Finish,
     set_aside: Callable[[Any], AbstractContextManager[None]],
 ) -> None:
     """Wrap ``collector``'s rollout with :func:`drive`, for as long as the owner lives
