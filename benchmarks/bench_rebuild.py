@@ -64,26 +64,37 @@ def _apply_seconds(apply: Any, repeats: int) -> list[float]:
     return seconds
 
 
-def _push_seconds(apply: Any, args: Args, bar: tqdm) -> tuple[list[float], list[float]]:
+def _timed_pushes(
+    sender: EnvStateSender,
+    make_env: Callable[[], Any],
+    workers: int,
+    args: Args,
+    bar: tqdm,
+    payload: Callable[[int], Any],
+    send: Callable[[Any], int],
+) -> tuple[list[float], list[float]]:
+    """Seconds to push (``send(payload(i))``, not waited for) and to every worker applying it,
+    ``args.repeats`` rounds after one warm-up round, to a MultiSyncCollector of ``workers``
+    workers of ``make_env`` (the payload built before the clock starts)."""
     from torchrl.collectors import MultiSyncCollector
 
-    sender = EnvStateSender.from_env(make_pendulum, config=["g"], apply=apply, apply_at="truncate")
     collector = None
     sent, applied = [], []
     try:
         with start_method(args.start_method):
             collector = MultiSyncCollector(
-                [sender.env_fn(make_pendulum)] * args.workers,
+                [sender.env_fn(make_env)] * workers,
                 None,
-                frames_per_batch=32 * args.workers,
+                frames_per_batch=32 * workers,
                 total_frames=-1,
                 weight_sync_schemes=sender.schemes(),
             )
         batches = iter(collector)
         next(batches)
         for i in range(args.repeats + 1):
+            value = payload(i)
             start = time.perf_counter()
-            version = sender.push(config={"g": 5.0 + i % 7}, wait=None)
+            version = send(value)
             pushed = time.perf_counter()
             sender.wait(version, until="applied", timeout=30.0)
             if i:  # the first round warms caches and threads up
@@ -95,6 +106,19 @@ def _push_seconds(apply: Any, args: Args, bar: tqdm) -> tuple[list[float], list[
             collector.shutdown()
         sender.close()
     return sent, applied
+
+
+def _push_seconds(apply: Any, args: Args, bar: tqdm) -> tuple[list[float], list[float]]:
+    sender = EnvStateSender.from_env(make_pendulum, config=["g"], apply=apply, apply_at="truncate")
+    return _timed_pushes(
+        sender,
+        make_pendulum,
+        args.workers,
+        args,
+        bar,
+        lambda i: {"g": 5.0 + i % 7},
+        lambda config: sender.push(config=config, wait=None),
+    )
 
 
 PATH = "model.body_mass"
@@ -115,51 +139,33 @@ def _path_apply_seconds(repeats: int) -> list[float]:
 
 
 def _path_push_seconds(args: Args, bar: tqdm) -> tuple[list[float], list[float]]:
-    from torchrl.collectors import MultiSyncCollector
-
     sender = EnvStateSender.from_env(make_cheetah, config=[PATH], apply=envsync.apply.attributes(), apply_at="truncate")
     built = sender.desired_config()["model", "body_mass"].clone()
-    collector = None
-    sent, applied = [], []
-    try:
-        with start_method(args.start_method):
-            collector = MultiSyncCollector(
-                [sender.env_fn(make_cheetah)] * args.path_workers,
-                None,
-                frames_per_batch=32 * args.path_workers,
-                total_frames=-1,
-                weight_sync_schemes=sender.schemes(),
-            )
-        batches = iter(collector)
-        next(batches)
-        for i in range(args.repeats + 1):
-            rows = {w: {"model": {"body_mass": built * (1.0 + 0.1 * ((i + w) % 5))}} for w in range(args.path_workers)}
-            start = time.perf_counter()
-            version = sender.push_each(rows, wait=None)
-            pushed = time.perf_counter()
-            sender.wait(version, until="applied", timeout=30.0)
-            if i:
-                sent.append(pushed - start)
-                applied.append(time.perf_counter() - start)
-            bar.update()
-    finally:
-        if collector is not None:
-            collector.shutdown()
-        sender.close()
-    return sent, applied
+    workers = args.path_workers
+
+    def rows(i: int) -> dict[int, Any]:
+        return {w: {"model": {"body_mass": built * (1.0 + 0.1 * ((i + w) % 5))}} for w in range(workers)}
+
+    return _timed_pushes(
+        sender, make_cheetah, workers, args, bar, rows, lambda configs: sender.push_each(configs, wait=None)
+    )
 
 
-def _measure_path(args: Args, bar: tqdm) -> dict[str, Any]:
-    apply_s = _path_apply_seconds(args.repeats)
-    sent, applied = _path_push_seconds(args, bar)
+def _row(apply: str, workers: int, apply_s: list[float], sent: list[float], applied: list[float]) -> dict[str, Any]:
     return {
-        "apply": f"attributes() path {PATH} (HalfCheetah, push_each)",
-        "workers": args.path_workers,
+        "apply": apply,
+        "workers": workers,
         "apply_us": median(apply_s) * 1e6,
         "push_us": median(sent) * 1e6,
         "push_applied_ms": median(applied) * 1e3,
         "raw_s": {"apply": apply_s, "push": sent, "push_applied": applied},
     }
+
+
+def _measure_path(args: Args, bar: tqdm) -> dict[str, Any]:
+    apply_s = _path_apply_seconds(args.repeats)
+    sent, applied = _path_push_seconds(args, bar)
+    return _row(f"attributes() path {PATH} (HalfCheetah, push_each)", args.path_workers, apply_s, sent, applied)
 
 
 def _has_mujoco() -> bool:
@@ -171,14 +177,7 @@ def _has_mujoco() -> bool:
 def _measure(name: str, args: Args, bar: tqdm) -> dict[str, Any]:
     apply_s = _apply_seconds(APPLIES[name](), args.repeats)
     sent, applied = _push_seconds(APPLIES[name](), args, bar)
-    return {
-        "apply": name,
-        "workers": args.workers,
-        "apply_us": median(apply_s) * 1e6,
-        "push_us": median(sent) * 1e6,
-        "push_applied_ms": median(applied) * 1e3,
-        "raw_s": {"apply": apply_s, "push": sent, "push_applied": applied},
-    }
+    return _row(name, args.workers, apply_s, sent, applied)
 
 
 COLUMNS = [

@@ -33,8 +33,7 @@ class Seen:
 
 
 def merged_stats(sender: EnvStateSender) -> tuple[int, torch.Tensor]:
-    state = sender.state_dict()["env_state"]
-    return int(state["stats.0.observation.count"]), state["stats.0.observation.mean"]
+    return merged_stats_of(sender.state_dict())
 
 
 def merged_stats_of(state: dict[str, Any]) -> tuple[int, torch.Tensor]:

@@ -300,15 +300,11 @@ def make_batched_counters(kind: str = "serial", n: int = 3, first_label: int = 0
     episodes of ``horizon + 2 * i`` steps, so sub-envs reset at different times."""
     from functools import partial
 
-    from torchrl.envs import ParallelEnv, SerialEnv
-
     fns = [
         partial(make_counter_env, label=first_label + i, max_steps=horizon + 2 * i if horizon else 1000)
         for i in range(n)
     ]
-    if kind == "serial":
-        return SerialEnv(n, fns)
-    return ParallelEnv(n, fns, mp_start_method=mp.get_start_method())
+    return batched(kind, fns)
 
 
 class NativeCounterEnv(EnvBase):
@@ -394,16 +390,20 @@ def make_slow_counter_env(label: int = 0) -> SlowCounterEnv:
     return SlowCounterEnv(label=label)
 
 
+def batched(kind: str, fns: list[Any]) -> Any:
+    """A ``SerialEnv`` (``kind="serial"``) or a ``ParallelEnv`` of the factories ``fns``."""
+    from torchrl.envs import ParallelEnv, SerialEnv
+
+    if kind == "serial":
+        return SerialEnv(len(fns), fns)
+    return ParallelEnv(len(fns), fns, mp_start_method=mp.get_start_method())
+
+
 def make_slow_batched(kind: str = "serial", n: int = 2, first_label: int = 0) -> Any:
     """A ``SerialEnv``/``ParallelEnv`` of ``n`` SlowCounterEnvs labelled ``first_label + i``."""
     from functools import partial
 
-    from torchrl.envs import ParallelEnv, SerialEnv
-
-    fns = [partial(make_slow_counter_env, label=first_label + i) for i in range(n)]
-    if kind == "serial":
-        return SerialEnv(n, fns)
-    return ParallelEnv(n, fns, mp_start_method=mp.get_start_method())
+    return batched(kind, [partial(make_slow_counter_env, label=first_label + i) for i in range(n)])
 
 
 class SlowOffsetNoiseEnv(OffsetNoiseEnv):
@@ -455,11 +455,11 @@ def make_outer_normed(kind: str = "serial", n: int = 2, first_label: int = 0) ->
     writes ``"outer_norm"`` and keeps the raw observation."""
     from functools import partial
 
-    from torchrl.envs import Compose, ParallelEnv, SerialEnv, TransformedEnv, VecNormV2
+    from torchrl.envs import Compose, TransformedEnv, VecNormV2
 
     fns = [partial(make_vecnorm_env, first_label + i) for i in range(n)]
-    batched = SerialEnv(n, fns) if kind == "serial" else ParallelEnv(n, fns, mp_start_method=mp.get_start_method())
-    return TransformedEnv(batched, Compose(VecNormV2(in_keys=["observation"], out_keys=["outer_norm"], decay=1.0)))
+    norm = VecNormV2(in_keys=["observation"], out_keys=["outer_norm"], decay=1.0)
+    return TransformedEnv(batched(kind, fns), Compose(norm))
 
 
 def make_native_normed(n: int = 3, first_label: int = 0) -> Any:
@@ -554,20 +554,11 @@ def make_flaky_env(label: int = 0) -> Any:
     return TransformedEnv(CounterEnv(label=label), FlakyStateDict())
 
 
-def make_parallel_flaky(n: int = 2) -> Any:
+def make_batched_flaky(kind: str = "serial", n: int = 2) -> Any:
+    """A ``SerialEnv``/``ParallelEnv`` of ``n`` flaky envs labelled ``0..n-1``."""
     from functools import partial
 
-    from torchrl.envs import ParallelEnv
-
-    return ParallelEnv(n, [partial(make_flaky_env, label=i) for i in range(n)], mp_start_method=mp.get_start_method())
-
-
-def make_serial_flaky(n: int = 2) -> Any:
-    from functools import partial
-
-    from torchrl.envs import SerialEnv
-
-    return SerialEnv(n, [partial(make_flaky_env, label=i) for i in range(n)])
+    return batched(kind, [partial(make_flaky_env, label=i) for i in range(n)])
 
 
 def arm_flaky_read(env: Any, config: TensorDictBase) -> None:

@@ -183,3 +183,23 @@ def test_a_collector_over_a_parallel_env_sets_each_sub_envs_attribute() -> None:
     finally:
         collector.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_natively_batched_env_takes_each_rows_value_into_its_array_attribute() -> None:
+    """attributes() on a natively batched env: its rows' configs are stacked and written in
+    place into the env's own per-row array (the paths resolved once, not at every push)."""
+    from helpers import make_native_counters
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=envsync.apply.attributes(), apply_at="step")
+    collector = build("single", sender, make_native_counters, frames_per_batch=6)
+    try:
+        batches = iter(collector)
+        next(batches)
+        for rows in ([0.1, 0.2, 0.3], [1.0, 2.0, 3.0]):
+            sender.push(config={"difficulty": torch.tensor(rows)}, wait="applied")
+            seen = next(batches)["next", "observation"][..., -1, 0]
+            assert seen.tolist() == pytest.approx(rows)
+    finally:
+        collector.shutdown()
+        sender.close()

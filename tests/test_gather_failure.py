@@ -4,11 +4,12 @@ and carrying its traceback; no version is marked failed and nothing is rolled ba
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import pytest
 from conftest import build
-from helpers import arm_flaky_read, make_flaky_env, make_parallel_flaky, make_serial_flaky, start_method
+from helpers import arm_flaky_read, make_batched_flaky, make_flaky_env, start_method
 
 from envsync import EnvStateSender, GatherError
 
@@ -16,8 +17,8 @@ CASES = {
     "single": (make_flaky_env, 1),
     "sync": (make_flaky_env, 2),
     "async": (make_flaky_env, 2),
-    "single-parallel-env": (make_parallel_flaky, 1),
-    "sync-serial-env": (make_serial_flaky, 2),
+    "single-parallel-env": (partial(make_batched_flaky, "parallel"), 1),
+    "sync-serial-env": (partial(make_batched_flaky, "serial"), 2),
 }
 
 

@@ -305,11 +305,7 @@ def test_adr_over_mass_and_friction_credits_each_episode_with_the_physics_it_ran
     adr = ADR(sender, ranges={"mass": (0.5, 1.5), "friction": (0.5, 1.5)}, delta=0.1, boundary_fraction=0.5,
               queue=2, thresholds=(-2e9, -1e9), measures=MEASURES)
     with start_method("fork"):
-        factory = make_pair_fork if kind == "parallel" else None
-        collector = (Collector(sender.env_fn(factory), None, frames_per_batch=64, total_frames=-1,
-                               weight_sync_schemes=sender.schemes()) if factory is not None
-                     else KINDS["sync"](sender, frames_per_batch=64, total_frames=-1,
-                                        weight_sync_schemes=sender.schemes()))
+        collector = KINDS[kind](sender, frames_per_batch=64, total_frames=-1, weight_sync_schemes=sender.schemes())
     credited: dict[int, set[float]] = {0: set(), 1: set()}
     try:
         for batch, _ in zip(collector, range(12), strict=False):
@@ -325,10 +321,6 @@ def test_adr_over_mass_and_friction_credits_each_episode_with_the_physics_it_ran
         sender.close()
     assert all(len(masses) >= 3 for masses in credited.values()), credited  # each env ran several draws
     assert adr.range["mass"] != [0.5, 1.5]  # the boundaries moved (every result is above -1e9: widen)
-
-
-def make_pair_fork() -> ParallelEnv:
-    return ParallelEnv(2, make_cheetah, mp_start_method="fork")
 
 
 def test_adr_draws_a_per_body_mass_factor_element_by_element() -> None:

@@ -3,13 +3,14 @@ link: workers are functions, so each test runs in milliseconds without processes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import pytest
 import torch
 
 from envsync import AckTimeout, GatherError, ValidationError, WorkerApplyError
-from envsync.links.scripted import ScriptedLink, answers, applies, refuses
+from envsync.links.scripted import Script, ScriptedLink, answers, applies, refuses
 from envsync.links.slots import SlotReader
 from envsync.sender import Sender
 
@@ -23,19 +24,16 @@ def sender() -> Iterator[Sender]:
     out.close()
 
 
-def attach(sender: Sender, script: object, workers: int = 3, *, alive: object = None) -> ScriptedLink:
-    links: list[ScriptedLink] = []
-
-    def make(leaves: dict) -> ScriptedLink:
-        kwargs = {} if alive is None else {"alive": alive}
-        links.append(ScriptedLink(leaves, workers, script, **kwargs))  # type: ignore[arg-type]
-        return links[0]
-
-    sender.port.attach(workers, make, detached=lambda: False)
-    return links[0]
+def attach(
+    sender: Sender, script: Script, workers: int = 3, *, alive: Callable[[int], bool] = lambda w: True
+) -> ScriptedLink:
+    attachment = sender.port.attach(
+        workers, lambda leaves: ScriptedLink(leaves, workers, script, alive=alive), detached=lambda: False
+    )
+    return cast(ScriptedLink, attachment.link)
 
 
-def failing_on(worker: int, below: float) -> object:
+def failing_on(worker: int, below: float) -> Script:
     """Worker ``worker`` refuses difficulties below ``below``; every other applies."""
 
     def script(end: SlotReader) -> None:

@@ -290,9 +290,6 @@ class _Reader:
         self.pos += n
         return self.data[self.pos - n : self.pos]
 
-    def word(self, depth: int) -> int:
-        return int(self.fixed(WORD_BODY))
-
     def big(self, depth: int) -> int:
         return int.from_bytes(self.take(self.fixed(BYTE)), "big", signed=True)
 
@@ -383,13 +380,11 @@ class _Reader:
 
 _INT, _STR = ord("q"), ord("s")
 _CONSTANTS = {ord("N"): None, ord("T"): True, ord("F"): False}
-_READERS: dict[int, Any] = {
+_READERS: dict[int, Any] = {  # "q" and "s" are read in _Reader.value itself
     ord(tag): read
     for tag, read in {
-        "q": _Reader.word,
         "i": _Reader.big,
         "f": _Reader.real,
-        "s": _Reader.text,
         "y": _Reader.blob,
         "t": _Reader.sequence,
         "l": _Reader.items,

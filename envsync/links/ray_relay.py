@@ -95,7 +95,7 @@ class Relay:
         channel = self._channel = connect(self.handle.address, self.handle.token, self.collector)
         while (post := channel.recv()) != CAUGHT_UP:
             self._deliver(post)
-        self._report()
+        self._report(self._statuses())
         threading.Thread(target=self._down, name=f"envsync-relay-down-{self.collector}", daemon=True).start()
         threading.Thread(target=self._up, name=f"envsync-relay-up-{self.collector}", daemon=True).start()
         for kind in ("received", "applied"):
@@ -115,7 +115,7 @@ class Relay:
         seq, body = read_post(post)
         if isinstance(body, Ask):
             self._ask(body)
-        elif body is not None:
+        else:
             self._write(seq, body)
 
     def _write(self, seq: int, share: Rows | Held) -> None:
@@ -183,9 +183,10 @@ class Relay:
                 return
             self._woken.clear()  # before reading statuses: an ack after this wakes us again
             now = time.monotonic()
-            if self._changed() or now - last >= HEARTBEAT:
+            statuses = self._statuses()
+            if statuses != self._reported or now - last >= HEARTBEAT:
                 with contextlib.suppress(Exception):
-                    self._report()
+                    self._report(statuses)
                 last = now
 
     def _statuses(self) -> list[Acks]:
@@ -194,9 +195,6 @@ class Relay:
             s = self.link.status(w)
             out.append((s.received, s.applied, s.failed, self.link.alive(w), self.link.answer(w).request))
         return out
-
-    def _changed(self) -> bool:
-        return self._statuses() != self._reported
 
     def _replies(self, statuses: list[Acks]) -> dict[int, Reply]:
         """The answers to the requests workers answered since the last report."""
@@ -209,8 +207,7 @@ class Relay:
                 out[w] = (request, values, error)
         return out
 
-    def _report(self) -> None:
-        statuses = self._statuses()
+    def _report(self, statuses: list[Acks]) -> None:
         errors = {}
         for w, (_, _, failed, _, _) in enumerate(statuses):
             if failed != self._sent_failures[w]:

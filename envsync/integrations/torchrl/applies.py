@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torchrl.envs import EnvBase
 
-from envsync.configure import chain_names, config_kwargs, wrapper_chain
+from envsync.configure import apply_config, chain_names, config_kwargs, wrapper_chain
 from envsync.errors import ValidationError
 from envsync.integrations.torchrl.factory import split
 from envsync.integrations.torchrl.paths import AttributePath, as_built, check_factor, scaled
@@ -40,14 +40,8 @@ wrapper chain (the unwrapped gymnasium env, or the torchrl base env): recomputes
 derives from them. Picklable with cloudpickle (it travels to the workers with the apply)."""
 
 
-def _flat(config: Any) -> FlatConfig:
-    """A config as :meth:`Attributes.bind`'s function takes it: leaves by dotted name."""
-    leaves = config.items(include_nested=True, leaves_only=True)
-    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in leaves}
-
-
-def _innermost(env: Any) -> Any:
-    return wrapper_chain(env)[-1]
+def _factor(value: Leaf) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 def template_value(name: str, value: Any) -> bool | int | float | torch.Tensor:
@@ -130,25 +124,38 @@ class Attributes:
 
     def bind(self, env: Any) -> Callable[[FlatConfig], None]:
         """The function that sets a whole config on ``env`` (paths resolved and checked on
-        first use)."""
-        paths: dict[str, AttributePath] = {}
+        first use, the innermost object for ``finish`` found once)."""
+        resolved: dict[str, list[tuple[AttributePath, Any]]] = {}
+        inner: list[Any] = []
 
         def apply(config: FlatConfig) -> None:
             for name, value in config.items():
-                path = paths.get(name)
-                if path is None:
-                    path = AttributePath.resolve(env, name)
-                    path.check(value)
-                    paths[name] = path
-                path.write(value)
+                targets = resolved.get(name)
+                if targets is None:
+                    targets = resolved[name] = self.resolve(env, name, value)
+                for path, built in targets:
+                    path.write(self.value(built, value))
             if self.finish is not None and config:
-                self.finish(_innermost(env))
+                if not inner:
+                    inner.append(wrapper_chain(env)[-1])
+                self.finish(inner[0])
 
         return apply
 
+    def resolve(self, env: Any, name: str, value: Leaf) -> list[tuple[AttributePath, Any]]:
+        """The paths config name ``name`` writes, checked against its first ``value``, each
+        with what :meth:`value` needs besides the config value (nothing here)."""
+        path = AttributePath.resolve(env, name)
+        path.check(value)
+        return [(path, None)]
+
+    def value(self, built: Any, value: Leaf) -> Any:
+        """What a path is written with for config ``value``: the value itself."""
+        return value
+
     def __call__(self, env: Any, config: Any) -> None:
-        """As an ``apply=`` callable ``fn(env, config)`` (a natively batched env calls it so)."""
-        self.bind(env)(_flat(config))
+        """As an ``apply=`` callable ``fn(env, config)``."""
+        apply_config(env, self, config)
 
     def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
         """The current values of ``names`` (paths), read where :meth:`bind` would set them."""
@@ -159,7 +166,7 @@ class Attributes:
         return f"envsync.apply.attributes({finish})"
 
 
-class Scales:
+class Scales(Attributes):
     """Scales attributes relative to their values as built: each config value is a factor,
     and the attribute becomes *as built × factor*, written in place as
     :class:`Attributes` writes (a template of ones, version 0, is the env as built).
@@ -185,37 +192,27 @@ class Scales:
     """
 
     def __init__(self, targets: Mapping[str, str | Sequence[str]] | None = None, finish: Finish | None = None) -> None:
+        super().__init__(finish)
         self.targets = {n: [p] if isinstance(p, str) else list(p) for n, p in (targets or {}).items()}
-        self.finish = finish
 
     def paths_of(self, name: str) -> list[str]:
         """The attribute paths config name ``name`` scales."""
         return self.targets.get(name, [name])
 
-    def bind(self, env: Any) -> Callable[[FlatConfig], None]:
-        """The function that scales ``env``'s attributes by a whole config."""
-        resolved: dict[str, list[AttributePath]] = {}
+    def resolve(self, env: Any, name: str, value: Leaf) -> list[tuple[AttributePath, Any]]:
+        """The paths config name ``name`` scales, each with its value as built; the factor
+        ``value`` checked against each."""
+        factor = _factor(value)
+        out = []
+        for target in self.paths_of(name):
+            path = AttributePath.resolve(env, target)
+            check_factor(path, factor)
+            out.append((path, as_built(path)))
+        return out
 
-        def apply(config: FlatConfig) -> None:
-            for name, value in config.items():
-                factor = value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-                paths = resolved.get(name)
-                if paths is None:
-                    paths = [AttributePath.resolve(env, p) for p in self.paths_of(name)]
-                    for path in paths:
-                        check_factor(path, factor)
-                        as_built(path)
-                    resolved[name] = paths
-                for path in paths:
-                    path.write(scaled(as_built(path), factor))
-            if self.finish is not None and config:
-                self.finish(_innermost(env))
-
-        return apply
-
-    def __call__(self, env: Any, config: Any) -> None:
-        """As an ``apply=`` callable ``fn(env, config)``."""
-        self.bind(env)(_flat(config))
+    def value(self, built: Any, value: Leaf) -> Any:
+        """The value as built times the factor ``value``."""
+        return scaled(built, _factor(value))
 
     def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
         """A factor of ones for each name, one per element of the first attribute it scales
@@ -313,7 +310,7 @@ class Rebuild:
 
     def __call__(self, env: Any, config: Any) -> None:
         """As an ``apply=`` callable ``fn(env, config)``."""
-        self.bind(env)(_flat(config))
+        apply_config(env, self, config)
 
     def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
         """The constructor arguments ``names``: as the env was made, else the constructor's

@@ -62,10 +62,14 @@ class RowApplier:
         self._current = [tensors(initial_config) for _ in range(num_envs)]
         self._call: Callable[..., Any] | None = None
         self.by_rows = False
+        bind = getattr(apply, "bind", None)
         if isinstance(apply, str):
             method = find_config_method(env, apply)
             self.by_rows = _takes_env_ids(method)
             self._call = lambda config, **ids: method(**config_kwargs(config), **ids)
+        elif bind is not None:  # a built-in apply (envsync.apply): its targets resolved once, for the whole batch
+            applier = bind(env)
+            self._call = lambda config, **ids: applier(config)
         elif apply is not None:
             self.by_rows = _takes_env_ids(apply)
             self._call = lambda config, **ids: apply(env, _rows(config), **ids)

@@ -91,25 +91,18 @@ class AttributePath:
         """
         first, *rest = name.split(".")
         path = cls(name, find_owner(env, first, settable=not rest), tuple(rest))
-        if rest:
-            path.check_exists()
+        obj = getattr(path.owner, first) if rest else None
+        for depth, part in enumerate(rest, start=1):  # every later part exists and is no method
+            obj = path._step(obj, part, depth)
         return path
 
-    def check_exists(self) -> None:
-        """Check that the path's last attribute exists on its parent.
-
-        Raises:
-            ValidationError: it does not, or it is a method.
-        """
-        self._step(self.parent(), self.rest[-1], len(self.rest))
-
     def parent(self) -> Any:
-        """The object that holds the path's last attribute."""
+        """The object that holds the path's last attribute (the path was checked when resolved)."""
         if not self.rest:
             return self.owner
-        obj = getattr(self.owner, self.name.split(".")[0])
-        for depth, part in enumerate(self.rest[:-1], start=1):
-            obj = self._step(obj, part, depth)
+        obj = getattr(self.owner, self.name.split(".", 1)[0])
+        for part in self.rest[:-1]:
+            obj = getattr(obj, part)
         return obj
 
     def _step(self, obj: Any, part: str, depth: int) -> Any:
@@ -156,14 +149,14 @@ class AttributePath:
 
     def write(self, value: Leaf | np.generic) -> None:
         """Write ``value`` into the array in place, or set the attribute to the number."""
-        parent = self.parent()
-        current = getattr(parent, self.last)
+        parent, last = self.parent(), self.last
+        current = getattr(parent, last)
         if isinstance(current, np.ndarray):
             np.copyto(current, value.numpy() if isinstance(value, torch.Tensor) else value, casting="same_kind")
         elif isinstance(current, torch.Tensor):
             current.copy_(torch.as_tensor(value))
         else:
-            setattr(parent, self.last, value.item() if isinstance(value, np.generic) or _is_array(value) else value)
+            setattr(parent, last, value.item() if isinstance(value, np.generic) or _is_array(value) else value)
 
 
 _BUILT: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
