@@ -93,7 +93,7 @@ class AttributePath:
         path = cls(name, find_owner(env, first, settable=not rest), tuple(rest))
         obj = getattr(path.owner, first) if rest else None
         for depth, part in enumerate(rest, start=1):  # every later part exists and is no method
-            obj = path._step(obj, part, depth)
+            obj = _follow(name, obj, part, depth)
         return path
 
     def parent(self) -> Any:
@@ -104,15 +104,6 @@ class AttributePath:
         for part in self.rest[:-1]:
             obj = getattr(obj, part)
         return obj
-
-    def _step(self, obj: Any, part: str, depth: int) -> Any:
-        value = getattr(obj, part, _MISSING)
-        if value is _MISSING or inspect.isroutine(value):
-            followed = ".".join(self.name.split(".")[:depth])
-            raise ValidationError(
-                f"attributes(): {self.name!r}: {followed!r} ({type(obj).__name__}) has no attribute {part!r}"
-            )
-        return value
 
     @property
     def last(self) -> str:
@@ -157,6 +148,19 @@ class AttributePath:
             current.copy_(torch.as_tensor(value))
         else:
             setattr(parent, last, value.item() if isinstance(value, np.generic) or _is_array(value) else value)
+
+
+def _follow(name: str, obj: Any, part: str, depth: int) -> Any:
+    """Attribute ``part`` of ``obj``, the ``depth``-th part of path ``name``.
+
+    Raises:
+        ValidationError: ``obj`` has no such attribute, or it is a method.
+    """
+    value = getattr(obj, part, _MISSING)
+    if value is _MISSING or inspect.isroutine(value):
+        followed = ".".join(name.split(".")[:depth])
+        raise ValidationError(f"attributes(): {name!r}: {followed!r} ({type(obj).__name__}) has no attribute {part!r}")
+    return value
 
 
 _BUILT: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
