@@ -424,3 +424,28 @@ def test_a_bandit_per_worker_over_ray_is_rewarded_by_the_episodes_that_ran_each_
     assert sorted(set(worker_of.values())) == [0, 1, 2, 3]
     check_bandit(bandit, arms, episodes, worker_of)
     assert {worker_of[e.env] for e in episodes if e.version > 0} == {0, 1, 2, 3}, "every worker pulled"
+
+
+@pytest.mark.timeout(300)
+def test_a_failure_while_answering_a_gather_over_ray_raises_from_gather_and_fails_no_version(cluster: Any) -> None:
+    """The refusal travels in the relay's report: gather raises GatherError with the remote
+    traceback, every env still runs the version it applied, and the next push goes on."""
+    from helpers import arm_flaky_read, make_flaky_env
+
+    from envsync import GatherError
+
+    sender = EnvStateSender(config={"difficulty": 0.0, "fail_read": 0.0}, apply=arm_flaky_read, apply_at="step")
+    collector = ray_collector(sender, make_flaky_env, sync=True)
+    try:
+        next(iter(collector))
+        armed = sender.push(config={"difficulty": 1.0, "fail_read": 1.0}, wait="applied", timeout=60)
+        with pytest.raises(GatherError) as caught:
+            sender.gather(env_state=["level"], timeout=60)
+        assert caught.value.worker in range(4)
+        assert "transient failure reading the transform's state" in caught.value.remote_traceback
+        assert sender.env_versions() == [armed] * 4
+        after = sender.push(config={"difficulty": 2.0, "fail_read": 0.0}, wait="applied", timeout=60)
+        assert after == armed + 1 and sender.env_versions() == [after] * 4
+    finally:
+        collector.shutdown()
+        sender.close()
