@@ -554,16 +554,16 @@ def make_flaky_env(label: int = 0) -> Any:
     return TransformedEnv(CounterEnv(label=label), FlakyStateDict())
 
 
-def make_batched_flaky(kind: str = "serial", n: int = 2) -> Any:
-    """A ``SerialEnv``/``ParallelEnv`` of ``n`` flaky envs labelled ``0..n-1``."""
+def make_batched_flaky(kind: str = "serial", n: int = 2, first_label: int = 0) -> Any:
+    """A ``SerialEnv``/``ParallelEnv`` of ``n`` flaky envs labelled ``first_label + i``."""
     from functools import partial
 
-    return batched(kind, [partial(make_flaky_env, label=i) for i in range(n)])
+    return batched(kind, [partial(make_flaky_env, label=first_label + i) for i in range(n)])
 
 
 def arm_flaky_read(env: Any, config: TensorDictBase) -> None:
-    """An apply callable: sets the difficulty, and arms the next state_dict() to fail when
-    ``config["fail_read"]`` is 1."""
+    """An apply callable: sets the difficulty, and arms the next state_dict() of the env
+    labelled ``config["fail_read"] - 1`` to fail (0: none)."""
     env.base_env.set_difficulty(float(config["difficulty"]))
-    if float(config["fail_read"]) == 1.0:
+    if float(config["fail_read"]) == env.base_env.label + 1:
         env.transform.armed = True
