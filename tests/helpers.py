@@ -567,3 +567,39 @@ def arm_flaky_read(env: Any, config: TensorDictBase) -> None:
     env.base_env.set_difficulty(float(config["difficulty"]))
     if float(config["fail_read"]) == env.base_env.label + 1:
         env.transform.armed = True
+
+
+def _flaky_transform_class() -> Any:
+    from torchrl.envs import Transform
+
+    class Flaky(Transform):
+        """A batched-level transform whose ``recount`` (a ``reinit.call`` target) counts its
+        runs in a buffer and appends a line to ``log``, and raises once when the file
+        ``flag`` exists (it removes the flag first)."""
+
+        def __init__(self, log: str, flag: str) -> None:
+            super().__init__()
+            self.log, self.flag = log, flag
+            self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+        def recount(self) -> None:
+            if os.path.exists(self.flag):
+                os.remove(self.flag)
+                raise RuntimeError(f"flaky batched level refuses (flag {self.flag})")
+            self.calls += 1
+            with open(self.log, "a") as out:
+                out.write(f"{int(self.calls)}\n")
+
+    return Flaky
+
+
+def make_flaky_batched(kind: str, n: int, first_label: int, folder: str) -> Any:
+    """A ``SerialEnv``/``ParallelEnv`` of ``n`` CounterEnvs labelled ``first_label + i``, or a
+    natively batched CounterEnv (``kind="native"``), under a batched-level ``Flaky``
+    transform logging to ``folder/log-<first_label>`` and failing once while
+    ``folder/flag-<first_label>`` exists."""
+    from torchrl.envs import TransformedEnv
+
+    base = make_native_counters(n, first_label) if kind == "native" else make_batched_counters(kind, n, first_label)
+    flaky = _flaky_transform_class()(f"{folder}/log-{first_label}", f"{folder}/flag-{first_label}")
+    return TransformedEnv(base, flaky)

@@ -171,6 +171,11 @@ class ReceiverLink(Protocol):
     def report_failure(self, version: int, text: str) -> None:
         """Tell the sender this version failed, with the traceback text."""
 
+    def gated(self, *, wake_group: bool) -> ReceiverLink:
+        """This end, for an env under a batched level: its applies are recorded as reached,
+        and the batched level acknowledges them as applied once it holds them too
+        (``wake_group``: wake the level's group through the slot's relay after each)."""
+
     def set_busy(self, busy: bool) -> None:
         """Mark whether the collector drives the env (the idle listener keeps off meanwhile)."""
 

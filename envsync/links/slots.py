@@ -273,7 +273,16 @@ class SlotReader:
     env's group (which listens on :meth:`relayed`)."""
 
     def __init__(
-        self, table: Table, worker: int, lock: Any, wake: Any, acks: Any, *, owner: int = 0, relay: Any = None
+        self,
+        table: Table,
+        worker: int,
+        lock: Any,
+        wake: Any,
+        acks: Any,
+        *,
+        owner: int = 0,
+        relay: Any = None,
+        gate: tuple[bool, bool] = (False, False),
     ) -> None:
         self.worker = worker
         self._owner = owner
@@ -299,6 +308,7 @@ class SlotReader:
         self._held: dict[str, Leaf] = {}
         self._held_writes: dict[str, int] = {}
         self._arrays = ArrayBuffers()  # large config values are copied into arrays let go of
+        self._gated, self._gated_wake = gate  # see gated()
 
     def claim(self) -> SlotReader:
         """Mark the slot as served by this process (what the sender's liveness check reads); return self."""
@@ -388,9 +398,32 @@ class SlotReader:
             self._acks[0].release()
 
     def ack_applied(self, version: int) -> None:
+        self._c["reached"][self.worker] = version
+        if self._gated:
+            # the env holds it; its batched level acknowledges "applied" once it holds it too
+            self.ack_received(version)
+            if self._gated_wake and self._relay is not None:
+                self._relay.release()  # the group, in another process, catches its level up
+            return
         self._c["applied"][self.worker] = version
         self._acks[1].release()
         self.ack_received(version)
+
+    def gated(self, *, wake_group: bool) -> SlotReader:
+        """This end, its "applied" left to the batched level above its env (which writes it
+        once it holds the version too, see :mod:`envsync.integrations.torchrl.outer`): an
+        apply here is recorded as *reached*; ``wake_group``: wake the group through the
+        slot's relay after each (a sub-env in another process than its group)."""
+        return SlotReader(
+            self.table,
+            self.worker,
+            self._lock,
+            self._wake,
+            self._acks,
+            owner=self._owner,
+            relay=self._relay,
+            gate=(True, wake_group),
+        )
 
     def report_failure(self, version: int, text: str) -> None:
         _write_text(self.table.error, self._c["error_len"], self.worker, text)

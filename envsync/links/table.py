@@ -1,4 +1,4 @@
-"""The slot table both links lay out in one block of bytes: per worker, fourteen int64
+"""The slot table both links lay out in one block of bytes: per worker, fifteen int64
 counters, two error-text buffers (a failed apply's, a refused gather's), one view per leaf
 of the desired state, for every env-state entry a reply leaf and an "asked" mark (the worker
 -> main path of ``gather``), and for every config name a write count (a worker copies out
@@ -37,6 +37,7 @@ COUNTERS = (
     "obs",
     "refused",
     "refusal_len",
+    "reached",
 )
 ALIGN = 64
 MARKS = ("source", "config_source", "writes", "asked")

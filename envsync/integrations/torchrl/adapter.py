@@ -360,12 +360,23 @@ class CollectorAdapter:
 
 
 def serve_env(
-    env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, collector: Any, *, relay: bool = False
+    env: EnvBase,
+    hooks: EnvHooks,
+    handle: LinkHandle,
+    slot: int,
+    env_index: int,
+    collector: Any,
+    *,
+    relay: bool = False,
+    gated: bool = False,
 ) -> Any:
     """A receiver for the hooked ``env`` on link ``slot``, as fleet env ``env_index``
     (``collector``: the collector that drives it, or ``None`` for a sub-env; ``relay``: a
-    sub-env in another process than its group, which it wakes through the slot's relay)."""
+    sub-env in another process than its group, which it wakes through the slot's relay;
+    ``gated``: a sub-env under a batched level, which acknowledges its applies)."""
     end = handle.open(slot)
+    if gated:
+        end = end.gated(wake_group=relay)
     place: Place = Standalone()
     if collector is None:
         place = SubEnv(hooks.unsettle, end.poke_relay if relay else lambda: None)

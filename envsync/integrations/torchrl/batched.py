@@ -88,8 +88,10 @@ def _leaf_call(env: EnvBase, hooks: Any, fn: Callable[..., Any]) -> Callable[...
     return call
 
 
-def _bind_leaf(env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, listen: bool) -> bool:
-    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None, relay=listen)
+def _bind_leaf(
+    env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, listen: bool, gated: bool
+) -> bool:
+    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None, relay=listen, gated=gated)
     return receiver.start(listen=listen)
 
 
@@ -218,6 +220,7 @@ class BatchedHooks:
     def _after_reset(self) -> None:
         group = self.group
         if not self._depth and group is not None:
+            group.catch_up()  # the batched env's own entries, for the envs just reset
             for i, obs in enumerate(group.read()[1]):
                 mark_change(self._root[i], self.frame, obs)
             self._settled = False
@@ -291,8 +294,9 @@ class Leaves(Protocol):
     """Whether the envs' own receivers listen (apply while idle, answer gathers): the group
     then only pokes them, and listens on the slots' relays for what they hand it."""
 
-    def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
-        """Bind env ``i`` to link slot ``first_slot + i`` as fleet env ``first_env + i``;
+    def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:
+        """Bind env ``i`` to link slot ``first_slot + i`` as fleet env ``first_env + i``
+        (``gated``: under a batched level, which acknowledges their versions as applied);
         return whether any caught up with a version."""
 
     def apply_now(self, indices: list[int]) -> None:
@@ -326,9 +330,10 @@ class SubEnvs:
             raise RuntimeError("the batched env is gone")
         return batched
 
-    def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
+    def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:
         batched = self._live()
-        calls = {i: (handle, first_slot + i, first_env + i, self.listening) for i in range(int(batched.num_workers))}
+        count = int(batched.num_workers)
+        calls = {i: (handle, first_slot + i, first_env + i, self.listening, gated) for i in range(count)}
         return any(call_leaves(batched, calls, BIND).values())
 
     def apply_now(self, indices: list[int]) -> None:

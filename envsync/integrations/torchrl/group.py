@@ -48,7 +48,8 @@ class EnvGroup:
         self._collector = weakref.ref(collector)
         self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
         first, count = self.ends[0], self.num_envs
-        self._targets, self._applied = first.counters("target", count), first.counters("applied", count)
+        # "reached": what each env applied (its batched level, if any, then acknowledges it)
+        self._targets, self._applied = first.counters("target", count), first.counters("reached", count)
         self._failures = first.counters("failed", count)
         self._ran, self._obs = first.counters("ran", count), first.counters("obs", count)
         self._seen = b""
@@ -56,11 +57,6 @@ class EnvGroup:
         self._lock = self.exclusion.lock
         self._closed = False
         self.outer: OuterState | None = None  # the batched env's own transforms, if any
-
-    @property
-    def applied(self) -> np.ndarray:
-        """The applied-version counters of the group's slots (a live numpy view)."""
-        return self._applied
 
     def unchanged(self) -> bool:
         """Whether no push reached any sub-env since the group last settled."""
@@ -137,6 +133,7 @@ class EnvGroup:
         fresh episode); then pending gathers are answered."""
         if truncating or not self.spec.truncates:
             self.apply_if_idle(truncating if self.spec.truncates else None)
+        self.catch_up()
         self.serve()
 
     def truncating(self) -> list[int]:
@@ -150,6 +147,7 @@ class EnvGroup:
             end.ack_received(end.target())
             if not self.exclusion.driven:
                 self.apply_if_idle()
+                self.catch_up()
                 self.serve([index])
 
     def start(self) -> None:
@@ -193,8 +191,8 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
     group = EnvGroup(collector, hooks, leaves, handle, first_slot)
     own = hooks.own_transforms(env, collector)
     if own is not None:
-        group.outer = OuterState(own, hooks.spec, group.ends[0], group.applied)
-    caught_up = leaves.bind(handle, first_slot, first_env)
+        group.outer = OuterState(own, hooks.spec, group.ends)
+    caught_up = leaves.bind(handle, first_slot, first_env, gated=own is not None)
     hooks.group = group
     group_ref = weakref.ref(group)
 

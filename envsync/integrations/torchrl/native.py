@@ -35,7 +35,7 @@ from envsync.integrations.torchrl.adapter import truncate_at
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.outer import outer_env
 from envsync.levels import split_reinit
-from envsync.links.base import LinkHandle
+from envsync.links.base import LinkHandle, ReceiverLink
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver, SubEnv
 from envsync.spec import ApplySpec
@@ -220,11 +220,16 @@ class Rows:
     def __init__(self, hooks: NativeHooks) -> None:
         self._hooks = hooks
 
-    def bind(self, handle: LinkHandle, first_slot: int, first_env: int) -> bool:
+    def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:
         hooks = self._hooks
+
+        def end(index: int) -> ReceiverLink:
+            opened = handle.open(first_slot + index)
+            return opened.gated(wake_group=False) if gated else opened
+
         rows = [
             EnvStateReceiver(
-                link=handle.open(first_slot + index),
+                link=end(index),
                 spec=hooks.spec,
                 adapter=RowAdapter(hooks.applier, index, hooks.live_env()),
                 initial_config=hooks.initial_config,

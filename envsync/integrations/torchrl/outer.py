@@ -17,7 +17,6 @@ from __future__ import annotations
 import traceback
 from typing import Any
 
-import numpy as np
 import torch
 from torchrl.envs import EnvBase, TransformedEnv
 
@@ -44,34 +43,64 @@ def outer_spec(spec: ApplySpec) -> ApplySpec:
 class OuterState:
     """The batched env's own entries, loaded and read beside it (see the module docstring).
 
+    The worker's envs record the versions they applied as *reached* (their ends are gated,
+    :meth:`~envsync.links.base.ReceiverLink.gated`); this level acknowledges them as
+    *applied* once it holds them too, or reports their failure: "applied" covers both levels.
+
     Args:
         env: the env that holds the batched-level transforms.
         spec: the sender's apply spec (its batched-level ``reinit`` rules are used).
-        first: the worker's first slot (its envs' entries of the batched level are the same).
-        applied: the applied-version counters of every slot of the worker (numpy view).
+        ends: the (ungated) ends of every env of the worker, the first one's slot read for
+            the batched entries (every env of the worker carries the same).
     """
 
-    def __init__(self, env: EnvBase, spec: ApplySpec, first: ReceiverLink, applied: np.ndarray) -> None:
+    def __init__(self, env: EnvBase, spec: ApplySpec, ends: list[ReceiverLink]) -> None:
         self._adapter = CollectorAdapter(None, env, outer_spec(spec))
-        self._end = first
-        self._applied = applied
+        self._ends = ends
+        self._end = first = ends[0]
+        count = len(ends)
+        self._targets, self._reached = first.counters("target", count), first.counters("reached", count)
+        self._applied = first.counters("applied", count)
         self._loaded: dict[str, int] = {}  # name -> stamp of the value in the env
         self._snapshot: dict[str, torch.Tensor] = {}  # first-time loads, for an undo
         self._snapshot_version = 0
-        self.version = 0  # every env of the worker had applied this when last caught up
+        self.version = 0  # the latest version this level holds (see gate)
         self._answered = 0
         self._passed = 0  # the latest request left to the sub-env's receiver
 
+    def gate(self) -> int:
+        """The newest version this level may hold: every env of the worker holds everything
+        pushed to it up to there (an env still applying, or one that failed its latest
+        version and waits for the rollback, holds up the level at what it holds)."""
+        targets, reached = self._targets.copy(), self._reached.copy()
+        waiting = reached != targets
+        if waiting.any():
+            return min(int(reached[waiting].min()), int(targets.max()))
+        return int(targets.max())
+
     def behind(self) -> bool:
-        """Whether the worker's envs all applied a version this has not caught up with."""
-        return int(self._applied.min()) > self.version
+        """Whether the worker's envs reached a version this level has not acknowledged."""
+        return bool((self._applied != self._reached).any()) or self.gate() > self.version
 
     def catch_up(self) -> None:
-        """Load the batched-level entries of every version the worker's envs all applied,
-        then run the batched-level ``reinit`` policies (caller holds the group's exclusion)."""
-        reached = int(self._applied.min())
-        if reached <= self.version:
-            return
+        """Load the batched-level entries of every version the worker's envs all reached,
+        run the batched-level ``reinit`` policies, and acknowledge the envs' versions as
+        applied; on a failure report it for each of them instead (caller holds the group's
+        exclusion)."""
+        reached = self.gate()
+        if reached > self.version:
+            failure = self._apply(reached)
+            if failure is None:
+                return  # not in place yet (a newer push, or a lazy transform): the next safe point
+            self.version = reached
+            if failure:
+                self._report(reached, failure)
+                return
+        self._acknowledge()
+
+    def _apply(self, reached: int) -> str | None:
+        """Bring this level to ``reached``: ``""`` when done, the traceback when it failed,
+        ``None`` when it must wait for the next safe point."""
         header = self._end.read_header()
         try:
             if header.undo and header.undo == self._snapshot_version:
@@ -82,13 +111,28 @@ class OuterState:
             ]
             ready = [n for n in due if inner(n) in live]
             if ready and not self._load(header.version, ready, live, header.stamps):
-                return  # a newer version came meanwhile: the next safe point loads it
+                return None  # a newer version came meanwhile: the next safe point loads it
             if len(ready) < len(due):
-                return  # a lazy transform's state appears at its first reset: the next safe point
+                return None  # a lazy transform's state appears at its first reset: the next safe point
             self._adapter.reinit(reached)
         except Exception:
-            self._end.report_failure(reached, traceback.format_exc())
-        self.version = reached
+            return traceback.format_exc()
+        return ""
+
+    def _acknowledge(self) -> None:
+        """Every env whose reached version this level holds: applied."""
+        reached, applied = self._reached.copy(), self._applied.copy()
+        for i, end in enumerate(self._ends):
+            if applied[i] != reached[i] and reached[i] <= self.version:
+                end.ack_applied(int(reached[i]))
+
+    def _report(self, version: int, text: str) -> None:
+        """The level failed ``version``: each env waiting for it to acknowledge fails it."""
+        reached, applied = self._reached.copy(), self._applied.copy()
+        text = f"the batched env's own transforms failed to apply version {version}:\n{text}"
+        for i, end in enumerate(self._ends):
+            if applied[i] != reached[i] and reached[i] <= version:
+                end.report_failure(int(reached[i]), text)
 
     def _load(self, version: int, names: list[str], live: dict[str, torch.Tensor], stamps: dict[str, int]) -> bool:
         first_time = {n for n in names if not self._loaded.get(n)}
