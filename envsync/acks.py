@@ -137,7 +137,31 @@ def _timeout(core: Core, version: int, late: list[int], dead: list[int], mode: U
             return env
 
     workers = sorted({worker(e) for e in late})
-    return AckTimeout(version, workers, dead=sorted({worker(e) for e in dead}), until=mode.value, envs=late)
+    hint = _reset_trap(core, version, [e for e in late if e not in dead]) if mode is Until.APPLIED else ""
+    return AckTimeout(version, workers, dead=sorted({worker(e) for e in dead}), until=mode.value, envs=late, hint=hint)
+
+
+RESET_TRAP = (
+    ": they received it and hold it for their next reset (apply_at='reset'), which an idle env never reaches: "
+    "a Collector or MultiSyncCollector is idle between next() calls, an env outside any collector between "
+    "rollouts. Wait for 'received' there, or wait while collecting (see docs/concepts.md, apply modes)"
+)
+
+
+def _reset_trap(core: Core, version: int, late: list[int]) -> str:
+    """The documented reset-mode trap, when it explains the timeout: every late env (alive)
+    received ``version`` and applies only at its next reset."""
+    if not core.resets or not late:
+        return ""
+    with core.lock:
+        for env in late:
+            try:
+                attachment, slot = core.fleet.locate(env)
+            except KeyError:
+                return ""
+            if attachment.link.status(slot).received < version:
+                return ""
+    return RESET_TRAP
 
 
 def _confirm_rollback(core: Core, err: WorkerApplyError, until: Until, deadline: float) -> None:

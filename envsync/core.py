@@ -41,7 +41,8 @@ class Core:
         (0, [], 1)
     """
 
-    def __init__(self, config: Mapping[str, Leaf]) -> None:
+    def __init__(self, config: Mapping[str, Leaf], *, resets: bool = False) -> None:
+        self.resets = resets  # versions apply at an env's next reset (apply_at="reset")
         self.desired = DesiredState(config)
         self.failures = Failures()
         self.books = StatsBooks()

@@ -102,6 +102,7 @@ class AckTimeout(EnvSyncError, TimeoutError):
         dead: the subset of ``workers`` whose process is gone.
         until: what was waited for (``"received"`` or ``"applied"``).
         envs: the late envs (the late workers' own, for unbatched workers).
+        hint: what the message adds about the likely cause (e.g. the reset-mode trap).
 
     Examples:
         >>> err = AckTimeout(4, [1], dead=[1], until="applied")
@@ -117,6 +118,7 @@ class AckTimeout(EnvSyncError, TimeoutError):
         dead: Sequence[int] = (),
         until: str,
         envs: Sequence[int] | None = None,
+        hint: str = "",
     ) -> None:
         self.version = version
         self.workers = list(workers)
@@ -124,7 +126,7 @@ class AckTimeout(EnvSyncError, TimeoutError):
         self.dead = list(dead)
         self.until = until
         detail = f"; dead: {self.dead}" if self.dead else ""
-        super().__init__(f"version {version} not {until} by workers {self.workers}{detail}")
+        super().__init__(f"version {version} not {until} by workers {self.workers}{detail}{hint}")
 
 
 class WireError(EnvSyncError, ValueError):

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from envsync.errors import EnvSyncError
 from envsync.exclusion import Exclusion
 from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
@@ -328,7 +329,7 @@ class EnvStateReceiver:
             else:  # nothing of the env state was loaded (a load checks the version first)
                 trouble = self._restore([])
                 if trouble:
-                    raise RuntimeError(f"outpaced by the sender, the previous config did not come back:{trouble}")
+                    raise EnvSyncError(f"outpaced by the sender, the previous config did not come back:{trouble}")
                 return False
             if not _merge_only(loaded, config, self._config):
                 self.adapter.reinit(version)

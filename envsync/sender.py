@@ -94,7 +94,7 @@ class Sender:
             declared = EnvStateTemplate(env_state_template, allow_nonfinite=allow_nonfinite)
         if envs_per_worker is not None and (not isinstance(envs_per_worker, int) or envs_per_worker < 1):
             raise ValidationError(f"envs_per_worker must be a positive int, got {envs_per_worker!r}")
-        self._core = Core(self.template.flat)
+        self._core = Core(self.template.flat, resets=mode is ApplyAt.RESET)
         self._lock = self._core.lock
         self._fleet = self._core.fleet
         self.port = AttachPort(

@@ -152,3 +152,32 @@ def test_bad_attachments_are_refused_in_the_main_process() -> None:
             sender.load_state_dict(sender.state_dict())
         with pytest.raises(ValidationError, match="no collector is attached"):
             sender.sync_stats("VecNormV2")
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_applied_on_an_idle_env_in_reset_mode_names_the_trap() -> None:
+    """An env outside any collector between rollouts applies a ``"reset"`` version only at its
+    next reset: waiting for "applied" times out, and the timeout says why."""
+    from envsync import AckTimeout, EnvSyncError
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
+    sender.env_fn(make_counter_env)
+    test_env = make_counter_env()
+    try:
+        sender.attach_env(test_env)
+        with pytest.raises(AckTimeout) as raised:
+            sender.push(config={"difficulty": 1.0}, wait="applied", timeout=0.5)
+        assert isinstance(raised.value, EnvSyncError)
+        assert "apply_at='reset'" in str(raised.value) and "next reset" in str(raised.value)
+        rollout = test_env.rollout(3)  # its reset applies it
+        assert rollout["next", "observation"][:, 0].tolist() == [1.0] * 3
+        sender.wait(raised.value.version, until="applied", timeout=5)
+    finally:
+        sender.close()
+    step = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    step.env_fn(make_counter_env)
+    try:
+        step.attach_env(make_counter_env())
+        step.push(config={"difficulty": 1.0}, wait="applied", timeout=5)  # applies at once: no trap
+    finally:
+        step.close()

@@ -26,7 +26,7 @@ from torchrl.envs import EnvBase
 
 from envsync import reinit
 from envsync.configure import config_applier, env_state_dict
-from envsync.errors import ValidationError
+from envsync.errors import EnvSyncError, ValidationError
 from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.chain import chain_of, runner
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
@@ -315,7 +315,7 @@ class CollectorAdapter:
     def _live_env(self) -> EnvBase:
         env = self._env()
         if env is None:
-            raise RuntimeError("the env of this receiver is gone")
+            raise EnvSyncError("the env of this receiver is gone")
         return env
 
     def apply_config(self, config: FlatConfig) -> None:
@@ -355,27 +355,19 @@ class CollectorAdapter:
     def reset(self) -> None:
         collector = self._collector()
         if collector is None:  # a sub-env of a batched env: its group resets it
-            raise RuntimeError("a sub-env is reset through its batched env's collector, not by its receiver")
+            raise EnvSyncError("a sub-env is reset through its batched env's collector, not by its receiver")
         collector.reset()
 
 
 def serve_env(
-    env: EnvBase,
-    hooks: EnvHooks,
-    handle: LinkHandle,
-    slot: int,
-    env_index: int,
-    collector: Any,
-    *,
-    relay: bool = False,
-    gated: bool = False,
+    env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, collector: Any, **where: bool
 ) -> Any:
     """A receiver for the hooked ``env`` on link ``slot``, as fleet env ``env_index``
     (``collector``: the collector that drives it, or ``None`` for a sub-env; ``relay``: a
     sub-env in another process than its group, which it wakes through the slot's relay;
     ``gated``: a sub-env under a batched level, which acknowledges its applies)."""
-    end = handle.open(slot)
-    if gated:
+    end, relay = handle.open(slot), where.get("relay", False)
+    if where.get("gated", False):
         end = end.gated(wake_group=relay)
     place: Place = Standalone()
     if collector is None:

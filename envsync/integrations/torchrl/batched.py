@@ -327,7 +327,7 @@ class SubEnvs:
     def _live(self) -> BatchedEnvBase:
         batched = self._batched()
         if batched is None:
-            raise RuntimeError("the batched env is gone")
+            raise EnvSyncError("the batched env is gone")
         return batched
 
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:

@@ -18,6 +18,7 @@ from torch import nn
 from torchrl.envs.transforms import CatFrames, ObservationNorm, RewardSum, VecNorm, VecNormV2
 
 from envsync import stats
+from envsync.errors import EnvSyncError
 from envsync.integrations.torchrl import vecnorm
 from envsync.reinit import register
 
@@ -45,7 +46,7 @@ class ObservationNormHandler:
 
     def reset(self, transform: ObservationNorm) -> None:
         if self._initial is None:
-            raise RuntimeError("ObservationNorm had no loc/scale when envsync bound it: nothing to reset to")
+            raise EnvSyncError("ObservationNorm had no loc/scale when envsync bound it: nothing to reset to")
         loc, scale = self._initial
         transform.loc.copy_(loc)
         transform.scale.copy_(scale)
@@ -54,7 +55,7 @@ class ObservationNormHandler:
         key = transform.in_keys[0]
         parent = transform.parent
         if parent is None:
-            raise RuntimeError("ObservationNorm has no parent env to gather statistics from")
+            raise EnvSyncError("ObservationNorm has no parent env to gather statistics from")
         data, frames = [], 0
         while frames < num_iter:
             rollout = parent.rollout(max_steps=num_iter)
@@ -145,7 +146,7 @@ class NormStatsHandler(ZeroStatsHandler):
         transform the way its env would feed them (each rollout's reset, then every step)."""
         parent = transform.parent
         if parent is None:
-            raise RuntimeError(f"{type(transform).__name__} has no parent env to gather statistics from")
+            raise EnvSyncError(f"{type(transform).__name__} has no parent env to gather statistics from")
         frozen, transform.frozen = transform.frozen, False  # asked to recompute: it must update
         try:
             self.reset(transform)

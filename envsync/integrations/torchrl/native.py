@@ -30,7 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
 
 from envsync.configure import config_kwargs, env_state_dict, find_config_method
-from envsync.errors import ValidationError
+from envsync.errors import EnvSyncError, ValidationError
 from envsync.integrations.torchrl.adapter import truncate_at
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.outer import outer_env
@@ -125,7 +125,7 @@ class RowAdapter:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         env = self._env()
         if env is None:
-            raise RuntimeError("the env of this row is gone")
+            raise EnvSyncError("the env of this row is gone")
         n, row = self._n, self._row
         return {k: v[row] for k, v in env_state_dict(env, keep_vars=True).items() if v.ndim and v.shape[0] == n}
 
@@ -139,7 +139,7 @@ class RowAdapter:
         return None
 
     def reset(self) -> None:
-        raise RuntimeError("a row of a batched env is reset through its collector, not by its receiver")
+        raise EnvSyncError("a row of a batched env is reset through its collector, not by its receiver")
 
 
 class NativeHooks(BatchedHooks):
@@ -161,7 +161,7 @@ class NativeHooks(BatchedHooks):
     def live_env(self) -> EnvBase:
         env = self.env()
         if env is None:
-            raise RuntimeError("the batched env is gone")
+            raise EnvSyncError("the batched env is gone")
         return env
 
     @staticmethod

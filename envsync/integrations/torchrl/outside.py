@@ -21,7 +21,7 @@ from torchrl.envs import EnvBase
 
 from envsync import reinit
 from envsync.configure import apply_config, env_state_dict
-from envsync.errors import ValidationError
+from envsync.errors import EnvSyncError, ValidationError
 from envsync.integrations.torchrl.adapter import CollectorAdapter, EnvHooks
 from envsync.integrations.torchrl.chain import chain_of
 from envsync.integrations.torchrl.rollouts import drive
@@ -52,7 +52,7 @@ class OutsideAdapter(CollectorAdapter):
     def reset(self) -> None:
         env = self._own()
         if env is None:
-            raise RuntimeError("the env of this receiver is gone")
+            raise EnvSyncError("the env of this receiver is gone")
         env.reset()
 
 
