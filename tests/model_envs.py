@@ -120,20 +120,46 @@ def make_label_env(label: int) -> Any:
     return TransformedEnv(LabelEnv(label=label, max_steps=horizon_of(label)), Compose(norm, shift))
 
 
+TRIPWIRE = "batched.armed"
+"""The batched level's :class:`Tripwire` (a push of 1 makes that level fail its version)."""
+
+
+def _tripwire() -> Any:
+    from torchrl.envs import Transform
+
+    class Tripwire(Transform):
+        """The batched level of every batched env kind: its ``check`` (the batched level's
+        ``reinit`` policy, run for every version the worker reaches) raises while ``armed``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("armed", torch.zeros(()))
+
+        def check(self) -> None:
+            if float(self.armed) > 0:
+                raise RuntimeError("the tripwire of the batched level is armed")
+
+    return Tripwire()
+
+
 def make_batched(kind: str, first_label: int) -> Any:
-    """A ``SerialEnv``/``ParallelEnv`` (fork) of :data:`SUB_ENVS` labelled envs."""
-    from torchrl.envs import ParallelEnv, SerialEnv
+    """A ``SerialEnv``/``ParallelEnv`` (fork) of :data:`SUB_ENVS` labelled envs, under the
+    batched level's tripwire."""
+    from torchrl.envs import ParallelEnv, SerialEnv, TransformedEnv
 
     fns = [partial(make_label_env, first_label + i) for i in range(SUB_ENVS)]
     if kind == "serial":
-        return SerialEnv(SUB_ENVS, fns)
-    return ParallelEnv(SUB_ENVS, fns, mp_start_method="fork")
+        return TransformedEnv(SerialEnv(SUB_ENVS, fns), _tripwire())
+    return TransformedEnv(ParallelEnv(SUB_ENVS, fns, mp_start_method="fork"), _tripwire())
 
 
-def make_native(first_label: int) -> NativeLabelEnv:
+def make_native(first_label: int) -> Any:
+    """A natively batched env of :data:`SUB_ENVS` labelled rows, under the batched level's tripwire."""
+    from torchrl.envs import TransformedEnv
+
     env = NativeLabelEnv(SUB_ENVS, horizon=3, first_label=first_label)
     env.horizons = torch.tensor([horizon_of(first_label + i) for i in range(SUB_ENVS)])
-    return env
+    return TransformedEnv(env, _tripwire())
 
 
 def factories(env_kind: str, workers: int) -> list[Callable[[], Any]]:

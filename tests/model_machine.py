@@ -4,11 +4,12 @@ operations, and checks envsync against the reference model (:mod:`model_ref`) af
 
 Operations: push (to all, ``workers=``, ``envs=``, with one value or per-env rows, config
 with or without the slow ``delay`` name, with or without env state), ``push_each``, ``wait``,
-a push whose config method fails (rollback), ``gather``, ``sync_stats``, a checkpoint
-round-trip into a new sender and collector (resume), and collecting batches. Every frame of
-every batch goes through :class:`model_ref.Frames`, and every env and version a batch shows
-through the sender's record of past configs (``config_at``), which must name the config the
-frame's observation shows.
+a push whose config method fails (rollback), a push that fails at a batched env's own level
+(rollback at both levels), ``gather``, ``sync_stats``, a checkpoint round-trip into a new
+sender and collector (resume), and collecting batches. Every frame of every batch goes
+through :class:`model_ref.Frames`, and every env and version a batch shows through the
+sender's record of past configs (``config_at``), which must name the config the frame's
+observation shows.
 
 "Collected from then on" after ``wait="applied"``: the workers of a ``Collector`` and a
 ``MultiSyncCollector`` are idle between batches, so every later frame must run the version;
@@ -29,11 +30,11 @@ import torch
 from conftest import KINDS, build
 from helpers import start_method
 from hypothesis.stateful import RuleBasedStateMachine
-from model_envs import LOC_KEY, OBSERVATION, TABLE, envs_per_worker, factories, has_env_state
+from model_envs import LOC_KEY, OBSERVATION, TABLE, TRIPWIRE, envs_per_worker, factories, has_env_state
 from model_ref import Frames, Model, Setting, Violation, expect
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError
+from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError, reinit
 
 COUNTS: Counter[str] = Counter()
 """Histories and operations run in this process (the soak run prints them)."""
@@ -118,7 +119,9 @@ class Target(NamedTuple):
 
 def make_sender(cell: Cell) -> EnvStateSender:
     config = {"difficulty": 0.0, "delay": 0.0, "table": torch.zeros(TABLE)}
-    return EnvStateSender(config=config, apply="set_difficulty", apply_at=cell.mode)
+    # a batched env's own level checks its tripwire at every version it reaches
+    rules = {"batched.Tripwire": reinit.call("check")} if cell.env_kind != "plain" else None
+    return EnvStateSender(config=config, apply="set_difficulty", apply_at=cell.mode, reinit=rules)
 
 
 def make_collector(cell: Cell, sender: EnvStateSender) -> Any:
@@ -376,12 +379,39 @@ class ModelMachine(RuleBasedStateMachine):
         expect(failure.rollback == version + 1 == self.sender.version, "rollback", f"rollback {failure.rollback}")
         self.model.roll_back(version, version + 1)
 
-    def push_failing(self, version: int, config: Any, target: Target) -> WorkerApplyError | None:
+    def do_fail_batched(self, workers: tuple[int, ...]) -> None:
+        """A push that arms the batched level's tripwire on whole workers: their batched level
+        fails the version (every env under it had applied it): ``WorkerApplyError`` with
+        that level's traceback, then every level runs the previous version again (the
+        rollback disarms the tripwire)."""
+        version = self.model.latest + 1
+        target = Target("workers", workers)
+        envs = target.envs(self.cell)
+        updates = {e: self.model.current[e] for e in envs}
+        failure = self.push_failing(version, None, target, env_state={TRIPWIRE: torch.ones(())})
+        self.model.publish(version, updates)
+        self.observations_bound += 2 * len(envs)
+        if failure is None:
+            failure = self.surface_failure(version, envs)
+        self.raised_once(failure)
+        expect(failure.version == version, "rollback", f"WorkerApplyError for version {failure.version}, not {version}")
+        expect(failure.worker in workers, "rollback", f"the error names worker {failure.worker}, not one of {workers}")
+        expect(
+            "own transforms failed" in failure.remote_traceback and "tripwire" in failure.remote_traceback,
+            "a batched-level failure carries that level's traceback",
+            failure.remote_traceback[-300:],
+        )
+        expect(failure.rollback == version + 1 == self.sender.version, "rollback", f"rollback {failure.rollback}")
+        self.model.roll_back(version, version + 1)
+
+    def push_failing(
+        self, version: int, config: Any, target: Target, env_state: dict[str, torch.Tensor] | None = None
+    ) -> WorkerApplyError | None:
         """The failing push: raises at once where a push can wait for "applied"; ``None`` in
         reset mode (the envs fail later, at their resets)."""
         wait = "received" if self.cell.mode == "reset" else "applied"
         try:
-            self.sender.push(config, wait=wait, timeout=TIMEOUT, **target.kwargs())
+            self.sender.push(config, env_state, wait=wait, timeout=TIMEOUT, **target.kwargs())
         except WorkerApplyError as err:
             return err
         except AckTimeout as err:

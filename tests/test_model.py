@@ -112,6 +112,13 @@ def machine_for(cell: Cell) -> type[ModelMachine]:
         def failing_push(self, to: Target, all_marked: bool) -> None:
             self.do_fail(to, all_marked)
 
+        if cell.env_kind != "plain":
+
+            @rule(workers=subsets(cell.workers))
+            @operation
+            def failing_batched_level(self, workers: tuple[int, ...]) -> None:
+                self.do_fail_batched(workers)
+
         @rule(order=ORDERS)
         @operation
         def resume(self, order: str) -> None:

@@ -63,7 +63,6 @@ class OuterState:
         self._applied = first.counters("applied", count)
         self._loaded: dict[str, int] = {}  # name -> stamp of the value in the env
         self._snapshot: dict[str, torch.Tensor] = {}  # first-time loads, for an undo
-        self._snapshot_version = 0
         self.version = 0  # the latest version this level holds (see gate)
         self._answered = 0
         self._passed = 0  # the latest request left to the sub-env's receiver
@@ -103,8 +102,12 @@ class OuterState:
         ``None`` when it must wait for the next safe point."""
         header = self._end.read_header()
         try:
-            if header.undo and header.undo == self._snapshot_version:
-                self._put_back()
+            # an entry first pushed by a version since rolled back is "never pushed" again
+            # (stamp 0): put its earlier value back, even when this level skipped the
+            # rollback's own version (its undo mark gone with a newer push)
+            undone = [n for n, stamp in self._loaded.items() if stamp and not header.stamps.get(n, 0)]
+            if undone:
+                self._put_back(undone)
             live = self._adapter.state_tensors()
             due = [
                 n for n, stamp in header.stamps.items() if is_batched(n) and self._loaded.get(n, 0) < stamp <= reached
@@ -127,12 +130,14 @@ class OuterState:
                 end.ack_applied(int(reached[i]))
 
     def _report(self, version: int, text: str) -> None:
-        """The level failed ``version``: each env waiting for it to acknowledge fails it."""
-        reached, applied = self._reached.copy(), self._applied.copy()
+        """The level failed ``version``: each env that reached that very version fails it
+        (there is one: the gate is some env's reached version). An env waiting on an older
+        one stays unacknowledged until this level holds a version again (the rollback's)."""
+        reached = self._reached.copy()
         text = f"the batched env's own transforms failed to apply version {version}:\n{text}"
         for i, end in enumerate(self._ends):
-            if applied[i] != reached[i] and reached[i] <= version:
-                end.report_failure(int(reached[i]), text)
+            if reached[i] == version:
+                end.report_failure(version, text)
 
     def _load(self, version: int, names: list[str], live: dict[str, torch.Tensor], stamps: dict[str, int]) -> bool:
         first_time = {n for n in names if not self._loaded.get(n)}
@@ -145,20 +150,19 @@ class OuterState:
 
         if not self._end.load_entries(version, names, load):
             return False
-        if first_time:
-            self._snapshot_version = max(stamps[n] for n in first_time)
         self._adapter.commit({inner(n): live[inner(n)] for n in names}, version=max(stamps[n] for n in names))
         self._loaded.update({n: stamps[n] for n in names})
         return True
 
-    def _put_back(self) -> None:
-        """A rollback of the version that first pushed some entries: their earlier values."""
+    def _put_back(self, names: list[str]) -> None:
+        """Entries whose first push was rolled back: their values from before it."""
         live = self._adapter.state_tensors()
-        for name, value in self._snapshot.items():
-            live[inner(name)].data.copy_(value)
+        restored = [n for n in names if n in self._snapshot]
+        for name in restored:
+            live[inner(name)].data.copy_(self._snapshot.pop(name))
+        for name in names:
             self._loaded[name] = 0
-        self._adapter.commit({inner(n): live[inner(n)] for n in self._snapshot}, version=0, restore=True)
-        self._snapshot, self._snapshot_version = {}, 0
+        self._adapter.commit({inner(n): live[inner(n)] for n in restored}, version=0, restore=True)
 
     def serve(self) -> None:
         """Answer a gather for the batched env's own entries, after catching up (caller holds
