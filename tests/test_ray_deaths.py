@@ -148,8 +148,10 @@ def test_a_push_after_ray_reports_an_actor_dead_never_counts_its_acknowledgement
         with pytest.raises(AckTimeout) as info:
             sender.push(config={"difficulty": 0.4}, wait="applied", timeout=30)
         assert time.monotonic() - start < 2.0
-        assert info.value.dead == [1] and info.value.workers == [1]
-        assert sender.versions() == [info.value.version, before]
+        # worker 0 may still be applying when the dead one is found: it is late, not dead
+        assert info.value.dead == [1] and info.value.workers in ([1], [0, 1])
+        assert sender.versions()[1] == before
+        sender.wait(info.value.version, workers=[0], timeout=30)
         time.sleep(0.5)  # the killed process has exited: whatever its relay said last has arrived
         assert sender.versions() == [info.value.version, before]
     finally:
