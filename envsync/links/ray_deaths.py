@@ -51,7 +51,8 @@ def _died(ping: Any) -> bool:
 
 def _reported_dead(actor: Any) -> bool:
     """Whether Ray has reported ``actor`` dead to this process (its local view; unknown, or
-    Ray no longer connected here, is not dead)."""
+    Ray no longer connected here, is not dead). A reach into Ray's handle, confined here:
+    Ray Data reads the view the same way; the public ``ray.util.state`` asks the GCS."""
     try:
         return bool(actor._get_local_state() == _DEAD)
     except (AttributeError, ray.exceptions.RayError):
