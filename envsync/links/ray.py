@@ -23,12 +23,15 @@ heartbeat back on its connection. A connection carries its posts in order and ea
 
 The main process reads every connection from one thread into a local table, so
 ``status``, ``alive``, ``answer`` and ``wait_acks`` cost what they cost on one machine.
-Death is concluded only from evidence: a relay reports its own dead worker processes, and
-once a collector's relay has been silent for :data:`QUIET_AFTER` seconds (at once when its
-connection closed) the link asks Ray about its actor (a ping, which Ray fails at once for a
-killed actor or a lost node). Silence alone is no proof: a loaded machine can delay reports
-by seconds, and a push then waits for them (up to its timeout) instead of calling live
-workers dead.
+Death is concluded only from evidence (:mod:`~envsync.links.ray_deaths`): a relay reports
+its own dead worker processes; Ray's view in this process of each actor is read at every
+push and every report (no round trip); and once a collector's relay has been silent for
+:data:`QUIET_AFTER` seconds (at once when its connection closed) the link asks Ray about
+its actor (a ping, which Ray fails at once for a killed actor or a lost node). From a
+collector's death on, its reports are dropped and it is posted nothing: none of its
+acknowledgements count, though its process may outlive the death a moment. Silence alone
+is no proof: a loaded machine can delay reports by seconds, and a push then waits for them
+(up to its timeout) instead of calling live workers dead.
 
 Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
 ``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``;
@@ -53,6 +56,7 @@ from envsync.errors import EnvSyncError, WireError
 from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, Listener, frames
+from envsync.links.ray_deaths import Deaths
 from envsync.links.ray_relay import RelayHandle
 from envsync.links.ray_wire import (
     CAUGHT_UP,
@@ -79,23 +83,6 @@ QUIET_AFTER = 1.5
 """Seconds without a report after which the link asks Ray whether a collector's actor died."""
 
 
-def _pong(actor: Any) -> int:
-    """The ping a silent collector's actor answers (run on the actor by ``__ray_call__``)."""
-    return 0
-
-
-def _died(ping: Any) -> bool:
-    """Whether an answered ping says its actor died (unavailable for now is not dead: a
-    restart, a network hiccup)."""
-    try:
-        ray.get(ping)
-    except ray.exceptions.ActorDiedError:
-        return True
-    except ray.exceptions.RayError:
-        pass
-    return False
-
-
 class RayLink:
     """The main process's end of the Ray link, over every remote collector's workers.
 
@@ -104,8 +91,9 @@ class RayLink:
         workers: how many workers each remote collector has (in collector order).
         mailbox: the :class:`~envsync.links.mailbox.Mailbox` actor handle; needed only when
             a node runs several remote collectors (``None`` otherwise).
-        actors: the remote collectors' actor handles (in collector order), pinged when
-            their relay falls silent; without them silence never counts as death.
+        actors: the remote collectors' actor handles (in collector order), whose death
+            Ray reports (:class:`~envsync.links.ray_deaths.Deaths`); without them only the
+            relays' reports tell of a death, and silence never counts as one.
         nodes: the Ray node id each remote collector runs on (in collector order); one
             share per node per push. Default: each collector on a node of its own.
         host: the address relays connect to (default: this process's Ray node address).
@@ -143,10 +131,7 @@ class RayLink:
         self._replies: dict[int, Reply] = {}
         self._asking: Ask | None = None
         self._seen = [time.monotonic()] * len(self.workers)
-        self._actors = list(actors)
-        self._pings: dict[int, Any] = {}
-        self._lost = [False] * len(self.workers)
-        self._ping_lock = threading.Lock()
+        self._deaths = Deaths(actors, len(self.workers), on_death=self._lose)
         self._report_seq = 0
         self._changed = threading.Condition()
         self._closed = False
@@ -188,7 +173,9 @@ class RayLink:
         seq = self._next_seq()
         posts: dict[int, list[Any]] = {}
         for node, collectors in enumerate(self._node_collectors):
-            takers = [c for c in collectors if not self._lost[c] and any(w in pending for w in self._members(c))]
+            takers = [
+                c for c in collectors if any(w in pending for w in self._members(c)) and not self._deaths.known(c)
+            ]
             if not takers:
                 continue
             rows = encode({w: pending[w] for c in takers for w in self._members(c) if w in pending})
@@ -280,31 +267,22 @@ class RayLink:
 
     def alive(self, worker: int) -> bool:
         """Whether ``worker`` can still answer: its relay did not report its process dead,
-        and Ray did not fail a ping to its collector's actor (sent once the relay falls
-        silent for :data:`QUIET_AFTER` seconds; an unanswered ping is no evidence)."""
+        Ray did not report its collector's actor dead here, nor fail a ping to it (sent once
+        the relay falls silent for :data:`QUIET_AFTER` seconds)."""
         collector = self._collector_of(worker)
-        if not self._acks[worker][3] or self._lost[collector]:
+        if not self._acks[worker][3] or self._deaths.known(collector):
             return False
-        return time.monotonic() - self._seen[collector] < QUIET_AFTER or not self._actor_died(collector)
+        return time.monotonic() - self._seen[collector] < QUIET_AFTER or not self._deaths.pinged(collector)
 
-    def _actor_died(self, collector: int) -> bool:
-        """Ping the actor of a silent collector (one ping at a time); True once Ray says it
-        died. A live actor answers when its current task ends."""
-        if collector >= len(self._actors):
-            return False
-        with self._ping_lock:
-            ping = self._pings.get(collector)
-            if ping is None:
-                ping = self._pings[collector] = self._actors[collector].__ray_call__.remote(_pong)
-            ready, _ = ray.wait([ping], timeout=0)
-            if not ready:
-                return False
-            del self._pings[collector]
-            self._lost[collector] = _died(ping)
-            if self._lost[collector] and self.mailbox is not None:  # hold nothing more for its relay
-                with contextlib.suppress(Exception):
-                    self.mailbox.forget.remote(collector)
-            return self._lost[collector]
+    def _lose(self, collector: int) -> None:
+        """A collector's actor died: hold nothing more for its relay, and wake the waits
+        (its workers owe what they owe for good)."""
+        if self.mailbox is not None:
+            with contextlib.suppress(Exception):
+                self.mailbox.forget.remote(collector)
+        with self._changed:
+            self._report_seq += 1
+            self._changed.notify_all()
 
     def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
         return counts_of([self.status(s) for s in slots], Until.APPLIED if applied else Until.RECEIVED)
@@ -400,6 +378,8 @@ class RayLink:
     ) -> None:
         first = self._starts[collector]
         with self._changed:
+            if self._deaths.known(collector):  # its process outlives its death a moment: drop what it says
+                return
             self._seen[collector] = time.monotonic()
             for local, status in enumerate(statuses):
                 self._acks[first + local] = status
