@@ -122,19 +122,22 @@ class Attributes:
     def __init__(self, finish: Finish | None = None) -> None:
         self.finish = finish
 
-    def bind(self, env: Any) -> Callable[[FlatConfig], None]:
+    def bind(self, env: Any) -> Callable[..., None]:
         """The function that sets a whole config on ``env`` (paths resolved and checked on
-        first use, the innermost object for ``finish`` found once)."""
+        first use, the innermost object for ``finish`` found once). Called with
+        ``env_ids`` (a natively batched env), each config value holds one row per index
+        and each array is written at those rows, one indexed write per array."""
         resolved: dict[str, list[tuple[AttributePath, Any]]] = {}
         inner: list[Any] = []
 
-        def apply(config: FlatConfig) -> None:
+        def apply(config: FlatConfig, env_ids: torch.Tensor | None = None) -> None:
             for name, value in config.items():
                 targets = resolved.get(name)
                 if targets is None:
-                    targets = resolved[name] = self.resolve(env, name, value)
+                    rows = None if env_ids is None else int(env.batch_size[0])
+                    targets = resolved[name] = self.resolve(env, name, value, rows)
                 for path, built in targets:
-                    path.write(self.value(built, value))
+                    path.write(self.value(built, value, env_ids), env_ids)
             if self.finish is not None and config:
                 if not inner:
                     inner.append(wrapper_chain(env)[-1])
@@ -142,14 +145,16 @@ class Attributes:
 
         return apply
 
-    def resolve(self, env: Any, name: str, value: Leaf) -> list[tuple[AttributePath, Any]]:
-        """The paths config name ``name`` writes, checked against its first ``value``, each
-        with what :meth:`value` needs besides the config value (nothing here)."""
+    def resolve(self, env: Any, name: str, value: Leaf, rows: int | None = None) -> list[tuple[AttributePath, Any]]:
+        """The paths config name ``name`` writes, checked against its first ``value`` (with
+        ``rows``, the batch size of a natively batched env: one row per env, in memory of
+        its own), each with what :meth:`value` needs besides the config value (nothing here)."""
         path = AttributePath.resolve(env, name)
-        path.check(value)
+        path.own_rows()
+        path.check(value, rows)
         return [(path, None)]
 
-    def value(self, built: Any, value: Leaf) -> Any:
+    def value(self, built: Any, value: Leaf, env_ids: torch.Tensor | None = None) -> Any:
         """What a path is written with for config ``value``: the value itself."""
         return value
 
@@ -199,20 +204,21 @@ class Scales(Attributes):
         """The attribute paths config name ``name`` scales."""
         return self.targets.get(name, [name])
 
-    def resolve(self, env: Any, name: str, value: Leaf) -> list[tuple[AttributePath, Any]]:
-        """The paths config name ``name`` scales, each with its value as built; the factor
-        ``value`` checked against each."""
+    def resolve(self, env: Any, name: str, value: Leaf, rows: int | None = None) -> list[tuple[AttributePath, Any]]:
+        """The paths config name ``name`` scales, each with its value as built (read once
+        the path has memory of its own); the factor ``value`` checked against each."""
         factor = _factor(value)
         out = []
         for target in self.paths_of(name):
             path = AttributePath.resolve(env, target)
-            check_factor(path, factor)
+            path.own_rows()
+            check_factor(path, factor, rows)
             out.append((path, as_built(path)))
         return out
 
-    def value(self, built: Any, value: Leaf) -> Any:
-        """The value as built times the factor ``value``."""
-        return scaled(built, _factor(value))
+    def value(self, built: Any, value: Leaf, env_ids: torch.Tensor | None = None) -> Any:
+        """The value as built (``env_ids``: those rows of it) times the factor ``value``."""
+        return scaled(built, _factor(value), env_ids)
 
     def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
         """A factor of ones for each name, one per element of the first attribute it scales
@@ -362,6 +368,12 @@ class Rebuild:
         return "envsync.apply.rebuild()"
 
 
+def _first_row(value: Any, rows: int) -> Any:
+    """Row 0 of an array with one row per env; anything else as it is (refused at attach)."""
+    is_array = isinstance(value, np.ndarray | torch.Tensor)
+    return value[0] if is_array and tuple(value.shape[:1]) == (rows,) else value
+
+
 def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, Any]:
     """The template :meth:`envsync.EnvStateSender.from_env` builds: ``names`` read from the
     env ``make_env`` builds (or is), by ``apply.read`` (attributes along the chain for an
@@ -370,11 +382,13 @@ def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, An
         raise ValidationError(f"from_env: config must be a list of names or dotted paths, got {names!r}")
     built = not isinstance(make_env, EnvBase)
     env = make_env() if built else make_env
-    make_leaf = split(env).make_leaf
-    leaf = env if make_leaf is None else make_leaf()
+    layout = split(env)
+    leaf = env if layout.make_leaf is None else layout.make_leaf()
     try:
         read = getattr(apply, "read", None) or Attributes().read
         values = read(leaf, list(names))
+        if layout.rows:  # a natively batched env's arrays hold one row per env: the template is one
+            values = {name: _first_row(value, layout.num_envs) for name, value in values.items()}
     finally:
         if leaf is not env:
             leaf.close()
