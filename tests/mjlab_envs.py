@@ -9,9 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import warp as wp
-
-wp.config.quiet = True  # no line per Warp module loaded
 
 TASK = "Mjlab-Cartpole-Balance"
 CART, POLE = 3, 4  # body indices: world, terrain, mocap_base, cart, pole_1
@@ -33,11 +30,13 @@ def make_cartpole(num_envs: int = 8) -> Any:
     """An ``MJLabEnv`` of ``num_envs`` Cartpole worlds on the CPU, with a ``"physics"``
     observation (:func:`pole_physics`) and episodes that end when the pole falls."""
     import mjlab.tasks  # noqa: F401  (registers the tasks)
+    import warp as wp
     from mjlab.managers.observation_manager import ObservationGroupCfg, ObservationTermCfg
     from mjlab.managers.termination_manager import TerminationTermCfg
     from mjlab.tasks.registry import load_env_cfg
     from torchrl.envs import MJLabEnv
 
+    wp.config.quiet = True  # no line per Warp module loaded
     cfg = load_env_cfg(TASK)
     cfg.observations["physics"] = ObservationGroupCfg(
         {"masses": ObservationTermCfg(func=pole_physics)}, enable_corruption=False
