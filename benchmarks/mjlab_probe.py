@@ -4,16 +4,23 @@ Needs the mjlab venv (``make .venv-mjlab/.installed``). Prints, per number of wo
 build time, the mean ``env.step`` of mjlab and of torchrl's ``MJLabWrapper``; then the
 per-world check: a field's storage before and after ``sim.expand_model_fields``, one
 world's pole mass changed, and the worlds' states after the same actions from the same
-start (only the changed world moves elsewhere). docs/notes-mjlab.md has the numbers.
+start (only the changed world moves elsewhere). With ``--push``, what a push of one mass
+factor per world costs against the number of worlds: the write of all rows as envsync does it
+(one indexed write per field), the same rows written one by one, ``finish``
+(``recompute_constants``), and ``sender.push(..., wait="applied")`` to every world of an idle
+``Collector`` (``apply_at="step"``), beside the env's own step. docs/notes-mjlab.md has the
+numbers.
 
-    .venv-mjlab/bin/python benchmarks/mjlab_probe.py [--worlds 16 256 4096] [--steps 20]
+    .venv-mjlab/bin/python benchmarks/mjlab_probe.py [--worlds 16 256 4096] [--steps 20] [--push]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -79,14 +86,71 @@ def per_world(worlds: int = 4) -> None:
     print("qpos after 20 equal steps (world 1 is heavier):", [[round(x, 3) for x in q] for q in data.qpos.tolist()])
 
 
+def make_env(worlds: int) -> object:
+    from torchrl.envs import MJLabEnv
+
+    return MJLabEnv("Mjlab-Cartpole-Balance", num_envs=worlds, device="cpu")
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def push_costs(worlds: int, repeats: int) -> None:
+    from torchrl.collectors import Collector
+
+    import envsync
+    from envsync import EnvStateSender
+
+    targets = {"mass": ["sim.model.body_mass", "sim.model.body_inertia"]}
+    env = make_env(worlds)
+    env.reset()
+    rows = 0.5 + torch.rand(worlds)
+    ids = torch.arange(worlds)
+    write = envsync.apply.scales(targets).bind(env)
+    batched = timed(lambda: write({"mass": rows}, env_ids=ids), repeats)
+    one_by_one = timed(lambda: [write({"mass": rows[i : i + 1]}, env_ids=ids[i : i + 1]) for i in range(worlds)], 3)
+    finish = envsync.apply.recompute_constants()
+    inner = envsync.configure.wrapper_chain(env)[-1]
+    finished = timed(lambda: finish(inner), repeats)
+    td = env.reset()
+    step = timed(lambda: env.rand_step(td), repeats)
+    env.close()
+    apply = envsync.apply.scales(targets, finish=envsync.apply.recompute_constants())
+    sender = EnvStateSender(config={"mass": 1.0}, apply=apply, apply_at="step")
+    collector = Collector(sender.env_fn(partial(make_env, worlds)), None, frames_per_batch=worlds, total_frames=-1,
+                          weight_sync_schemes=sender.schemes())
+    try:
+        next(iter(collector))
+        pushed = timed(lambda: sender.push(config={"mass": 0.5 + torch.rand(worlds)}, wait="applied"), repeats)
+    finally:
+        collector.shutdown()
+        sender.close()
+    print(f"{worlds:>6} worlds  write all rows {batched * 1e3:8.3f} ms  row by row {one_by_one * 1e3:9.1f} ms  "
+          f"finish {finished * 1e3:7.2f} ms  push->applied {pushed * 1e3:8.1f} ms  env step {step * 1e3:7.1f} ms",
+          flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[16, 256, 4096])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--push", action="store_true", help="the push-cost table instead")
     args = parser.parse_args(argv)
     import warp as wp
 
     wp.config.quiet = True
+    if args.push:
+        for worlds in args.worlds:
+            push_costs(worlds, args.steps)
+        return
     per_world()
     for worlds in args.worlds:
         step_times(worlds, args.steps)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from envsync.integrations.torchrl.applies import Attributes, Finish, Rebuild, Scales, mj_set_const
-from envsync.integrations.torchrl.mjlab_fields import RecomputeConstants
+from envsync.integrations.torchrl.applies import Attributes, Finish, Rebuild, Scales
+from envsync.integrations.torchrl.finishes import RecomputeConstants, mj_set_const
 
 
 def attributes(*, finish: Finish | None = None) -> Attributes:

@@ -18,7 +18,6 @@ envs, the gymnasium env ``GymEnv`` holds, its wrappers, and the unwrapped env.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,38 +58,6 @@ def template_value(name: str, value: Any) -> bool | int | float | torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
     raise ValidationError(f"from_env: {name!r} holds a {type(value).__name__}, not a number or an array")
-
-
-_SCRATCH: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-"""Per MuJoCo model, the spare ``MjData`` that :func:`mj_set_const` computes on."""
-
-
-def mj_set_const(env: Any) -> None:
-    """A ``finish=`` for MuJoCo envs: ``mujoco.mj_setConst`` on the env's model, which
-    recomputes the constants MuJoCo derives from the model (``body_subtreemass``, the
-    ``*_invweight0`` the constraint solver scales by, ``actuator_acc0``) as compiling a model
-    with the new values would. It computes on a spare ``MjData`` (``mj_setConst`` moves the
-    ``qpos`` of the data it is given), so the episode in progress is untouched.
-
-    Args:
-        env: an object with ``model`` (``mujoco.MjModel``): gymnasium's ``MujocoEnv``, as
-            ``finish`` receives it.
-
-    Examples:
-        >>> import gymnasium as gym
-        >>> cheetah = gym.make("HalfCheetah-v5").unwrapped
-        >>> cheetah.model.body_mass[1] *= 2
-        >>> mj_set_const(cheetah)
-        >>> round(float(cheetah.model.body_subtreemass[0]), 2)
-        20.25
-    """
-    import mujoco
-
-    model = env.model
-    scratch = _SCRATCH.get(model)
-    if scratch is None:
-        scratch = _SCRATCH[model] = mujoco.MjData(model)
-    mujoco.mj_setConst(model, scratch)
 
 
 class Attributes:
@@ -404,4 +371,4 @@ def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, An
     return template
 
 
-__all__ = ["Attributes", "Finish", "Rebuild", "Scales", "mj_set_const", "read_config", "template_value"]
+__all__ = ["Attributes", "Finish", "Rebuild", "Scales", "read_config", "template_value"]
