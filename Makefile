@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit wide soak bench docs examples-smoke test-nightly clean
+.PHONY: demo test lint typecheck unit wide soak bench docs examples-smoke test-nightly test-mjlab clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -70,6 +70,22 @@ test-nightly:
 	$(NIGHTLY)/bin/python -m pip install --quiet cloudpickle gymnasium numpy tqdm pytest pytest-timeout hypothesis psutil
 	$(NIGHTLY)/bin/python -m pytest -q tests/test_matrix.py tests/test_model.py tests/test_receiver.py tests/test_policy_version.py -k "not ray and not soak"
 
+# Per-world physics in mjlab (MuJoCo Warp) on Warp's CPU device, in a venv of its own: mjlab pins
+# mujoco~=3.11, the main venv's mujoco extra is 4.0 (gymnasium's HalfCheetah-v5). torchvision is named
+# with torch 2.13's version: mjlab -> rsl-rl-lib -> torchvision, whose newest release pins torch 2.14
+# and would replace the CPU torch with a CUDA build. About 3 minutes of tests, plus about a minute of
+# Warp kernel compilation the first time on a machine (cached in ~/.cache/warp).
+MJLAB := .venv-mjlab
+$(MJLAB)/.installed: pyproject.toml
+	test -x $(MJLAB)/bin/python || $(PY) -m venv $(MJLAB)
+	$(MJLAB)/bin/python -m pip install --quiet --upgrade pip
+	$(MJLAB)/bin/python -m pip install --quiet torch==2.13.0
+	$(MJLAB)/bin/python -m pip install --quiet torch==2.13.0 torchvision==0.28.0 -e ".[mjlab]" pytest pytest-timeout
+	touch $(MJLAB)/.installed
+
+test-mjlab: $(MJLAB)/.installed
+	$(MJLAB)/bin/python -m pytest -q -rfE --durations=10 tests/test_mjlab.py
+
 docs: $(STAMP)
 	test -x $(BIN)/mkdocs || $(BIN)/python -m pip install --quiet -e ".[docs]"
 	$(BIN)/mkdocs build --strict -d build/site
@@ -81,4 +97,4 @@ bench: $(STAMP)
 	$(BIN)/envsync bench
 
 clean:
-	rm -rf $(VENV) $(NIGHTLY) build *.egg-info
+	rm -rf $(VENV) $(NIGHTLY) $(MJLAB) build *.egg-info

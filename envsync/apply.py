@@ -6,6 +6,7 @@
 * :func:`scales`: the same paths, each config value a factor relative to the env as built
   (domain randomisation of masses and friction): version 0, all ones, is the env as built.
 * :func:`mj_set_const`: a ``finish=`` for MuJoCo envs (``mujoco.mj_setConst``).
+* :func:`recompute_constants`: a ``finish=`` for mjlab (MuJoCo Warp) envs, one row per world.
 * :func:`rebuild`: rebuild the gymnasium env inside torchrl's ``GymEnv`` with the config as
   constructor arguments (parameters an env takes only in ``gym.make``): milliseconds, seeded,
   and checked in the main process to keep the env's specs.
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from envsync.integrations.torchrl.applies import Attributes, Finish, Rebuild, Scales, mj_set_const
+from envsync.integrations.torchrl.applies import Attributes, Finish, Rebuild, Scales
+from envsync.integrations.torchrl.finishes import RecomputeConstants, mj_set_const
 
 
 def attributes(*, finish: Finish | None = None) -> Attributes:
@@ -114,6 +116,34 @@ def scales(targets: Mapping[str, str | Sequence[str]] | None = None, *, finish: 
     return Scales(targets, finish)
 
 
+def recompute_constants(level: str = "set_const") -> RecomputeConstants:
+    """A ``finish=`` for mjlab envs (torchrl's ``MJLabWrapper``/``MJLabEnv``, MuJoCo Warp):
+    ``env.sim.recompute_constants(level)`` after every apply, what ``mj_set_const`` is for
+    MuJoCo on CPU. The first call (when envsync binds) also expands the constants that
+    ``level`` recomputes to one copy per world (``body_subtreemass``, the ``*_invweight0``,
+    ``actuator_acc0``): MuJoCo Warp recomputes as many worlds as they hold, so a shared copy
+    would give every world world 0's constants.
+
+    In a natively batched mjlab env each config row is one world: ``attributes()`` and
+    ``scales()`` paths such as ``sim.model.body_mass`` are written at the rows being changed,
+    one indexed write per field for all of them, and a field still shared by every world
+    (MuJoCo Warp's storage until it is expanded) is expanded to per-world memory when envsync
+    binds (see docs/domain_randomization.md, "Batched simulators").
+
+    Args:
+        level: ``"set_const"`` after ``body_mass`` or ``body_ipos``; ``"set_const_0"`` after
+            ``body_inertia``, ``dof_armature``, ``body_pos``/``body_quat`` or ``qpos0``;
+            ``"set_const_fixed"`` after ``body_gravcomp``. Friction, damping and actuator
+            gains need no finish.
+
+    Examples:
+        >>> recompute_constants("set_const_0")
+        envsync.apply.recompute_constants('set_const_0')
+        >>> apply = scales({"mass": "sim.model.body_mass"}, finish=recompute_constants())
+    """
+    return RecomputeConstants(level)
+
+
 def rebuild() -> Rebuild:
     """Rebuild the gymnasium env inside torchrl's ``GymEnv`` with the whole config as
     constructor keyword arguments (``GymEnv.rebuild_with_kwargs``), seeded from the env it
@@ -132,4 +162,4 @@ def rebuild() -> Rebuild:
     return Rebuild()
 
 
-__all__ = ["attributes", "mj_set_const", "rebuild", "scales"]
+__all__ = ["attributes", "mj_set_const", "rebuild", "recompute_constants", "scales"]

@@ -18,7 +18,6 @@ envs, the gymnasium env ``GymEnv`` holds, its wrappers, and the unwrapped env.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,38 +60,6 @@ def template_value(name: str, value: Any) -> bool | int | float | torch.Tensor:
     raise ValidationError(f"from_env: {name!r} holds a {type(value).__name__}, not a number or an array")
 
 
-_SCRATCH: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-"""Per MuJoCo model, the spare ``MjData`` that :func:`mj_set_const` computes on."""
-
-
-def mj_set_const(env: Any) -> None:
-    """A ``finish=`` for MuJoCo envs: ``mujoco.mj_setConst`` on the env's model, which
-    recomputes the constants MuJoCo derives from the model (``body_subtreemass``, the
-    ``*_invweight0`` the constraint solver scales by, ``actuator_acc0``) as compiling a model
-    with the new values would. It computes on a spare ``MjData`` (``mj_setConst`` moves the
-    ``qpos`` of the data it is given), so the episode in progress is untouched.
-
-    Args:
-        env: an object with ``model`` (``mujoco.MjModel``): gymnasium's ``MujocoEnv``, as
-            ``finish`` receives it.
-
-    Examples:
-        >>> import gymnasium as gym
-        >>> cheetah = gym.make("HalfCheetah-v5").unwrapped
-        >>> cheetah.model.body_mass[1] *= 2
-        >>> mj_set_const(cheetah)
-        >>> round(float(cheetah.model.body_subtreemass[0]), 2)
-        20.25
-    """
-    import mujoco
-
-    model = env.model
-    scratch = _SCRATCH.get(model)
-    if scratch is None:
-        scratch = _SCRATCH[model] = mujoco.MjData(model)
-    mujoco.mj_setConst(model, scratch)
-
-
 class Attributes:
     """Sets each config name as an attribute path along the env's wrapper chain: the first
     part is found on the first object that holds it (the torchrl env, its base envs,
@@ -122,19 +89,22 @@ class Attributes:
     def __init__(self, finish: Finish | None = None) -> None:
         self.finish = finish
 
-    def bind(self, env: Any) -> Callable[[FlatConfig], None]:
+    def bind(self, env: Any) -> Callable[..., None]:
         """The function that sets a whole config on ``env`` (paths resolved and checked on
-        first use, the innermost object for ``finish`` found once)."""
+        first use, the innermost object for ``finish`` found once). Called with
+        ``env_ids`` (a natively batched env), each config value holds one row per index
+        and each array is written at those rows, one indexed write per array."""
         resolved: dict[str, list[tuple[AttributePath, Any]]] = {}
         inner: list[Any] = []
 
-        def apply(config: FlatConfig) -> None:
+        def apply(config: FlatConfig, env_ids: torch.Tensor | None = None) -> None:
             for name, value in config.items():
                 targets = resolved.get(name)
                 if targets is None:
-                    targets = resolved[name] = self.resolve(env, name, value)
+                    rows = None if env_ids is None else int(env.batch_size[0])
+                    targets = resolved[name] = self.resolve(env, name, value, rows)
                 for path, built in targets:
-                    path.write(self.value(built, value))
+                    path.write(self.value(built, value, env_ids), env_ids)
             if self.finish is not None and config:
                 if not inner:
                     inner.append(wrapper_chain(env)[-1])
@@ -142,14 +112,16 @@ class Attributes:
 
         return apply
 
-    def resolve(self, env: Any, name: str, value: Leaf) -> list[tuple[AttributePath, Any]]:
-        """The paths config name ``name`` writes, checked against its first ``value``, each
-        with what :meth:`value` needs besides the config value (nothing here)."""
+    def resolve(self, env: Any, name: str, value: Leaf, rows: int | None = None) -> list[tuple[AttributePath, Any]]:
+        """The paths config name ``name`` writes, checked against its first ``value`` (with
+        ``rows``, the batch size of a natively batched env: one row per env, in memory of
+        its own), each with what :meth:`value` needs besides the config value (nothing here)."""
         path = AttributePath.resolve(env, name)
-        path.check(value)
+        path.own_rows()
+        path.check(value, rows)
         return [(path, None)]
 
-    def value(self, built: Any, value: Leaf) -> Any:
+    def value(self, built: Any, value: Leaf, env_ids: torch.Tensor | None = None) -> Any:
         """What a path is written with for config ``value``: the value itself."""
         return value
 
@@ -199,20 +171,21 @@ class Scales(Attributes):
         """The attribute paths config name ``name`` scales."""
         return self.targets.get(name, [name])
 
-    def resolve(self, env: Any, name: str, value: Leaf) -> list[tuple[AttributePath, Any]]:
-        """The paths config name ``name`` scales, each with its value as built; the factor
-        ``value`` checked against each."""
+    def resolve(self, env: Any, name: str, value: Leaf, rows: int | None = None) -> list[tuple[AttributePath, Any]]:
+        """The paths config name ``name`` scales, each with its value as built (read once
+        the path has memory of its own); the factor ``value`` checked against each."""
         factor = _factor(value)
         out = []
         for target in self.paths_of(name):
             path = AttributePath.resolve(env, target)
-            check_factor(path, factor)
+            path.own_rows()
+            check_factor(path, factor, rows)
             out.append((path, as_built(path)))
         return out
 
-    def value(self, built: Any, value: Leaf) -> Any:
-        """The value as built times the factor ``value``."""
-        return scaled(built, _factor(value))
+    def value(self, built: Any, value: Leaf, env_ids: torch.Tensor | None = None) -> Any:
+        """The value as built (``env_ids``: those rows of it) times the factor ``value``."""
+        return scaled(built, _factor(value), env_ids)
 
     def read(self, env: Any, names: Sequence[str]) -> dict[str, Any]:
         """A factor of ones for each name, one per element of the first attribute it scales
@@ -362,6 +335,12 @@ class Rebuild:
         return "envsync.apply.rebuild()"
 
 
+def _first_row(value: Any, rows: int) -> Any:
+    """Row 0 of an array with one row per env; anything else as it is (refused at attach)."""
+    is_array = isinstance(value, np.ndarray | torch.Tensor)
+    return value[0] if is_array and tuple(value.shape[:1]) == (rows,) else value
+
+
 def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, Any]:
     """The template :meth:`envsync.EnvStateSender.from_env` builds: ``names`` read from the
     env ``make_env`` builds (or is), by ``apply.read`` (attributes along the chain for an
@@ -370,11 +349,13 @@ def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, An
         raise ValidationError(f"from_env: config must be a list of names or dotted paths, got {names!r}")
     built = not isinstance(make_env, EnvBase)
     env = make_env() if built else make_env
-    make_leaf = split(env).make_leaf
-    leaf = env if make_leaf is None else make_leaf()
+    layout = split(env)
+    leaf = env if layout.make_leaf is None else layout.make_leaf()
     try:
         read = getattr(apply, "read", None) or Attributes().read
         values = read(leaf, list(names))
+        if layout.rows:  # a natively batched env's arrays hold one row per env: the template is one
+            values = {name: _first_row(value, layout.num_envs) for name, value in values.items()}
     finally:
         if leaf is not env:
             leaf.close()
@@ -390,4 +371,4 @@ def read_config(make_env: Any, names: Sequence[str], apply: Any) -> dict[str, An
     return template
 
 
-__all__ = ["Attributes", "Finish", "Rebuild", "Scales", "mj_set_const", "read_config", "template_value"]
+__all__ = ["Attributes", "Finish", "Rebuild", "Scales", "read_config", "template_value"]

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -52,16 +53,26 @@ def _takes_env_ids(fn: Callable[..., Any]) -> bool:
 class RowApplier:
     """Gives rows of a natively batched env their configs through the user's ``apply``.
 
+    Every row's current config is kept as one table per name (leading dim: the rows). A
+    built-in apply (:mod:`envsync.apply`) writes the rows given a config inside
+    :meth:`batch` at its end, all at once (one indexed write per array, one ``finish``):
+    a push to every row of the env costs one write per field, not one per row.
+
     Args:
         env: the env.
         apply: a method name, a callable ``fn(env, config)``, or ``None``.
         initial_config: every row's config at version 0 (flat).
+        num_envs: the env's rows.
     """
 
     def __init__(self, env: EnvBase, apply: Any, initial_config: FlatConfig, num_envs: int) -> None:
-        self._current = [tensors(initial_config) for _ in range(num_envs)]
+        row = tensors(initial_config)
+        self._table = {k: v.unsqueeze(0).repeat(num_envs, *([1] * v.ndim)) for k, v in row.items()}
+        self._n = num_envs
         self._call: Callable[..., Any] | None = None
+        self._staged: set[int] | None = None
         self.by_rows = False
+        self.defers = False
         bind = getattr(apply, "bind", None)
         if isinstance(apply, str):
             method = find_config_method(env, apply)
@@ -69,32 +80,63 @@ class RowApplier:
             self._call = lambda config, **ids: method(**config_kwargs(config), **ids)
         elif bind is not None:  # a built-in apply (envsync.apply): its targets resolved once, for the whole batch
             applier = bind(env)
-            self._call = lambda config, **ids: applier(config)
+            self.by_rows = self.defers = _takes_env_ids(applier)
+            self._call = applier
         elif apply is not None:
             self.by_rows = _takes_env_ids(apply)
             self._call = lambda config, **ids: apply(env, _rows(config), **ids)
 
     def apply_all(self) -> None:
         """Give every row its current config (at build: the template's, so version 0 is truthful)."""
-        if self._call is None:
-            return
-        stacked = {k: torch.stack([r[k] for r in self._current]) for k in self._current[0]}
-        if self.by_rows:
-            self._call(stacked, env_ids=torch.arange(len(self._current)))
-        else:
-            self._call(stacked)
+        self._write(list(range(self._n)))
 
     def apply(self, row: int, flat: FlatConfig) -> None:
-        """Give ``row`` the whole config ``flat``."""
+        """Give ``row`` the whole config ``flat`` (inside :meth:`batch`, of a deferring
+        apply: at the batch's end)."""
         config = tensors(flat)
+        if self._staged is not None:
+            self._set_row(row, config)
+            self._staged.add(row)
+            return
         if self._call is not None:
             if self.by_rows:
                 self._call({k: v.unsqueeze(0) for k, v in config.items()}, env_ids=torch.tensor([row]))
             else:
-                rows = [dict(c) for c in self._current]
-                rows[row] = config
-                self._call({k: torch.stack([r[k] for r in rows]) for k in config})
-        self._current[row] = config
+                stacked = {k: t.clone() for k, t in self._table.items()}
+                for k, v in config.items():
+                    stacked[k][row] = v
+                self._call(stacked)
+        self._set_row(row, config)
+
+    def _set_row(self, row: int, config: dict[str, torch.Tensor]) -> None:
+        for k, v in config.items():
+            self._table[k][row] = v
+
+    def _write(self, rows: list[int]) -> None:
+        if self._call is None or not rows:
+            return
+        if not self.by_rows:
+            self._call({k: t.clone() for k, t in self._table.items()})
+            return
+        index = torch.tensor(rows)
+        everyone = len(rows) == self._n
+        self._call({k: t.clone() if everyone else t[index] for k, t in self._table.items()}, env_ids=index)
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """The rows' safe points of one step, reset or idle apply: a deferring apply writes
+        the rows given a config here once, at the end. A write that fails there is raised
+        to the caller (the env's step or reset): the values were checked against the
+        arrays when the apply was bound, so only a ``finish`` can fail at this point."""
+        if not self.defers or self._staged is not None:
+            yield
+            return
+        self._staged = set()
+        try:
+            yield
+        finally:
+            rows, self._staged = sorted(self._staged), None
+        self._write(rows)
 
 
 def tensors(config: FlatConfig) -> dict[str, torch.Tensor]:
@@ -176,8 +218,9 @@ class NativeHooks(BatchedHooks):
             if not self._depth:
                 self.frame += 1  # what _after_step does with nothing to read
             return out
-        for row in self.rows:
-            row.before_step()
+        with self.applier.batch():
+            for row in self.rows:
+                row.before_step()
         self._depth = 1
         try:
             out = self._step(tensordict)
@@ -192,8 +235,9 @@ class NativeHooks(BatchedHooks):
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
         resetting = [self.rows[i] for i in _rows_reset(tensordict, self.num_envs)] if self.rows else []
-        for row in resetting:
-            row.before_reset()
+        with self.applier.batch():
+            for row in resetting:
+                row.before_reset()
         self._depth += 1
         try:
             out = self._reset(tensordict, **kwargs)
@@ -238,11 +282,13 @@ class Rows:
             for index in range(hooks.num_envs)
         ]
         hooks.rows = rows
-        return any([row.start(listen=False) for row in rows])  # a list: every row catches up
+        with hooks.applier.batch():
+            return any([row.start(listen=False) for row in rows])  # a list: every row catches up
 
     def apply_now(self, indices: list[int]) -> None:
-        for index in indices:
-            self._hooks.rows[index].apply_if_idle()
+        with self._hooks.applier.batch():
+            for index in indices:
+                self._hooks.rows[index].apply_if_idle()
 
     def serve(self, indices: list[int]) -> None:
         for index in indices:

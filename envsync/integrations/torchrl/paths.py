@@ -5,7 +5,14 @@ an attribute path: its first part is found along :func:`envsync.configure.wrappe
 first object that holds it), the rest is followed as attributes. An array at the end of the
 path (a numpy array such as a MuJoCo model's ``body_mass``, or a tensor) is written in place,
 keeping its dtype and shape, so a simulator that reads that memory sees the new values at its
-next step; anything else is set with ``setattr``.
+next step; anything else is set with ``setattr``. An array proxy (mjlab's model fields) is read
+as the tensor it shows and written through its own indexing (:mod:`.mjlab_fields`).
+
+In a natively batched env each config row is one row of the array (its leading dim is the
+env's batch): a write names its ``rows`` and is one indexed write of all of them. An array
+whose rows share memory (stride 0 on a dim, as MuJoCo Warp keeps a model field until it is
+expanded) would take one row's value into every row: it is expanded to per-row memory where
+the simulator can (:func:`.mjlab_fields.give_own_rows`), and refused otherwise.
 
 A value that does not fit (another shape, a dtype that does not cast within its kind, an array
 for a number) is a :class:`~envsync.ValidationError` naming the path, raised where the path is
@@ -24,6 +31,7 @@ import torch
 
 from envsync.configure import chain_names, wrapper_chain
 from envsync.errors import ValidationError
+from envsync.integrations.torchrl.mjlab_fields import array_view, give_own_rows, is_proxy
 from envsync.state import Leaf
 
 _MISSING = object()
@@ -58,6 +66,13 @@ def find_owner(env: Any, name: str, *, settable: bool = True) -> Any:
 
 def _is_array(value: Any) -> bool:
     return isinstance(value, np.ndarray | torch.Tensor)
+
+
+def _shares_rows(array: Any) -> bool:
+    """Whether some elements of ``array`` are one memory location (a stride of 0 on a dim of
+    more than one element: an ``expand``ed or broadcast view)."""
+    strides = array.stride() if isinstance(array, torch.Tensor) else array.strides
+    return any(s == 0 and n > 1 for s, n in zip(strides, array.shape, strict=True))
 
 
 def _describe(value: Any) -> str:
@@ -98,12 +113,16 @@ class AttributePath:
 
     def parent(self) -> Any:
         """The object that holds the path's last attribute (the path was checked when resolved)."""
-        if not self.rest:
-            return self.owner
-        obj = getattr(self.owner, self.name.split(".", 1)[0])
-        for part in self.rest[:-1]:
-            obj = getattr(obj, part)
-        return obj
+        return self.objects()[-1]
+
+    def objects(self) -> list[Any]:
+        """The objects along the path, from its owner to the holder of its last attribute."""
+        objects = [self.owner]
+        if self.rest:
+            objects.append(getattr(self.owner, self.name.split(".", 1)[0]))
+            for part in self.rest[:-1]:
+                objects.append(getattr(objects[-1], part))
+        return objects
 
     @property
     def last(self) -> str:
@@ -111,18 +130,40 @@ class AttributePath:
         return (self.rest or (self.name,))[-1]
 
     def get(self) -> Any:
-        """The attribute's current value (an array is the env's own, not a copy)."""
-        return getattr(self.parent(), self.last)
+        """The attribute's current value (an array is the env's own, not a copy; a proxy's
+        the tensor view it shows)."""
+        return array_view(getattr(self.parent(), self.last))
 
-    def check(self, value: Leaf) -> None:
-        """Refuse a value that the attribute cannot take as it is.
+    def own_rows(self) -> None:
+        """Make sure a write to one element reaches that element only: an array whose
+        elements share memory is expanded where its simulator can (an mjlab model field).
+
+        Raises:
+            ValidationError: it cannot be, naming the path.
+        """
+        current = self.get()
+        if not _is_array(current) or not _shares_rows(current):
+            return
+        objects = self.objects()
+        if give_own_rows(objects, self.last) and not _shares_rows(self.get()):
+            return
+        raise ValidationError(
+            f"attributes(): {self.name!r} is {_describe(current)} whose rows share one memory (stride "
+            f"{current.stride() if isinstance(current, torch.Tensor) else current.strides}): a write to one row "
+            "would reach every row; give it memory of its own (a simulator's per-world copy) before envsync binds"
+        )
+
+    def check(self, value: Leaf, rows: int | None = None) -> None:
+        """Refuse a value that the attribute cannot take as it is. With ``rows`` (the batch
+        size of a natively batched env), ``value`` has a leading dim of some of the env's
+        rows, and the array one row per env.
 
         Raises:
             ValidationError: an array of another shape or of a dtype that does not cast
                 within its kind; an array (not 0-d) for an attribute that is not one.
         """
         current = self.get()
-        shape = tuple(value.shape)
+        shape = tuple(value.shape) if rows is None else (rows, *value.shape[1:])
         if _is_array(current):
             if isinstance(current, torch.Tensor):
                 fits = torch.can_cast(torch.as_tensor(value).dtype, current.dtype)
@@ -130,22 +171,29 @@ class AttributePath:
                 source = value.numpy() if isinstance(value, torch.Tensor) else value
                 fits = np.can_cast(source.dtype, current.dtype, casting="same_kind")
             if shape != tuple(current.shape) or not fits:
+                per_env = "" if rows is None else f" (one row per env of a natively batched env of {rows} envs)"
                 raise ValidationError(
-                    f"attributes(): {self.name!r} is {_describe(current)}, written in place; "
+                    f"attributes(): {self.name!r} is {_describe(current)}, written in place{per_env}; "
                     f"the config gives {_describe(value)}"
                 )
         elif shape != ():
             given = _describe(value)
             raise ValidationError(f"attributes(): {self.name!r} is {_describe(current)}; the config gives {given}")
 
-    def write(self, value: Leaf | np.generic) -> None:
-        """Write ``value`` into the array in place, or set the attribute to the number."""
+    def write(self, value: Leaf | np.generic, rows: torch.Tensor | None = None) -> None:
+        """Write ``value`` into the array in place (``rows``: into those rows of it, one
+        indexed write), or set the attribute to the number."""
         parent, last = self.parent(), self.last
         current = getattr(parent, last)
         if isinstance(current, np.ndarray):
-            np.copyto(current, value.numpy() if isinstance(value, torch.Tensor) else value, casting="same_kind")
-        elif isinstance(current, torch.Tensor):
-            current.copy_(torch.as_tensor(value))
+            source = value.numpy() if isinstance(value, torch.Tensor) else value
+            if rows is None:
+                np.copyto(current, source, casting="same_kind")
+            else:
+                current[rows.numpy()] = source
+        elif isinstance(current, torch.Tensor) or is_proxy(current):
+            device = current.device
+            current[... if rows is None else rows.to(device)] = torch.as_tensor(value).to(device, current.dtype)
         else:
             setattr(parent, last, value.item() if isinstance(value, np.generic) or _is_array(value) else value)
 
@@ -193,21 +241,30 @@ def as_built(path: AttributePath) -> Any:
     return built[path.name]
 
 
-def scaled(built: Any, factor: np.ndarray) -> np.ndarray:
-    """``built`` times ``factor``, the factor's dims aligned with the leading dims of ``built``
-    (a per-body factor of shape ``(8,)`` scales every column of an ``(8, 3)`` array).
+def scaled(built: Any, factor: np.ndarray, rows: torch.Tensor | None = None) -> Any:
+    """``built`` (``rows``: those rows of it) times ``factor``, the factor's dims aligned with
+    the leading dims of ``built`` (a per-body factor of shape ``(8,)`` scales every column of
+    an ``(8, 3)`` array). A tensor stays a tensor, on its device.
 
     Examples:
         >>> scaled(np.ones((2, 3)), np.array([2.0, 3.0]))
         array([[2., 2., 2.],
                [3., 3., 3.]])
+        >>> scaled(torch.ones(3, 2), np.array([2.0, 3.0]), rows=torch.tensor([0, 2]))
+        tensor([[2., 2.],
+                [3., 3.]])
     """
-    base = built.numpy() if isinstance(built, torch.Tensor) else np.asarray(built)
+    if isinstance(built, torch.Tensor):
+        rows_of = built if rows is None else built[rows.to(built.device)]
+        scale = torch.as_tensor(factor).to(rows_of.device, rows_of.dtype)
+        return rows_of * scale.reshape(scale.shape + (1,) * (rows_of.ndim - scale.ndim))
+    base = np.asarray(built) if rows is None else np.asarray(built)[rows.numpy()]
     return base * factor.reshape(factor.shape + (1,) * (base.ndim - factor.ndim))
 
 
-def check_factor(path: AttributePath, factor: np.ndarray) -> None:
-    """Refuse a scale factor whose shape is not a leading part of the attribute's shape.
+def check_factor(path: AttributePath, factor: np.ndarray, rows: int | None = None) -> None:
+    """Refuse a scale factor whose shape is not a leading part of the attribute's shape
+    (``rows``: a natively batched env's, whose leading dim must be its batch).
 
     Raises:
         ValidationError: naming the path, its shape and the factor's.
@@ -216,6 +273,11 @@ def check_factor(path: AttributePath, factor: np.ndarray) -> None:
     shape = tuple(current.shape) if _is_array(current) else ()
     if not _is_array(current) and not isinstance(current, int | float | np.generic):
         raise ValidationError(f"scales(): {path.name!r} is {_describe(current)}, not a number or an array")
+    if rows is not None and shape[:1] != (rows,):
+        raise ValidationError(
+            f"scales(): {path.name!r} has shape {shape}; a natively batched env of {rows} envs scales one "
+            f"row per env of an array of {rows} rows"
+        )
     if tuple(factor.shape) != shape[: factor.ndim]:
         raise ValidationError(
             f"scales(): {path.name!r} has shape {shape}; a scale must have a leading part of it "

@@ -1,0 +1,209 @@
+"""Per-world physics in mjlab (MuJoCo Warp) through torchrl's ``MJLabEnv``, on Warp's CPU
+device: ``attributes()``/``scales()`` paths into ``sim.model`` fields, one config row per world
+of the natively batched env, checked from the simulator (a read of the model, the dynamics,
+and an observation that carries each world's pole mass and derived subtree mass).
+
+Runs in the mjlab venv (``make test-mjlab``): mjlab pins mujoco 3.11, the main venv has 4.0.
+The first test of a fresh machine compiles Warp's kernels (about a minute here).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from helpers import start_method
+from tensordict import TensorDictBase
+
+pytest.importorskip("mjlab")
+
+from mjlab_envs import CART, POLE, make_cartpole, make_cartpoles_32, make_cartpoles_64  # noqa: E402
+from torchrl.collectors import Collector, MultiSyncCollector  # noqa: E402
+
+import envsync  # noqa: E402
+from envsync import EnvStateSender, ValidationError  # noqa: E402
+from envsync.configure import wrapper_chain  # noqa: E402
+
+MASS = 0.1  # the pole's mass as built
+SUBTREE = 1.1  # the cart's subtree mass as built (cart 1.0 + pole 0.1)
+FRAMES = 10_000
+
+
+def sim_of(env: Any) -> Any:
+    """The mjlab ``Simulation`` of a torchrl env (for reading the model in checks)."""
+    return wrapper_chain(env)[-1].sim
+
+
+def mass_scales() -> Any:
+    return envsync.apply.scales(
+        {"mass": ["sim.model.body_mass", "sim.model.body_inertia"]}, finish=envsync.apply.recompute_constants()
+    )
+
+
+# ---- the mechanism, on one env -------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)  # the first test of a fresh machine compiles Warp's kernels
+def test_one_worlds_mass_reaches_that_world_only_and_its_dynamics_follow() -> None:
+    env = make_cartpole(4)
+    sim = sim_of(env)
+    assert sim.model.body_mass.stride(0) == 0  # as built, one copy shared by every world
+    env.reset()
+    apply = envsync.apply.attributes(finish=envsync.apply.recompute_constants()).bind(env)
+    built = sim.model.body_mass[...].clone()
+    heavier = built[1:2].clone()
+    heavier[0, POLE] = 1.0
+    apply({"sim.model.body_mass": heavier}, env_ids=torch.tensor([1]))
+    assert "body_mass" in sim.expanded_fields and "body_subtreemass" in sim.expanded_fields
+    mass = sim.model.body_mass[...]
+    assert mass[:, POLE].tolist() == pytest.approx([MASS, 1.0, MASS, MASS])
+    assert torch.equal(mass[[0, 2, 3]], built[[0, 2, 3]])
+    assert sim.model.body_subtreemass[:, CART].tolist() == pytest.approx([SUBTREE, 2.0, SUBTREE, SUBTREE])
+    data = sim.data  # the same state in every world, then the same physics steps
+    data.qpos[:] = 0.0
+    data.qvel[:] = 0.0
+    data.qpos[:, 1] = 0.15
+    data.ctrl[:] = 0.5
+    sim.forward()
+    for _ in range(30):
+        sim.step()
+    qpos = data.qpos[...]
+    assert torch.equal(qpos[0], qpos[2]) and torch.equal(qpos[0], qpos[3])
+    assert not torch.allclose(qpos[0], qpos[1], atol=1e-4)  # only the heavier pole moved otherwise
+    env.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_push_to_every_world_is_one_indexed_write_per_field_and_one_finish() -> None:
+    from mjlab.sim.sim_data import TorchArray
+
+    writes: list[Any] = []
+    finishes: list[Any] = []
+    original = TorchArray.__setitem__
+
+    def counted(self: Any, index: Any, value: Any) -> None:
+        writes.append(self)
+        original(self, index, value)
+
+    apply = mass_scales()
+    finish = apply.finish
+    apply.finish = lambda inner: (finishes.append(inner), finish(inner))
+    sender = EnvStateSender(config={"mass": 1.0}, apply=apply, apply_at="reset")
+    collector = Collector(sender.env_fn(lambda: make_cartpole(16)), None, frames_per_batch=32, total_frames=-1,
+                          weight_sync_schemes=sender.schemes())
+    try:
+        next(iter(collector))
+        version = sender.push(config={"mass": torch.linspace(0.5, 2.0, 16)})  # every world, at its reset
+        finishes.clear()  # those of the binds (the sender's probe env, the collector's)
+        TorchArray.__setitem__ = counted  # type: ignore[method-assign]
+        try:
+            collector.reset()  # every world resets at once: one safe point for all 16
+        finally:
+            TorchArray.__setitem__ = original  # type: ignore[method-assign]
+        sender.wait(version, until="applied")
+        model = sim_of(collector.env).model
+        fields = [f for f in writes if f is model.body_mass or f is model.body_inertia]  # not the reset's state writes
+        assert len(fields) == 2 and len(finishes) == 1  # body_mass and body_inertia, each once for 16 worlds
+        assert model.body_mass[:, POLE].tolist() == pytest.approx((MASS * torch.linspace(0.5, 2.0, 16)).tolist())
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"sim": {"model": {"body_mass": torch.ones(3)}}}, "'sim.model.body_mass' is a float32 array of shape (8, 5)"),
+        ({"sim": {"model": {"geom_contype": torch.ones(6)}}}, "'sim.model.geom_contype' is a int32 array"),
+        ({"sim": {"model": {"body_masses": torch.ones(5)}}}, "'sim.model' (WarpBridge) has no attribute 'body_masses'"),
+        ({"shared": torch.ones(3)}, "'shared' is a float32 array of shape (8, 3) whose rows share one memory"),
+    ],
+)
+@pytest.mark.timeout(120)
+def test_a_path_a_value_or_a_shared_array_that_does_not_fit_is_refused_at_attach_naming_the_path(
+    config: dict[str, Any], message: str
+) -> None:
+    env = make_cartpole(8)
+    wrapper_chain(env)[-1].shared = torch.zeros(1, 3).expand(8, 3)  # stride 0 and no simulator to expand it
+    sender = EnvStateSender(config=config, apply=envsync.apply.attributes(), apply_at="step")
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        sender.env_fn(env)
+    sender.close()
+    env.close()
+
+
+@pytest.mark.timeout(120)
+def test_from_env_reads_one_world_so_version_0_is_the_model_as_built() -> None:
+    sender = EnvStateSender.from_env(
+        lambda: make_cartpole(4), config=["sim.model.body_mass", "sim.model.geom_friction"],
+        apply=envsync.apply.attributes(),
+    )
+    config = sender.desired_config()
+    assert config["sim", "model", "body_mass"].shape == (5,) and config["sim", "model", "body_mass"][POLE] == MASS
+    assert config["sim", "model", "geom_friction"].shape == (6, 3)
+    sender.close()
+
+
+# ---- every frame names the physics its world ran, in collectors ------------------------------
+
+
+def check_frames(batch: TensorDictBase, factors: dict[tuple[int, int], float]) -> tuple[int, int]:
+    """(mis-tagged, checked) frames: a frame's pole mass and subtree mass, read from the
+    simulator with its observation, against the factor its (env_index, env_version) names,
+    at the root and under "next"."""
+    flat = batch.reshape(-1)
+    wrong = 0
+    for prefix in ((), ("next",)):
+        keys = zip(flat[(*prefix, "env_index")].tolist(), flat[(*prefix, "env_version")].tolist(), strict=True)
+        want = torch.tensor([factors[key] for key in keys])
+        seen = flat[(*prefix, "physics")]
+        ok = torch.isclose(seen[:, 0], MASS * want, rtol=1e-5) & torch.isclose(seen[:, 1], SUBTREE * want, rtol=1e-5)
+        wrong += int((~ok).sum())
+    return wrong, flat.shape[0]
+
+
+def drive(collector: Any, sender: EnvStateSender, mode: str, frames: int = FRAMES) -> tuple[int, int, set[int]]:
+    """Push a random mass factor per world before every batch; return (mis-tagged frames,
+    frames checked, versions seen under "next")."""
+    factors = {(env, 0): 1.0 for env in range(sender.num_envs)}
+    wrong = checked = 0
+    versions: set[int] = set()
+    generator = torch.Generator().manual_seed(0)
+    for batch in collector:
+        bad, count = check_frames(batch, factors)
+        wrong, checked = wrong + bad, checked + count
+        versions |= set(batch["next", "env_version"].flatten().tolist())
+        if checked >= frames:
+            break
+        rows = 0.5 + 1.5 * torch.rand(sender.num_envs, generator=generator)
+        version = sender.push(config={"mass": rows}, wait="applied" if mode == "step" else "received")
+        factors.update({(env, version): float(rows[env]) for env in range(sender.num_envs)})
+    return wrong, checked, versions
+
+
+COLLECTORS: dict[str, Callable[..., Any]] = {
+    "single": lambda s, **kw: Collector(s.env_fn(make_cartpoles_64), None, frames_per_batch=64 * 16, **kw),
+    "multisync": lambda s, **kw: MultiSyncCollector(
+        [s.env_fn(make_cartpoles_32)] * 2, None, frames_per_batch=64 * 16, **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["reset", "step"])
+@pytest.mark.parametrize("kind", list(COLLECTORS))
+@pytest.mark.timeout(420)
+def test_every_frame_of_ten_thousand_names_the_mass_its_world_ran(kind: str, mode: str) -> None:
+    sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at=mode)
+    with start_method("fork"):
+        collector = COLLECTORS[kind](sender, total_frames=-1, weight_sync_schemes=sender.schemes())
+    try:
+        assert sender.num_envs == 64
+        wrong, checked, versions = drive(collector, sender, mode)
+    finally:
+        collector.shutdown()
+        sender.close()
+    assert checked >= FRAMES and wrong == 0, (wrong, checked)
+    assert len(versions) >= 4, versions  # the worlds ran many pushes, each at its own safe point
