@@ -366,18 +366,7 @@ class ModelMachine(RuleBasedStateMachine):
         difficulties = [-value(version, i) if e in marked else value(version, i) for i, e in enumerate(envs)]
         updates = {e: self.setting(e, d, None, None) for e, d in zip(envs, difficulties, strict=True)}
         failure = self.push_failing(version, {"difficulty": torch.tensor(difficulties)}, target)
-        self.model.publish(version, updates)
-        # a truncate-mode env resets for the failed version (its apply fails at that reset) and
-        # again for the rollback: two observations each that no frame shows
-        self.observations_bound += 2 * len(envs)
-        if failure is None:
-            failure = self.surface_failure(version, envs)
-        self.raised_once(failure)
-        expect(failure.version == version, "rollback", f"WorkerApplyError for version {failure.version}, not {version}")
-        workers = {e // self.cell.per_worker for e in marked}
-        expect(failure.worker in workers, "rollback", f"the error names worker {failure.worker}, not one of {workers}")
-        expect(failure.rollback == version + 1 == self.sender.version, "rollback", f"rollback {failure.rollback}")
-        self.model.roll_back(version, version + 1)
+        self.rolled_back(version, updates, failure, {e // self.cell.per_worker for e in marked})
 
     def do_fail_batched(self, workers: tuple[int, ...]) -> None:
         """A push that arms the batched level's tripwire on whole workers: their batched level
@@ -386,23 +375,34 @@ class ModelMachine(RuleBasedStateMachine):
         rollback disarms the tripwire)."""
         version = self.model.latest + 1
         target = Target("workers", workers)
-        envs = target.envs(self.cell)
-        updates = {e: self.model.current[e] for e in envs}
+        updates = {e: self.model.current[e] for e in target.envs(self.cell)}
         failure = self.push_failing(version, None, target, env_state={TRIPWIRE: torch.ones(())})
+        failure = self.rolled_back(version, updates, failure, set(workers))
+        expect(
+            "own transforms failed" in failure.remote_traceback and "tripwire" in failure.remote_traceback,
+            "a batched-level failure carries that level's traceback",
+            failure.remote_traceback[-300:],
+        )
+
+    def rolled_back(
+        self, version: int, updates: dict[int, Setting], failure: WorkerApplyError | None, workers: set[int]
+    ) -> WorkerApplyError:
+        """A failing push of ``version`` to the envs of ``updates`` (their settings had it
+        applied) was raised (``failure``; ``None``: surface it first) by one of ``workers``
+        and rolled back as the next version; return the error."""
+        envs = list(updates)
         self.model.publish(version, updates)
+        # a truncate-mode env resets for the failed version (its apply fails at that reset) and
+        # again for the rollback: two observations each that no frame shows
         self.observations_bound += 2 * len(envs)
         if failure is None:
             failure = self.surface_failure(version, envs)
         self.raised_once(failure)
         expect(failure.version == version, "rollback", f"WorkerApplyError for version {failure.version}, not {version}")
         expect(failure.worker in workers, "rollback", f"the error names worker {failure.worker}, not one of {workers}")
-        expect(
-            "own transforms failed" in failure.remote_traceback and "tripwire" in failure.remote_traceback,
-            "a batched-level failure carries that level's traceback",
-            failure.remote_traceback[-300:],
-        )
         expect(failure.rollback == version + 1 == self.sender.version, "rollback", f"rollback {failure.rollback}")
         self.model.roll_back(version, version + 1)
+        return failure
 
     def push_failing(
         self, version: int, config: Any, target: Target, env_state: dict[str, torch.Tensor] | None = None

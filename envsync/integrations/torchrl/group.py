@@ -49,7 +49,7 @@ class EnvGroup:
         self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
         first, count = self.ends[0], self.num_envs
         # "reached": what each env applied (its batched level, if any, then acknowledges it)
-        self._targets, self._applied = first.counters("target", count), first.counters("reached", count)
+        self._targets, self._reached = first.counters("target", count), first.counters("reached", count)
         self._failures = first.counters("failed", count)
         self._ran, self._obs = first.counters("ran", count), first.counters("obs", count)
         self._seen = b""
@@ -66,17 +66,17 @@ class EnvGroup:
         """Per sub-env: the version its last step ran under, its observation's, its applied
         one; and whether every sub-env is settled (remembering the targets it settled on)."""
         targets = self._targets.copy()
-        applied, failed = self._applied.copy(), self._failures.copy()
+        reached, failed = self._reached.copy(), self._failures.copy()
         ran, obs = self._ran.copy(), self._obs.copy()
-        settled = bool(np.all(((targets == applied) | (targets == failed)) & (ran == applied) & (obs == applied)))
+        settled = bool(np.all(((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)))
         settled = settled and (self.outer is None or not self.outer.behind())
         if settled:
             self._seen = targets.tobytes()
-        return ran.tolist(), obs.tolist(), applied.tolist(), settled
+        return ran.tolist(), obs.tolist(), reached.tolist(), settled
 
     def pending(self) -> list[int]:
         """The sub-envs with a version not applied (nor failed) yet."""
-        t, a, f = self._targets.copy(), self._applied.copy(), self._failures.copy()
+        t, a, f = self._targets.copy(), self._reached.copy(), self._failures.copy()
         return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
 
     def busy(self) -> AbstractContextManager[None]:
