@@ -2,17 +2,17 @@
 
 Two kinds of code touch an env: the thread that *drives* it (torchrl's collector loop in a
 worker, or a ``ParallelEnv`` sub-process's main thread, stepping and resetting it) and
-envsync's idle listener in the same process (applying a version, answering a ``gather``).
+envsync's worker loop in the same process (applying a version, answering a ``gather``).
 Exactly one thread touches an env at a time; ownership passes through the env's
 :class:`Exclusion`, a re-entrant lock that lives in the process where the env lives:
 
 - the driving thread holds it for every step and every reset of the env, safe-point work
   included (the hooks' ``step``/``reset`` take it around the whole call, so a version is
   never applied while the env steps, and a step never reads a half-applied config);
-- a listener holds it for a whole apply (config method -> env state -> re-initialisation
+- the worker loop holds it for a whole apply (config method -> env state -> re-initialisation
   -> the reset that follows) and for a ``gather`` reply;
 - a collector's rollout, and torchrl's commands on the env (reset, seed, state dicts),
-  mark the env *driven* (:meth:`Exclusion.driving`) for their whole length: a listener
+  mark the env *driven* (:meth:`Exclusion.driving`) for their whole length: a loop
   that finds the env driven leaves the version to the env's next safe point instead of
   applying between two steps of a rollout (its own lock hold is then a few µs).
 
@@ -20,7 +20,7 @@ Holding the lock is re-entrant: an apply that steps the env itself (``reinit.rec
 rolls out) takes the steps' lock again in the same thread. Sub-envs of a ``SerialEnv``
 have one each, in the worker; those of a ``ParallelEnv`` one each in their own
 sub-process. A natively batched env is one env object whose steps take no lock of their
-own: its rows are applied while idle only by its group's listener, under the group's
+own: its rows are applied while idle only by its group in the worker loop, under the group's
 exclusion and only while no rollout or command drives the env (the driving mark).
 """
 

@@ -3,8 +3,8 @@
 One receiver lives beside each env, bound to one link end and one env adapter. Its safe
 points are called by the adapter from the thread that drives the env: :meth:`before_reset`
 (before the env resets), :meth:`before_step` (before a step) and :meth:`truncate_now`
-(after a step). While the collector is idle, a daemon thread woken by the sender applies
-``"step"`` and ``"truncate"`` versions at once.
+(after a step). While the collector is idle, the process's worker loop (:mod:`envsync.worker_loop`), woken
+by the sender, applies ``"step"`` and ``"truncate"`` versions at once.
 
 One apply, in order: config method -> env state (copied from the link straight into the
 env's tensors) -> re-initialisation (not after a version that only merges statistics) ->
@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from envsync import worker_loop
 from envsync.errors import EnvSyncError
 from envsync.exclusion import Exclusion
 from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
-from envsync.listener import start_listener
 from envsync.protocol import NO_FAILURE, ApplyAt
 from envsync.reinit import STATS
 from envsync.spec import ApplySpec
@@ -198,31 +198,33 @@ class EnvStateReceiver:
         """This receiver's worker index on its link."""
         return self.link.worker
 
-    def start(self, *, listen: bool = True) -> bool:
-        """Catch up with the latest desired state, and (``listen``) listen while idle; return
+    def start(self, *, loop: bool = True) -> bool:
+        """Catch up with the latest desired state, and (``loop``) join the worker loop; return
         whether it caught up. After catching up it resets its env when its place says it
         does (:attr:`Place.resets`; a sub-env's group resets the sub-env instead)."""
         caught_up = False
         with self._lock:
             if self._pending(self.link.target()):
                 caught_up = self.apply_latest(reset_after=self.place.resets)
-        if not listen:
-            return caught_up
-        start_listener(self, self.link, EnvStateReceiver.on_wake, name=f"envsync-receiver-{self.worker}")
+        if loop:
+            worker_loop.serve(self, [self.link])
         return caught_up
 
     def close(self) -> None:
-        """Stop the idle listener."""
+        """Leave the worker loop."""
         self._closed = True
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` was called (its listener then ends)."""
+        """Whether :meth:`close` was called (the worker loop then drops this receiver)."""
         return self._closed
 
-    def note_failed(self, version: int) -> None:
-        """The listener reported a failure of ``version``: do not apply it again until a newer one."""
-        self._failed = version
+    def on_error(self, text: str) -> None:
+        """An error escaped :meth:`on_wake`: the target version failed (it is not applied
+        again until a newer one)."""
+        target = self.link.target()
+        self._failed = target
+        self.link.report_failure(target, text)
 
     def _pending(self, target: int) -> bool:
         return target != self.version and target != self._failed
@@ -233,7 +235,7 @@ class EnvStateReceiver:
             self.link.ack_received(target)
 
     def busy(self) -> AbstractContextManager[None]:
-        """Mark the collector as driving the env: the listener keeps off meanwhile."""
+        """Mark the collector as driving the env: the worker loop keeps off meanwhile."""
         return self.exclusion.driving(self.link.set_busy)
 
     def before_reset(self) -> None:
@@ -262,13 +264,13 @@ class EnvStateReceiver:
     def settle(self, truncating: list[int]) -> None:
         """After a rollout: a truncating version applies here only if the rollout's last
         frame was truncated for it (``truncating``; one that arrives later is the idle
-        listener's: a fresh episode); then a pending gather is answered."""
+        worker loop's: a fresh episode); then a pending gather is answered."""
         if truncating or not self.spec.truncates:
             self.apply_if_idle()
         self.serve()
 
     def on_wake(self) -> None:
-        """Called by the listener thread when woken by the sender (or every half second)."""
+        """Called by the worker loop when woken by the sender (or every half second)."""
         with self._lock:
             self._notice(self.link.target())
             if not self.exclusion.driven:

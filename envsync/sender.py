@@ -452,7 +452,7 @@ class Sender:
         return until
 
     def close(self) -> None:
-        """Release every link, the probe env and in-process listeners; idempotent."""
+        """Release every link, the probe env and in-process worker loops; idempotent."""
         with self._lock:
             self.port.close()
             self._core.close()

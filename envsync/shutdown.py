@@ -1,6 +1,6 @@
 """The interpreter's shutdown, as envsync's own threads see it.
 
-envsync's long-lived threads (the idle listeners beside each env, the Ray link's reading
+envsync's long-lived threads (the worker loops, the Ray link's reading
 thread in the main process) are not daemon threads. A daemon thread still running when the
 interpreter finalises is stopped where it stands, and one stopped while it frees a tensor
 aborts the whole process ("terminate called without an active exception": libtorch cannot

@@ -67,7 +67,7 @@ def test_idle_collectors_take_pushes_as_the_modes_say() -> None:
         iterators = {m: iter(c) for m, c in collectors.items()}
         for it in iterators.values():
             next(it)
-        time.sleep(2)  # idle: four of the listeners' wake-up periods, no push pending
+        time.sleep(2)  # idle: four of the worker loops' wake-up periods, no push pending
         versions = {
             "step": senders["step"].push(config={"difficulty": 1.0}, wait="applied", timeout=10),
             "truncate": senders["truncate"].push(config={"difficulty": 1.0}, wait="applied", timeout=10),

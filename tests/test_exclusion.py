@@ -1,6 +1,6 @@
 """One exclusion per env: an apply never overlaps a step or reset of the same env, whatever
-thread applies (the collector's own, a worker's idle listener, a ``ParallelEnv`` sub-process's
-listener), so a frame's tag always names the config its observation came from.
+thread applies (the collector's own, a worker's loop, a ``ParallelEnv`` sub-process's
+loop), so a frame's tag always names the config its observation came from.
 
 The sub-envs' config method changes the difficulty first and then takes 0, 2 or 50 ms: a step
 that ran during an apply would show the new difficulty under the old tag.

@@ -130,7 +130,7 @@ def test_a_worker_killed_mid_apply_is_reported_dead_promptly() -> None:
         collector = build("sync", sender, endless(), frames_per_batch=FRAMES)
     try:
         next(iter(collector))
-        # "step" mode, idle collector: each worker's listener applies at once, sleeping 2 s
+        # "step" mode, idle collector: each worker's loop applies at once, sleeping 2 s
         version = sender.push(config={"difficulty": 1.0, "sleep": 2.0}, wait="received", timeout=10)
         time.sleep(0.3)
         victim = collector.procs[1]
@@ -286,7 +286,7 @@ def test_a_shutdown_during_a_push_does_not_hang_the_push(kind: str, apply_at: st
     ``Collector``'s apply runs in this process, so its shutdown waits for it and the push
     returns the version, applied; a Multi* collector's shutdown ends its workers mid-apply,
     so the push raises ``AckTimeout`` naming every worker dead (not late). No envsync thread
-    dies of it (the idle listener applies while the collector shuts down; "truncate" also
+    dies of it (the worker loop applies while the collector shuts down; "truncate" also
     resets the env through the collector after the apply)."""
     sender = EnvStateSender(config=SLEEPY_CONFIG, apply=sleepy_apply, apply_at=apply_at)
     with start_method("fork"):
@@ -401,7 +401,7 @@ def test_an_apply_longer_than_the_push_timeout() -> None:
     """An apply that blocks past ``timeout`` makes the push raise ``AckTimeout`` naming that
     worker (not dead). The collector is not broken: the worker goes on with the apply, acks it
     when it ends (``sender.wait`` then returns and ``versions()`` shows it), and the frames it
-    collects afterwards run under the new config. Meanwhile that worker's listener is busy, so
+    collects afterwards run under the new config. Meanwhile that worker's loop is busy, so
     it applies nothing else; a later push waits for it in turn."""
     sender = sleepy_sender()
     with start_method("fork"):

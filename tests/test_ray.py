@@ -259,7 +259,14 @@ def test_a_stalled_actor_is_late_not_dead_and_catches_up(cluster: Any) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", [MultiSyncCollector, MultiAsyncCollector, Collector], ids=["sync", "async", "single"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(MultiSyncCollector, id="sync"),
+        pytest.param(MultiAsyncCollector, id="async", marks=pytest.mark.wide),  # make test keeps one kind
+        pytest.param(Collector, id="single", marks=pytest.mark.wide),
+    ],
+)
 def test_lost_node_is_reported_dead_and_shutdown_leaves_nothing(cluster: Any, kind: type) -> None:
     node = cluster.add_node(num_cpus=1, object_store_memory=RAY_STORE, resources={"n2": 1})
     before = semaphores()

@@ -139,7 +139,7 @@ def test_only_what_nothing_else_can_restore_is_kept() -> None:
 
 
 def test_a_listener_wake_while_busy_does_not_hide_a_step_version_from_the_next_step() -> None:
-    """The idle listener also wakes every half second while the collector drives the env, and
+    """The worker loop also wakes every half second while the collector drives the env, and
     notices (acknowledges) a pending version then. In "step" mode the next step must still
     apply it: it once took the fast path because the receiver had "seen" the version."""
     from helpers import make_counter_env
@@ -163,7 +163,7 @@ def test_a_listener_wake_while_busy_does_not_hide_a_step_version_from_the_next_s
     td = step_mdp(env.rand_step(env.reset()))  # settles the hooks: the next steps take the fast path
     with receiver.busy():
         version = sender.push(config={"difficulty": 3.0}, wait=None)
-        receiver.on_wake()  # the listener's periodic wake, while busy: notices, does not apply
+        receiver.on_wake()  # the worker loop's periodic wake, while busy: notices, does not apply
         assert (receiver.seen, receiver.version) == (version, 0)
         out = env.rand_step(td)
         assert receiver.version == version
@@ -201,7 +201,7 @@ def test_an_outpaced_receiver_acknowledges_nothing_it_did_not_load_and_loads_it_
             adapter=adapter,
             initial_config=sender.desired_config(),
         )
-        receiver.start(listen=False)
+        receiver.start(loop=False)
         sender.push(config={"difficulty": 5.0}, env_state={"loc": torch.full((3,), 7.0)}, wait=None)
         receiver.before_step()  # every load finds a newer version: it gives up
         assert receiver.version == 0 and sender.versions() == [0]
@@ -233,11 +233,11 @@ print("running:", envsync_threads())
 
 @pytest.mark.timeout(120)
 def test_listeners_left_running_end_before_the_interpreter_finalises() -> None:
-    # a daemon listener still running at finalisation is stopped where it stands; stopped while
+    # a daemon thread still running at finalisation is stopped where it stands; stopped while
     # it drops the last reference to a tensor, it aborts the process (seen with torchrl-nightly:
     # "terminate called without an active exception", exit code 134, after a passing suite)
     lines = run_to_exit(EXIT_CHECK, timeout=100)
-    assert lines["running"].count("envsync-receiver") == 2  # the collector's env and the evaluation env
+    assert lines["running"].count("envsync-loop") == 2  # one per link: the collector's and the evaluation env's
     assert lines["threads at exit"] == "[]"
 
 

@@ -7,7 +7,7 @@ episodes to the subclass's decision rule (:meth:`Strategy.update`), which pushes
 :meth:`Strategy.push` (fleet-wide) or :meth:`Strategy.assign` (one row per env), and whose
 state over time goes to :meth:`Strategy.record` (and to a torchrl ``Logger``, if given).
 
-Pushes wait at most for ``"received"`` (the default ``wait``): a worker's listener arms the
+Pushes wait at most for ``"received"`` (the default ``wait``): a worker's loop arms the
 version at once, so the collection loop never waits for an episode to end.
 
 When an env gets its next decision (:meth:`Strategy.due`) depends on the apply mode. In

@@ -70,8 +70,8 @@ class SenderLink(Protocol):
         ``shared`` (the same for all of them) written once for all."""
 
     def notify(self, worker: int) -> None:
-        """Wake the worker's listener: an idle worker applies at once (per the apply mode), a
-        busy one acknowledges receipt at once (its next safe point applies). Waking busy
+        """Wake the worker loop that serves the worker: an idle worker applies at once (per
+        the apply mode), a busy one acknowledges receipt at once (its next safe point applies). Waking busy
         workers too halves "received" with 10-20 workers on 2 cores: a woken thread is
         scheduled sooner than a busy main thread's next step."""
 
@@ -177,7 +177,7 @@ class ReceiverLink(Protocol):
         (``wake_group``: wake the level's group through the slot's relay after each)."""
 
     def set_busy(self, busy: bool) -> None:
-        """Mark whether the collector drives the env (the idle listener keeps off meanwhile)."""
+        """Mark whether the collector drives the env (the worker loop keeps off meanwhile)."""
 
     def note_versions(self, ran: int | None, obs: int) -> None:
         """Record the version the env's latest step ran under (``None``: unchanged) and the one
@@ -188,16 +188,24 @@ class ReceiverLink(Protocol):
         from another process: a batched env's group marks its sub-envs)."""
 
     def poke(self) -> None:
-        """Wake this end's listener (as the sender's notify does)."""
+        """Wake the loop that serves this end (as the sender's notify does)."""
 
     def poke_relay(self) -> None:
-        """Wake the listener of the slot's relay (a batched env's group, see ``relayed``)."""
+        """Wake the loop that waits on the slot's relay (a batched env's group, see ``relayed``)."""
 
     def relayed(self) -> ReceiverLink:
-        """This end, its listener waiting on the slot's relay instead of its wake-up."""
+        """This end, its loop waiting on the slot's relay instead of its wake-up."""
+
+    @property
+    def link_name(self) -> str:
+        """The link's name, the same in every process (see :mod:`envsync.worker_loop`)."""
+
+    def route_to(self, home: ReceiverLink) -> None:
+        """Route every notice for this end to the semaphore ``home`` (an end of the same link,
+        in this process) waits on: one worker loop waits for both."""
 
     def wait_notice(self, timeout: float) -> bool:
-        """Block until the sender notifies this worker or ``timeout`` passes."""
+        """Block until a notice for this end (or one routed to it) comes or ``timeout`` passes."""
 
     def owner_alive(self) -> bool:
         """Whether the sender's process still runs (a worker whose sender died exits)."""

@@ -67,6 +67,5 @@ class LocalHandle:
     def open(self, worker: int) -> SlotReader:
         if not 0 <= worker < self._table.num_workers:
             raise IndexError(f"worker {worker} out of range for {self._table.num_workers} workers")
-        relay = self._wakes[self._table.num_workers + worker]
-        reader = SlotReader(self._table, worker, self._locks[worker], self._wakes[worker], self._acks, relay=relay)
+        reader = SlotReader(self._table, worker, self._locks[worker], self._wakes, self._acks)
         return reader.claim()

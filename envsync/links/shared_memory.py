@@ -40,6 +40,8 @@ _TRAILER = 8
 
 _OWNED: set[int] = set()
 """The descriptors (each holding a link file's lock) of the links this process owns."""
+_MAPPED: weakref.WeakValueDictionary[str, Table] = weakref.WeakValueDictionary()
+"""This process's mapping of each link's table, by path (see :meth:`SharedMemoryHandle.table`)."""
 
 
 def _close_owned_in_child() -> None:
@@ -273,8 +275,13 @@ class SharedMemoryHandle:
     owner: int
 
     def table(self) -> Table:
-        raw = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
-        return Table(raw, self.fields, self.num_workers)
+        """The table, mapped once per process while any of its ends lives (a natively
+        batched env opens one end per row: a mapping each would cost n views n times)."""
+        table = _MAPPED.get(self.path)
+        if table is None:
+            raw = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
+            table = _MAPPED[self.path] = Table(raw, self.fields, self.num_workers, name=self.path)
+        return table
 
     def __reduce__(self) -> tuple[Any, ...]:
         if any(_semaphore_name(s) is None for s in (*self.locks, *self.wakes, *self.acks)):
@@ -291,8 +298,7 @@ class SharedMemoryHandle:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
-        wake, relay = self.wakes[worker], self.wakes[self.num_workers + worker]
-        reader = SlotReader(self.table(), worker, self.locks[worker], wake, self.acks, owner=self.owner, relay=relay)
+        reader = SlotReader(self.table(), worker, self.locks[worker], self.wakes, self.acks, owner=self.owner)
         return reader.claim()
 
 

@@ -25,7 +25,7 @@ import torch
 
 from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
-from envsync.links.base import BROADCAST, Header, Key
+from envsync.links.base import BROADCAST, Header, Key, ReceiverLink
 from envsync.links.table import ERROR_BYTES, Table, pid_alive
 from envsync.protocol import NO_FAILURE, Answer, Counts, WorkerStatus
 from envsync.state import Leaf, tensor_of
@@ -89,6 +89,7 @@ class SlotWriter:
         self.num_workers = table.num_workers
         self._locks = locks
         self._wakes = wakes
+        self._wake_to = table.counters["wake_to"]
         self._acks = acks
         self._waiters = 0
         self._waiters_lock = threading.Lock()
@@ -221,7 +222,9 @@ class SlotWriter:
             return {name: slot[("reply", name)].clone() for name in names}
 
     def notify(self, worker: int) -> None:
-        self._wakes[worker].release()
+        # the semaphore of the loop that serves the worker's slot (see SlotReader.route_to)
+        route = int(self._wake_to[worker])
+        self._wakes[route - 1 if route else worker].release()
 
     def status(self, worker: int) -> WorkerStatus:
         return self.table.status(worker)
@@ -268,20 +271,26 @@ class SlotWriter:
 
 
 class SlotReader:
-    """One worker's operations on a table (both links use it). ``relay``: the slot's second
-    semaphore, through which a receiver in a ``ParallelEnv``'s sub-process wakes its batched
-    env's group (which listens on :meth:`relayed`)."""
+    """One worker's operations on a table (both links use it).
+
+    Notices: ``wakes`` holds every slot's two semaphores, its wake-up (released by the
+    sender's notify) then its *relay* (released by a receiver in a ``ParallelEnv``'s
+    sub-process, to wake its batched env's group in the worker). An end waits on one of its
+    slot's (``relayed``: the relay), unless it was routed to another end's
+    (:meth:`route_to`): then every notice for it releases that one, so one worker loop
+    waits on one semaphore for every env it holds (:mod:`envsync.worker_loop`).
+    """
 
     def __init__(
         self,
         table: Table,
         worker: int,
         lock: Any,
-        wake: Any,
+        wakes: Sequence[Any],
         acks: Any,
         *,
         owner: int = 0,
-        relay: Any = None,
+        relayed: bool = False,
         gate: tuple[bool, bool] = (False, False),
     ) -> None:
         self.worker = worker
@@ -301,8 +310,11 @@ class SlotReader:
         self._stamp_views = [(key[1], table.array(worker, key)) for key in self._stamps]
         self._asked = [k for k in self._slot if k[0] == "asked"]
         self._lock = lock
-        self._wake = wake
-        self._relay = relay
+        self._wakes = wakes
+        self._relayed = relayed
+        # this end's own semaphore, and the column that routes its notices elsewhere
+        self._own = table.num_workers + worker if relayed else worker
+        self._route = self._c["relay_to" if relayed else "wake_to"]
         self._acks = acks
         # the config as last copied out, with each name's write count then
         self._held: dict[str, Leaf] = {}
@@ -310,18 +322,45 @@ class SlotReader:
         self._arrays = ArrayBuffers()  # large config values are copied into arrays let go of
         self._gated, self._gated_wake = gate  # see gated()
 
+    def _copy_end(self, *, relayed: bool, gate: tuple[bool, bool]) -> SlotReader:
+        return SlotReader(
+            self.table, self.worker, self._lock, self._wakes, self._acks, owner=self._owner, relayed=relayed, gate=gate
+        )
+
     def claim(self) -> SlotReader:
         """Mark the slot as served by this process (what the sender's liveness check reads); return self."""
         self._c["pid"][self.worker] = os.getpid()
         return self
 
+    @property
+    def link_name(self) -> str:
+        """The link's name, the same in every process (ends of one link share a worker loop)."""
+        return self.table.name
+
+    @property
+    def semaphore(self) -> int:
+        """The index of the semaphore this end's notices release when not routed."""
+        return self._own
+
     def relayed(self) -> SlotReader:
-        """This end, waiting on the slot's relay instead of its wake-up (for a group's listener)."""
-        return SlotReader(self.table, self.worker, self._lock, self._relay, self._acks, owner=self._owner)
+        """This end, waiting on the slot's relay instead of its wake-up (for a group's loop)."""
+        return self._copy_end(relayed=True, gate=(False, False))
+
+    def route_to(self, home: ReceiverLink) -> None:
+        """From now on, every notice for this end (the sender's, or a relay's when this end
+        is :meth:`relayed`) releases the semaphore ``home`` waits on (an end of the same link
+        in this process), so that one thread waits for both."""
+        if not isinstance(home, SlotReader) or home.table.name != self.table.name:
+            raise EnvSyncError("a link end can only be routed to an end of the same link")
+        self._route[self.worker] = 0 if home.semaphore == self._own else home.semaphore + 1
+
+    def _routed(self, index: int, column: np.ndarray) -> Any:
+        route = int(column[self.worker])
+        return self._wakes[route - 1 if route else index]
 
     def poke_relay(self) -> None:
-        """Wake the listener of :meth:`relayed` (the group beside the batched env)."""
-        self._relay.release()
+        """Wake the loop that waits on this slot's relay (the group beside the batched env)."""
+        self._routed(self.table.num_workers + self.worker, self._c["relay_to"]).release()
 
     def target(self) -> int:
         return int(self.targets[self.worker])
@@ -402,8 +441,8 @@ class SlotReader:
         if self._gated:
             # the env holds it; its batched level acknowledges "applied" once it holds it too
             self.ack_received(version)
-            if self._gated_wake and self._relay is not None:
-                self._relay.release()  # the group, in another process, catches its level up
+            if self._gated_wake:
+                self.poke_relay()  # the group, in another process, catches its level up
             return
         self._c["applied"][self.worker] = version
         self._acks[1].release()
@@ -414,16 +453,7 @@ class SlotReader:
         once it holds the version too, see :mod:`envsync.integrations.torchrl.outer`): an
         apply here is recorded as *reached*; ``wake_group``: wake the group through the
         slot's relay after each (a sub-env in another process than its group)."""
-        return SlotReader(
-            self.table,
-            self.worker,
-            self._lock,
-            self._wake,
-            self._acks,
-            owner=self._owner,
-            relay=self._relay,
-            gate=(True, wake_group),
-        )
+        return self._copy_end(relayed=self._relayed, gate=(True, wake_group))
 
     def report_failure(self, version: int, text: str) -> None:
         _write_text(self.table.error, self._c["error_len"], self.worker, text)
@@ -438,7 +468,7 @@ class SlotReader:
         return bool(self._c["busy"][self.worker])
 
     def poke(self) -> None:
-        self._wake.release()
+        self._routed(self._own, self._route).release()
 
     def note_versions(self, ran: int | None, obs: int) -> None:
         """Record the version the env's latest step ran under (``None``: unchanged) and the
@@ -448,7 +478,14 @@ class SlotReader:
         self._c["obs"][self.worker] = obs
 
     def wait_notice(self, timeout: float) -> bool:
-        return bool(self._wake.acquire(timeout=timeout))
+        """Block until a notice for this end (or one routed to it) comes, or ``timeout``
+        passes; then take back the notices that came meanwhile (the counters say what
+        each was for: a push to many envs routed here wakes its loop once)."""
+        semaphore = self._wakes[self._own]
+        if not semaphore.acquire(timeout=timeout):
+            return False
+        _take_back(semaphore)
+        return True
 
     def owner_alive(self) -> bool:
         """Whether the process that owns the link (the sender's) still runs."""

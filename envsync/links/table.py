@@ -1,4 +1,4 @@
-"""The slot table both links lay out in one block of bytes: per worker, fifteen int64
+"""The slot table both links lay out in one block of bytes: per worker, seventeen int64
 counters, two error-text buffers (a failed apply's, a refused gather's), one view per leaf
 of the desired state, for every env-state entry a reply leaf and an "asked" mark (the worker
 -> main path of ``gather``), and for every config name a write count (a worker copies out
@@ -38,6 +38,8 @@ COUNTERS = (
     "refused",
     "refusal_len",
     "reached",
+    "wake_to",
+    "relay_to",
 )
 ALIGN = 64
 MARKS = ("source", "config_source", "writes", "asked")
@@ -118,8 +120,9 @@ class Table:
     leaves and marks move through numpy, which costs far less than a torch call when the
     caches are cold."""
 
-    def __init__(self, raw: torch.Tensor, fields: list[Field], num_workers: int) -> None:
+    def __init__(self, raw: torch.Tensor, fields: list[Field], num_workers: int, *, name: str = "") -> None:
         self.raw = raw
+        self.name = name or f"memory-{id(self)}"  # the link's, the same in every process that maps it
         self.num_workers = num_workers
         arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}

@@ -10,7 +10,7 @@ the root and under ``"next"``) and ``"env_index"`` once per rollout.
 :class:`CollectorAdapter` is the receiver's view of that env and its collector, and
 :func:`bind` ties a receiver to a collector: it wraps the collector instance's ``rollout``
 and the commands torchrl's worker loop runs on the env (reset, seed, state dicts, close),
-so the idle listener never applies while the collector drives the env.
+so the worker loop never applies while the collector drives the env.
 """
 
 from __future__ import annotations
@@ -128,14 +128,14 @@ class EnvHooks:
         self._settled = False
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        # the env's exclusion for the whole step: no apply from a listener overlaps it, and
+        # the env's exclusion for the whole step: no apply from the worker loop overlaps it, and
         # the fast path's test sees every version an apply made before the step began
         with self._lock:
             frame = self.frame
             self.frame = frame + 1
             receiver = self.receiver
             # compared with the target this path handled, not the receiver's `seen`: the idle
-            # listener's periodic wake notices (and acknowledges) targets too, even while busy
+            # worker loop's periodic wake notices (and acknowledges) targets too, even while busy
             if receiver is None or (self._settled and self._target[0] == self._handled):
                 return self._step(tensordict)
             return self._slow_step(receiver, frame, tensordict)

@@ -6,10 +6,10 @@ otherwise. The wrapped factory swaps the batched env's leaf factories (before it
 :class:`LeafFactory`, which hooks each leaf like an unbatched env, so a leaf applies at its
 own safe points: its own reset (partial resets included), its steps, and its truncation.
 
-What needs the collector lives beside the batched env, in :class:`~.group.EnvGroup`: the idle
-listeners (one per sub-env; an idle apply goes to a ``SerialEnv``'s leaf directly, or as a
-partial reset of that sub-env through the collector; a ``ParallelEnv``'s leaves listen
-themselves and wake the group through their slots' relays), the busy marks, the tags, and
+What needs the collector lives beside the batched env, in :class:`~.group.EnvGroup`: its place in
+the worker loop (one member for all sub-envs; an idle apply goes to a ``SerialEnv``'s leaf directly, or as a
+partial reset of that sub-env through the collector; a ``ParallelEnv``'s leaves are served
+by their own processes' loops and wake the group through their slots' relays), the busy marks, the tags, and
 the batched env's own transforms (:class:`~.outer.OuterState`, caught up after a step that
 saw a change and when a rollout begins). A leaf writes into its slot the version its latest
 step ran under and the one its observation comes from, only when they change;
@@ -89,10 +89,10 @@ def _leaf_call(env: EnvBase, hooks: Any, fn: Callable[..., Any]) -> Callable[...
 
 
 def _bind_leaf(
-    env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, listen: bool, gated: bool
+    env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, loop: bool, gated: bool
 ) -> bool:
-    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None, relay=listen, gated=gated)
-    return receiver.start(listen=listen)
+    receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None, relay=loop, gated=gated)
+    return receiver.start(loop=loop)
 
 
 def _apply_now(env: EnvBase, hooks: Any) -> None:
@@ -290,9 +290,9 @@ class Group(Protocol):
 class Leaves(Protocol):
     """How a group reaches the envs of the fleet one batched env holds."""
 
-    listening: bool
-    """Whether the envs' own receivers listen (apply while idle, answer gathers): the group
-    then only pokes them, and listens on the slots' relays for what they hand it."""
+    in_own_loops: bool
+    """Whether the envs' own receivers are in their processes' worker loops (apply while idle,
+    answer gathers): the group then only pokes them, and is woken through the slots' relays for what they hand it."""
 
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:
         """Bind env ``i`` to link slot ``first_slot + i`` as fleet env ``first_env + i``
@@ -301,28 +301,28 @@ class Leaves(Protocol):
 
     def apply_now(self, indices: list[int]) -> None:
         """Apply these envs' pending versions now (the collector is idle; a ``"step"`` version;
-        not called when they listen)."""
+        not called when they are in their own loops)."""
 
     def serve(self, indices: list[int]) -> None:
         """Answer these envs' pending gathers now (the collector is idle or at a rollout's
-        end; not called when they listen)."""
+        end; not called when they are in their own loops)."""
 
 
 class SubEnvs:
     """The sub-envs of a ``SerialEnv`` or ``ParallelEnv``, each with its receiver beside it.
 
-    The receivers of a ``ParallelEnv``'s sub-envs listen in their own processes (the sender
+    The receivers of a ``ParallelEnv``'s sub-envs are in their own processes' worker loops (the sender
     wakes them directly): they answer gathers and apply a ``"step"`` version while idle
-    themselves, so the group never writes into the ``ParallelEnv``'s channels from a
-    listener (the user's thread may use them, e.g. torchrl's attribute forwarding); it only
+    themselves, so the group never writes into the ``ParallelEnv``'s channels from the
+    worker loop (the user's thread may use them, e.g. torchrl's attribute forwarding); it only
     pokes them, and they wake it through their slots' relays for what is the group's (the
     batched env's own entries; an idle apply that resets the sub-env through the collector).
-    A ``SerialEnv``'s sub-envs run in this process: the group listens, applies and serves.
+    A ``SerialEnv``'s sub-envs run in this process: the group, in this process's loop, applies and serves.
     """
 
     def __init__(self, batched: BatchedEnvBase) -> None:
         self._batched = weakref.ref(batched)
-        self.listening = isinstance(batched, ParallelEnv)
+        self.in_own_loops = isinstance(batched, ParallelEnv)
 
     def _live(self) -> BatchedEnvBase:
         batched = self._batched()
@@ -333,14 +333,14 @@ class SubEnvs:
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:
         batched = self._live()
         count = int(batched.num_workers)
-        calls = {i: (handle, first_slot + i, first_env + i, self.listening, gated) for i in range(count)}
+        calls = {i: (handle, first_slot + i, first_env + i, self.in_own_loops, gated) for i in range(count)}
         return any(call_leaves(batched, calls, BIND).values())
 
     def apply_now(self, indices: list[int]) -> None:
         call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
 
     def serve(self, indices: list[int]) -> None:
-        if not self.listening:
+        if not self.in_own_loops:
             call_leaves(self._live(), {i: () for i in indices}, SERVE)
 
 

@@ -1,6 +1,6 @@
 """A batched env's group: what of its sub-envs needs the collector, beside the batched env.
 
-The idle listeners (one per sub-env), the busy marks, the tags, the batched env's own
+Its place in the worker loop (one member for all its sub-envs), the busy marks, the tags, the batched env's own
 transforms (:class:`~.outer.OuterState`) and the rollout's safe points of a worker whose
 env is a ``SerialEnv``, a ``ParallelEnv`` or a natively batched env (see :mod:`.batched`
 for the sub-envs' own hooks).
@@ -8,7 +8,6 @@ for the sub-envs' own hooks).
 
 from __future__ import annotations
 
-import functools
 import weakref
 from contextlib import AbstractContextManager
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDictBase
 
+from envsync import worker_loop
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.adapter import tags_set_aside
@@ -23,13 +23,12 @@ from envsync.integrations.torchrl.batched import MAX_ROUNDS, BatchedHooks, Leave
 from envsync.integrations.torchrl.outer import OuterState
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.links.base import LinkHandle
-from envsync.listener import start_listener
 from envsync.protocol import ApplyAt
 
 
 class EnvGroup:
     """The sub-envs of one batched env, seen from the process that drives it: their idle
-    listeners, their busy marks and the reads behind their tags.
+    work (one member of the worker loop), their busy marks and the reads behind their tags.
 
     Args:
         collector: the (inner) collector that drives the batched env.
@@ -53,7 +52,8 @@ class EnvGroup:
         self._failures = first.counters("failed", count)
         self._ran, self._obs = first.counters("ran", count), first.counters("obs", count)
         self._seen = b""
-        self.exclusion = Exclusion()  # the group's: its listeners against its collector's rollouts
+        self._noticed = np.zeros(count, dtype=np.int64)  # the targets acknowledged as received
+        self.exclusion = Exclusion()  # the group's: its worker loop against its collector's rollouts
         self._lock = self.exclusion.lock
         self._closed = False
         self.outer: OuterState | None = None  # the batched env's own transforms, if any
@@ -80,8 +80,8 @@ class EnvGroup:
         return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
 
     def busy(self) -> AbstractContextManager[None]:
-        """Mark the collector as driving the batched env: the listeners keep off meanwhile,
-        and so do a ``ParallelEnv``'s sub-envs' own listeners (told through their slots)."""
+        """Mark the collector as driving the batched env: the worker loop keeps off meanwhile,
+        and so do a ``ParallelEnv``'s sub-envs' own loops (told through their slots)."""
         return self.exclusion.driving(self._mark_busy)
 
     def _mark_busy(self, busy: bool) -> None:
@@ -95,8 +95,7 @@ class EnvGroup:
         with self._lock:
             if self.spec.apply_at is ApplyAt.RESET:
                 return
-            # again while anything is pending: a push may land while this runs (its sub-env's
-            # listener then waits for the lock held here)
+            # again while anything is pending: a push may land while this runs
             for _ in range(MAX_ROUNDS):
                 pending = [i for i in self.pending() if only is None or i in only]
                 collector = self._collector()
@@ -104,7 +103,7 @@ class EnvGroup:
                     return
                 if self.spec.idle_resets:
                     collector.reset(index=pending)
-                elif self.leaves.listening:
+                elif self.leaves.in_own_loops:
                     for i in pending:
                         self.ends[i].poke()
                 else:
@@ -117,7 +116,7 @@ class EnvGroup:
                 self.outer.catch_up()
 
     def serve(self, only: list[int] | None = None) -> None:
-        """Answer pending gathers: the sub-envs' (unless their receivers listen) and the
+        """Answer pending gathers: the sub-envs' (unless their receivers serve them) and the
         batched env's own (at a rollout's end, or with the collector idle)."""
         with self._lock:
             indices = range(self.num_envs) if only is None else only
@@ -129,7 +128,7 @@ class EnvGroup:
 
     def settle(self, truncating: list[int]) -> None:
         """After a rollout: a truncating version applies here only for the sub-envs whose
-        last frame this rollout truncated (one that arrives later is the idle listener's: a
+        last frame this rollout truncated (one that arrives later is the worker loop's: a
         fresh episode); then pending gathers are answered."""
         if truncating or not self.spec.truncates:
             self.apply_if_idle(truncating if self.spec.truncates else None)
@@ -140,35 +139,38 @@ class EnvGroup:
         """The sub-envs whose pending version must end their episode as truncated."""
         return self.pending() if self.spec.truncates else []
 
-    def on_wake(self, index: int) -> None:
-        """A listener was woken for sub-env ``index``: acknowledge; apply and serve if idle."""
+    def on_wake(self) -> None:
+        """The worker loop was woken: acknowledge what reached the envs; apply and serve if idle."""
         with self._lock:
-            end = self.ends[index]
-            end.ack_received(end.target())
+            targets = self._targets.copy()
+            for i in np.flatnonzero(targets != self._noticed).tolist():
+                self.ends[i].ack_received(int(targets[i]))
+            self._noticed = targets
             if not self.exclusion.driven:
                 self.apply_if_idle()
                 self.catch_up()
-                self.serve([index])
+                self.serve()
+
+    def on_error(self, text: str) -> None:
+        """An error escaped :meth:`on_wake`: every env with a version pending fails it (its
+        receiver keeps its own failed mark)."""
+        for i in self.pending():
+            end = self.ends[i]
+            end.report_failure(end.target(), text)
 
     def start(self) -> None:
-        """Start one idle listener per sub-env: on its slot's wake-up, or, when the sub-envs'
-        own receivers listen there, on its relay (one listener per semaphore)."""
-        for i, end in enumerate(self.ends):
-            wake = end.relayed() if self.leaves.listening else end
-            start_listener(self, wake, functools.partial(EnvGroup.on_wake, index=i), name=f"envsync-group-{i}")
+        """Join the worker loop with every env's end: its slot's wake-up, or, when the
+        sub-envs' own receivers serve them in their processes, its relay."""
+        worker_loop.serve(self, [end.relayed() if self.leaves.in_own_loops else end for end in self.ends])
 
     def close(self) -> None:
-        """Stop the listeners."""
+        """Leave the worker loop."""
         self._closed = True
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` was called (its listeners then end)."""
+        """Whether :meth:`close` was called (the worker loop then drops the group)."""
         return self._closed
-
-    def note_failed(self, version: int) -> None:
-        """A listener reported a failure of ``version``: each sub-env's receiver keeps its own
-        failed mark, the group none."""
 
 
 def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env: int, envs: int) -> EnvGroup:

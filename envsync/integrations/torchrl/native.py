@@ -259,7 +259,7 @@ def _rows_reset(tensordict: TensorDictBase | None, num_envs: int) -> list[int]:
 class Rows:
     """The rows of a natively batched env, each with its receiver in this process."""
 
-    listening = False
+    in_own_loops = False
 
     def __init__(self, hooks: NativeHooks) -> None:
         self._hooks = hooks
@@ -283,7 +283,7 @@ class Rows:
         ]
         hooks.rows = rows
         with hooks.applier.batch():
-            return any([row.start(listen=False) for row in rows])  # a list: every row catches up
+            return any([row.start(loop=False) for row in rows])  # a list: every row catches up
 
     def apply_now(self, indices: list[int]) -> None:
         with self._hooks.applier.batch():

@@ -3,7 +3,7 @@
 :func:`attach_env` hooks the env as a wrapped factory would (its ``_step`` and ``_reset`` are
 the safe points), joins it to the fleet after the envs attached so far through an in-process
 link (it lives in the main process, like a single ``Collector``'s env), and binds a receiver
-whose idle listener applies while no rollout runs. It wraps the env instance's ``rollout``,
+whose worker loop applies while no rollout runs. It wraps the env instance's ``rollout``,
 which marks the env driven and writes the tags once per rollout (as a collector's rollout
 does: the hot path stays one integer read a step), and its ``close``, which takes it out of
 the fleet. It only receives: ``sync_stats`` does not read its statistics, and each merge
@@ -81,7 +81,7 @@ def attach_env(sender: Sender, env: EnvBase) -> int:
     attachment.on_close = _unbinder(env_ref, hooks, receiver)
     env.__dict__[_ATTACHED] = (weakref.ref(sender), attachment)
     _wrap(env, hooks, weakref.ref(receiver))
-    receiver.start()  # catch up with the latest desired state, then listen while idle
+    receiver.start()  # catch up with the latest desired state, then join the worker loop
     return attachment.offset
 
 

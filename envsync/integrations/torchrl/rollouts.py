@@ -1,7 +1,7 @@
 """One rollout's safe points, written once for every env kind.
 
 A collector's rollout (and an env's own ``rollout`` outside any collector) is wrapped so
-that, in order: the env is marked driven (the idle listener keeps off) -> the hooks start a
+that, in order: the env is marked driven (the worker loop keeps off) -> the hooks start a
 rollout -> torchrl rolls out -> the batch is tagged and, where a pending version must end
 the episode, its last frame truncated -> the env is released -> what is due while idle is
 applied and pending gathers are answered (:meth:`Driven.settle`). The owner is an env's

@@ -1,0 +1,142 @@
+"""The worker loop: one thread per process and link that waits for a notice and serves every
+env the process holds on that link.
+
+A worker process holds one env (a plain env, a ``ParallelEnv``'s sub-env in its own process),
+or many (a ``SerialEnv``'s sub-envs, a natively batched env's rows, a ``ParallelEnv``'s
+group, which its sub-envs wake through their slots' relays). Each env's owner (its
+:class:`~envsync.receiver.EnvStateReceiver`, or the batched env's group for all of its envs)
+joins the loop with its link ends (:func:`serve`); the ends' notices are routed to the
+semaphore of the loop's first end (:meth:`~envsync.links.base.ReceiverLink.route_to`), so
+one thread waits on one semaphore, as gymnasium's ``_async_worker`` waits on one pipe.
+Woken by the sender (or every half second), the loop calls each member's ``on_wake``: it
+acknowledges what reached its envs, and, when the collector does not drive them, applies
+what is due while idle and answers requests.
+
+The loop holds its members by weakref and ends once none is left (when each is ``closed``
+or gone), or when the interpreter shuts down (:mod:`envsync.shutdown`). It is the only place
+that notices a dead sender: torchrl's workers never notice a killed main process, so a loop
+whose sender is gone ends the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import traceback
+import weakref
+from collections.abc import Sequence
+from typing import Protocol
+
+from envsync.links.base import ReceiverLink
+from envsync.shutdown import EXITING, on_shutdown
+
+PERIOD = 0.5
+"""Longest wait for a notice before the sender's liveness is checked (and members woken)."""
+
+
+class Member(Protocol):
+    """An owner of envs the loop serves (a receiver, or a batched env's group)."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the member left the loop."""
+
+    def on_wake(self) -> None:
+        """A notice came (or a period passed): acknowledge, and while idle apply and answer."""
+
+    def on_error(self, text: str) -> None:
+        """An error escaped :meth:`on_wake` (applies and answers report their own): report
+        it as a failure of the versions pending on the member's envs."""
+
+
+class WorkerLoop:
+    """The loop of one link in this process (see the module docstring).
+
+    Args:
+        home: the end whose semaphore the loop waits on (the first end that joined).
+    """
+
+    def __init__(self, home: ReceiverLink) -> None:
+        self.home = home
+        self._members: list[weakref.ReferenceType[Member]] = []
+        self.running = True
+        self._thread = threading.Thread(target=self._run, name=f"envsync-loop-{home.worker}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add(self, member: Member) -> None:
+        """Serve ``member`` from the next turn on (caller holds the registry's lock)."""
+        self._members.append(weakref.ref(member))
+
+    def _live(self) -> list[Member] | None:
+        """The members still served; ``None`` when there are none (the loop then ends)."""
+        with _REGISTRY:
+            live = [m for ref in self._members if (m := ref()) is not None and not m.closed]
+            self._members = [weakref.ref(m) for m in live]
+            if live and not EXITING.is_set():
+                return live
+            self.running = False
+            if _LOOPS.get(self.home.link_name) is self:
+                del _LOOPS[self.home.link_name]
+            return None
+
+    def _run(self) -> None:
+        home = self.home
+        while self._live() is not None:
+            # a notice proves the sender alive: its liveness (a syscall and a /proc read) is
+            # checked only after a quiet period
+            if not home.wait_notice(PERIOD) and not home.owner_alive():
+                # torchrl's workers never notice a killed main process (they hold its pipe
+                # ends themselves and wait forever): without a sender, end the worker
+                os._exit(1)
+            for member in self._live() or ():
+                try:
+                    member.on_wake()
+                except Exception:
+                    member.on_error(traceback.format_exc())
+
+
+_LOOPS: dict[str, WorkerLoop] = {}
+"""This process's running loops, by link."""
+_REGISTRY = threading.Lock()
+
+
+def _forget_loops() -> None:
+    global _REGISTRY
+    _LOOPS.clear()  # a forked worker runs none of its parent's
+    _REGISTRY = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_loops)
+
+
+def serve(member: Member, ends: Sequence[ReceiverLink]) -> None:
+    """Serve ``member`` in this process's loop of the ends' link (started when there is none):
+    every notice for ``ends`` wakes that loop from now on, and it calls ``member.on_wake``."""
+    first = ends[0]
+    with _REGISTRY:
+        loop = _LOOPS.get(first.link_name)
+        fresh = loop is None or not loop.running
+        if fresh:
+            loop = _LOOPS[first.link_name] = WorkerLoop(first)
+        assert loop is not None
+        for end in ends:
+            end.route_to(loop.home)
+        loop.add(member)
+    if fresh:
+        loop.start()
+    else:
+        loop.home.poke()  # a turn for the new member
+
+
+def _wake_loops() -> None:
+    """Wake this process's loops when the interpreter shuts down, so that each ends at once
+    (or after its current apply) instead of after a period."""
+    for loop in list(_LOOPS.values()):
+        with contextlib.suppress(Exception):
+            loop.home.poke()
+
+
+on_shutdown(_wake_loops)
