@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict
@@ -17,9 +17,9 @@ from tensordict import TensorDict
 from envsync import stats
 from envsync.books import StatsBook
 from envsync.core import Core
-from envsync.errors import AckTimeout, GatherError, ValidationError, WorkerApplyError
+from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WorkerApplyError
 from envsync.levels import PREFIX, is_batched, selector_level
-from envsync.protocol import Answer, ApplyAt
+from envsync.protocol import ApplyAt, Kind, Reply, Request
 from envsync.reinit import STATS, Selector
 from envsync.state import EnvStateTemplate, state_name
 
@@ -82,47 +82,79 @@ def gather(
     names = select(template.keys, env_state)
     own = [n for n in names if not is_batched(n)]
     whole = [n for n in names if is_batched(n)]
+    targets = _targets(core, "gather", workers, envs)
     with core.lock:
-        core.check_open()
-        core.prune()
-        if not core.fleet.attachments:
-            raise ValidationError("gather needs an attached collector; none is attached")
-        targets = core.fleet.targets(workers, envs)
         heads = {index: core.head(index) for index in targets}
     read: dict[int, dict[str, torch.Tensor]] = {index: {} for index in targets}
     if own:
-        for index, reply in _ask(core, targets, own, timeout).items():
+        for index, reply in _entries(core, targets, Kind.ENV_STATE, own, timeout).items():
             read[index].update(reply)
     if whole:
-        replies = _ask(core, sorted(set(heads.values())), whole, timeout)
+        replies = _entries(core, sorted(set(heads.values())), Kind.BATCHED_STATE, whole, timeout)
         for index in targets:
             read[index].update(replies[heads[index]])
     rows = [template.nest(read[index]) for index in targets]
     return TensorDict.stack(rows) if rows else TensorDict()
 
 
-def _ask(core: Core, targets: list[int], names: list[str], timeout: float) -> dict[int, dict[str, torch.Tensor]]:
-    """Ask each of ``targets`` (env indices) for ``names``; wait; return copies of the answers."""
+def read_attributes(
+    core: Core, paths: list[str], workers: Sequence[int] | None, envs: Sequence[int] | None, timeout: float
+) -> TensorDict:
+    """What each targeted env holds at attribute ``paths`` (see :meth:`Sender.read_attributes`):
+    one row per env, a path's parts as nested keys."""
+    targets = _targets(core, "read_attributes", workers, envs)
+    replies = ask(core, targets, Kind.ATTRIBUTES, {"paths": paths}, timeout)
+    rows = [TensorDict({tuple(p.split(".")): replies[index][p] for p in paths}) for index in targets]
+    return TensorDict.stack(rows) if rows else TensorDict()
+
+
+def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Sequence[int] | None) -> list[int]:
     with core.lock:
         core.check_open()
         core.prune()
-        request = core.next_request()
+        if not core.fleet.attachments:
+            raise ValidationError(f"{what} needs an attached collector; none is attached")
+        return core.fleet.targets(workers, envs)
+
+
+Results = dict[int, dict[str, torch.Tensor]]
+"""Per env index, the result of its reply."""
+
+
+def _entries(core: Core, targets: list[int], kind: Kind, names: list[str], timeout: float) -> Results:
+    """Each env's current values of env-state entries ``names``."""
+    replies = ask(core, targets, kind, {"names": names}, timeout)
+    for index, values in replies.items():
+        missing = [n for n in names if n not in values]
+        if missing:
+            raise EnvSyncError(f"env {index}'s reply lacks the entries {missing}")
+    return replies
+
+
+def ask(core: Core, targets: list[int], kind: Kind, payload: dict[str, Any], timeout: float) -> Results:
+    """Send one request of ``kind`` to each of ``targets`` (env indices), wait for every
+    reply, and return each env's result; the one wait loop of every request kind.
+
+    Raises:
+        GatherError: an env's worker failed to handle it (its traceback attached).
+        AckTimeout: some envs did not reply in time, or died.
+    """
+    with core.lock:
+        core.check_open()
+        core.prune()
+        request = Request(core.next_request(), kind, payload)
         for index in targets:
             attachment, slot = core.fleet.locate(index)
-            attachment.link.ask(slot, request, names)
+            attachment.link.send_request(slot, request)
             attachment.link.notify(slot)
-    _await_answers(core, targets, request, timeout)
-    out = {}
-    for index in targets:
-        attachment, slot = core.fleet.locate(index)
-        out[index] = attachment.link.read_reply(slot, names)
-    return out
+    return {index: reply.result for index, reply in _await_replies(core, targets, request.id, timeout).items()}
 
 
-def _await_answers(core: Core, targets: list[int], request: int, timeout: float) -> None:
-    """Wait until every env of ``targets`` answered ``request``; raise the first refusal."""
+def _await_replies(core: Core, targets: list[int], request: int, timeout: float) -> dict[int, Reply]:
+    """Wait until every env of ``targets`` replied to ``request``; raise the first failure."""
     deadline = time.monotonic() + timeout
     pending = list(targets)
+    replies: dict[int, Reply] = {}
     while True:
         with core.lock:
             core.prune()
@@ -130,13 +162,17 @@ def _await_answers(core: Core, targets: list[int], request: int, timeout: float)
             dead = [w for w in pending if w not in live or not _alive(core, w)]
             if dead:
                 raise AckTimeout(request, pending, dead=dead, until="gathered")
-            answers = {w: _answer(core, w) for w in pending}
-            for index, answer in answers.items():
-                if answer.request == request and answer.error is not None:
-                    raise GatherError(core.fleet.worker_of(index), request, answer.error, env=index)
-            pending = [w for w in pending if answers[w].request < request]
+            for index in pending:
+                attachment, slot = core.fleet.locate(index)
+                reply = attachment.link.reply(slot, request)
+                if reply is None:
+                    continue
+                if reply.failed:
+                    raise GatherError(core.fleet.worker_of(index), request, reply.error or "", env=index)
+                replies[index] = reply
+            pending = [w for w in pending if w not in replies]
             if not pending:
-                return
+                return replies
             link = core.fleet.locate(pending[0])[0].link
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -147,11 +183,6 @@ def _await_answers(core: Core, targets: list[int], request: int, timeout: float)
 def _alive(core: Core, index: int) -> bool:
     attachment, slot = core.fleet.locate(index)
     return attachment.link.alive(slot)
-
-
-def _answer(core: Core, index: int) -> Answer:
-    attachment, slot = core.fleet.locate(index)
-    return attachment.link.answer(slot)
 
 
 def read_settled(

@@ -57,12 +57,16 @@ class Probe:
             (:class:`envsync.reinit.Chain`).
         split: given the env, its :class:`Layout`; a batched env holds one env of the fleet
             per sub-env, and is described by one sub-env and its own transforms.
+        held_at: given an env and an attribute path, what it holds there (raises a
+            ``ValidationError`` naming a path that does not resolve); ``None``: paths are
+            not checked in this process.
     """
 
     make: Callable[[], Any]
     owned: bool
     chain: Callable[[Any], Chain]
     split: Callable[[Any], Layout] = lambda env: Layout()
+    held_at: Callable[[Any, str], Any] | None = None
     env: Any = None
     _leaf: Any = None
     _outer: Any = None
@@ -156,6 +160,16 @@ class Probe:
             if key not in seen:
                 seen.add(key)
                 check(self.leaf(), config)
+
+    def check_paths(self, paths: Iterable[str]) -> None:
+        """Resolve each attribute path on the env that stands for one env of the fleet.
+
+        Raises:
+            ValidationError: a path that does not resolve, or holds no number or array.
+        """
+        if self.held_at is not None:
+            for path in paths:
+                self.held_at(self.leaf(), path)
 
     def stats_indices(self, spec: ApplySpec, selector: Any) -> dict[int, float]:
         """The transforms ``selector`` picks that keep mergeable statistics: index -> decay

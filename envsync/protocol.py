@@ -45,21 +45,58 @@ class Until(enum.StrEnum):
     APPLIED = "applied"
 
 
-class Answer(NamedTuple):
-    """A worker's latest answer to a ``gather`` request: typed by the request it answers, so
-    a failure to answer can never read as a failure to apply a version.
-
-    Args:
-        request: the latest request the worker answered (0: none yet).
-        error: ``None`` when it answered with values; else the worker's traceback text.
+class Kind(enum.IntEnum):
+    """What a request asks of an env; each kind has one handler on the worker side (the
+    receiver's, or for :attr:`BATCHED_STATE` the batched env's level) and one sender
+    function (:mod:`envsync.gather`). The links move requests without looking at the kind.
 
     Examples:
-        >>> Answer(3).error is None, Answer(3, "Traceback ...").request
-        (True, 3)
+        >>> Kind(2) is Kind.BATCHED_STATE
+        True
     """
 
-    request: int
+    ENV_STATE = 1
+    """The current values of env-state entries of one env (``payload["names"]``)."""
+    BATCHED_STATE = 2
+    """The current values of a batched env's own entries (``batched.*``), answered once per
+    worker by the batched env's level on its first env's slot (``payload["names"]``)."""
+    ATTRIBUTES = 3
+    """What an env holds at attribute paths (``payload["paths"]``, resolved along the env's
+    wrapper chain as :func:`envsync.apply.attributes` resolves them; one world's row of a
+    natively batched env's per-world array)."""
+
+
+class Request(NamedTuple):
+    """A request to one env's worker: an id (increasing per sender), a kind and its payload
+    (plain values: names, paths).
+
+    Examples:
+        >>> Request(3, Kind.ENV_STATE, {"names": ["norm.loc"]}).kind.name
+        'ENV_STATE'
+    """
+
+    id: int
+    kind: Kind
+    payload: dict[str, Any]
+
+
+class Reply(NamedTuple):
+    """A worker's reply to request ``id``: its result (tensors by name), or, when handling
+    the request raised, the worker's traceback (``error``; the result is then empty). A
+    failure to answer is typed, so it can never read as a failure to apply a version.
+
+    Examples:
+        >>> Reply(3, {}, "Traceback ...").failed, Reply(4, {}).failed
+        (True, False)
+    """
+
+    id: int
+    result: dict[str, Any]
     error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 class WorkerStatus(NamedTuple):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from envsync.errors import EnvSyncError
 from envsync.exclusion import Exclusion
 from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
-from envsync.protocol import NO_FAILURE, ApplyAt
+from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply, Request
 from envsync.reinit import STATS
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, flat_names
@@ -47,6 +47,10 @@ class EnvAdapter(Protocol):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The env's live ``state_dict()`` tensors by key (written in place), and its running
         statistics (``stats.*``: fresh exports, loaded back by :meth:`commit`)."""
+
+    def read_attributes(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        """Copies of what the env holds at attribute paths (a row's part, for a row of a
+        natively batched env), by path."""
 
     def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
         """A gather read ``entries`` while ``target`` was the latest version published: the
@@ -186,12 +190,12 @@ class EnvStateReceiver:
         self._kept: set[str] = set()
         self._snapshot_version = 0
         self._stamps: dict[str, int] = {}
-        self._answered = 0
+        self._handlers = {Kind.ENV_STATE: self._entries, Kind.ATTRIBUTES: self._attributes}
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
         self.place: Place = place if place is not None else Standalone()
-        self._passed = 0  # the latest request left to the group (the batched env's own entries)
+        self._handed = 0  # the latest request handed to the batched env's level
 
     @property
     def worker(self) -> int:
@@ -278,24 +282,29 @@ class EnvStateReceiver:
                 self.serve()
 
     def serve(self) -> None:
-        """Answer a pending ``gather`` with the env's current entries (at a safe point)."""
+        """Answer a pending request by its kind (at a safe point): the env's entries, or what
+        it holds at attribute paths; one for the batched env's own entries is its level's,
+        handed over once."""
         request = self.link.request()
-        if request in (self._answered, self._passed):
+        if request is None:
             return
         with self._lock:
-            if any(is_batched(name) for name in self.link.asked(request)):
-                # the batched env's own entries: its group answers (a request asks one level)
-                self._passed = request
-                self.place.hand_over()
+            if request.kind is Kind.BATCHED_STATE:
+                if request.id != self._handed:
+                    self._handed = request.id
+                    self.place.hand_over()
                 return
-            answer(self.link, request, self._read)
-            self._answered = request
+            answer(self.link, request, self._handlers[request.kind])
 
-    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def _entries(self, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+        names = payload["names"]
         live = self.adapter.state_tensors() if names else {}
         out = {name: live[name] for name in names}
         self.adapter.note_read(out, self.link.target())
         return out
+
+    def _attributes(self, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return self.adapter.read_attributes(list(payload["paths"]))
 
     def apply_if_idle(self) -> None:
         """With the collector idle: ``"step"`` and ``"truncate"`` versions apply as the env's
@@ -410,15 +419,17 @@ class EnvStateReceiver:
         return ""
 
 
-def answer(end: ReceiverLink, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
-    """Answer gather ``request`` on ``end`` with ``read(asked names)``; if reading raises,
-    answer with the failure and its traceback instead (the sender's ``gather`` raises it).
-    Every worker-side answer goes through here: a failure to answer is never reported as
-    a failure to apply a version, and never reaches the collector's loop."""
+def answer(end: ReceiverLink, request: Request, handle: Callable[[dict[str, Any]], dict[str, torch.Tensor]]) -> None:
+    """Answer ``request`` on ``end`` with ``handle(request.payload)``; if handling raises,
+    answer with the failure and its traceback instead (the sender raises it as a
+    :class:`~envsync.errors.GatherError`). Every worker-side answer goes through here: a
+    failure to answer is never reported as a failure to apply a version, and never reaches
+    the collector's loop."""
     try:
-        end.reply(request, read)
+        reply = Reply(request.id, handle(request.payload))
     except Exception:
-        end.refuse(request, traceback.format_exc())
+        reply = Reply(request.id, {}, traceback.format_exc())
+    end.reply(reply)
 
 
 def _merge_only(loaded: list[str], config: FlatConfig, previous: FlatConfig | None) -> bool:

@@ -282,6 +282,45 @@ class Sender:
         """
         return gather.gather(self._core, self.env_state_template(), env_state, workers, timeout, envs)
 
+    def read_attributes(
+        self,
+        paths: Sequence[str],
+        *,
+        workers: Sequence[int] | None = None,
+        envs: Sequence[int] | None = None,
+        timeout: float = 30.0,
+    ) -> TensorDict:
+        """Read back what each env holds at attribute paths, at a safe point (a rollout's end,
+        or at once while idle): e.g. the masses a domain randomisation wrote, read from the
+        simulator itself rather than from the config pushed.
+
+        Args:
+            paths: attribute paths as :func:`envsync.apply.attributes` resolves them (the
+                first part found along the env's wrapper chain, e.g. ``"g"``,
+                ``"unwrapped.model.body_mass"``, mjlab's ``"sim.model.body_mass"``); each
+                must hold a number or an array.
+            workers: fleet indices of workers (every env of each).
+            envs: fleet indices of envs (default, with neither: every env).
+            timeout: seconds to wait for the replies.
+
+        Returns:
+            A ``TensorDict`` with a leading dim over the targeted envs, a path's parts as
+            nested keys (``out["unwrapped", "model", "body_mass"]``); a row of a natively
+            batched env holds its row of a per-row array.
+
+        Raises:
+            ValidationError: ``paths`` is empty or not strings, or a path does not resolve on
+                the sender's probe env (before anything is sent).
+            GatherError: an env failed to read a path (its worker's traceback attached).
+            AckTimeout: some envs did not reply in time, or died.
+        """
+        if isinstance(paths, str) or not paths or not all(isinstance(p, str) and p for p in paths):
+            raise ValidationError(f"read_attributes takes a non-empty list of attribute paths (strings); got {paths!r}")
+        chosen = list(dict.fromkeys(paths))
+        if self.port.probe is not None:
+            self.port.probe.check_paths(chosen)
+        return gather.read_attributes(self._core, chosen, workers, envs, timeout)
+
     def sync_stats(self, selector: Selector, *, timeout: float = 30.0) -> int:
         """Merge the running statistics of the selected normalising transforms across every
         worker, exactly (counts add; means and variances combine by Chan et al.'s formulas;

@@ -157,6 +157,7 @@ class Log:
     episodes_checked: int = 0
     physics_seen: list[list[float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    held_mass: list[float] = field(default_factory=list)
 
 
 def check_episode(episode: Episode, built: tuple[float, float], log: Log) -> None:
@@ -167,6 +168,17 @@ def check_episode(episode: Episode, built: tuple[float, float], log: Log) -> Non
         log.failures.append(f"env {episode.env} version {episode.version}: physics {got}, config says {want}")
     log.episodes_checked += 1
     log.physics_seen.append([episode.config["mass"].item(), episode.config["friction"].item()])
+
+
+def check_held(sender: EnvStateSender, built: tuple[float, float], log: Log) -> None:
+    """What each env's simulator holds now, read back by its own worker (not the config
+    pushed): its total mass is the mass factor of the version it runs times the model as built."""
+    held = sender.read_attributes(["model.body_mass"])["model", "body_mass"].sum(-1)
+    for env, version in enumerate(sender.env_versions()):
+        want = built[0] * sender.config_at(env, version)["mass"].item()
+        if not np.isclose(held[env].item(), want, rtol=1e-6):
+            log.failures.append(f"env {env} holds a total mass of {held[env].item()}; version {version} says {want}")
+    log.held_mass = held.tolist()
 
 
 def train(args: Args) -> Log:
@@ -202,6 +214,7 @@ def train(args: Args) -> Log:
             train_step(batch, loss, gae, optim, args)
             collector.update_policy_weights_()
             log.ranges.append({"frames": adr.ledger.frames, **{n: list(r) for n, r in adr.range.items()}})
+        check_held(sender, built, log)
     finally:
         collector.shutdown()
         sender.close()
@@ -226,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     (args.out / "physics_dr.json").write_text(json.dumps(dataclasses.asdict(log), indent=2))
     last = log.ranges[-1] if log.ranges else {}
     print(f"{log.episodes_checked} episodes checked against the simulator's physics; "
-          f"final ranges: mass {last.get('mass')}, friction {last.get('friction')}")
+          f"final ranges: mass {last.get('mass')}, friction {last.get('friction')}; "
+          f"each env's total mass, read back: {[round(m, 3) for m in log.held_mass]}")
     if log.episodes_checked == 0:
         log.failures.append("no episode finished")
     if log.failures:

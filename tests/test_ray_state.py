@@ -449,3 +449,22 @@ def test_a_failure_while_answering_a_gather_over_ray_raises_from_gather_and_fail
     finally:
         collector.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(300)
+def test_read_attributes_over_ray_reads_each_remote_envs_own_value(cluster: Any) -> None:
+    """A request kind the Ray link never names (``Kind.ATTRIBUTES``) travels through it as
+    ``gather``'s do: each env's worker, on either node, reads its own env."""
+    import envsync
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=envsync.apply.attributes(), apply_at="step")
+    collector = ray_collector(sender, make_counter_env)
+    try:
+        next(iter(collector))
+        values = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+        sender.push(config={"difficulty": values}, wait="applied", timeout=60)
+        assert sender.read_attributes(["difficulty"], timeout=60)["difficulty"].tolist() == values.tolist()
+        assert sender.read_attributes(["difficulty"], envs=[2], timeout=60)["difficulty"].tolist() == [3.0]
+    finally:
+        collector.shutdown()
+        sender.close()

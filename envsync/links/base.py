@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from envsync.protocol import Answer, Counts, WorkerStatus
+from envsync.protocol import Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf
 
 Key = tuple[str, str]
@@ -86,14 +86,11 @@ class SenderLink(Protocol):
         """Every worker's latest failed version (:data:`~envsync.protocol.NO_FAILURE`: none),
         in one read (checked before every push)."""
 
-    def ask(self, worker: int, request: int, names: list[str]) -> None:
-        """Ask the worker for the current values of these env-state entries."""
+    def send_request(self, worker: int, request: Request) -> None:
+        """Send ``request`` to the worker (its kind is the worker's to read, never the link's)."""
 
-    def answer(self, worker: int) -> Answer:
-        """The latest request the worker has answered, and whether it failed to."""
-
-    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """Copies of the worker's answer (valid once ``answered`` reached the request)."""
+    def reply(self, worker: int, request: int) -> Reply | None:
+        """The worker's reply to ``request`` once it came, else ``None``."""
 
     def error_text(self, worker: int) -> str:
         """The traceback text of the worker's latest failure."""
@@ -145,22 +142,13 @@ class ReceiverLink(Protocol):
         """Call ``load(name, slot_view)`` for each env-state name, under the slot lock, if the
         target is still ``version``; return whether it was (else read the header again)."""
 
-    def request(self) -> int:
-        """The latest gather request (one integer read; answered at rollout ends and idle)."""
+    def request(self) -> Request | None:
+        """The request this end's slot has not answered yet, or ``None`` (two integer reads
+        while none is pending; handled at rollout ends and while idle)."""
 
-    def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
-        """Answer ``request`` with ``read(asked names)`` and wake the sender (see
-        :func:`envsync.receiver.answer`, which refuses when ``read`` raises)."""
-
-    def refuse(self, request: int, text: str) -> None:
-        """Answer ``request`` with a failure, the worker's traceback ``text``, and wake the sender."""
-
-    def answered(self) -> int:
-        """The latest request answered on this end's slot."""
-
-    def asked(self, request: int) -> list[str]:
-        """The names ``request`` asks for (a batched env's own entries are its group's to
-        answer, see :mod:`envsync.levels`)."""
+    def reply(self, reply: Reply) -> None:
+        """Answer with ``reply`` (a result, or the worker's traceback) and wake the sender (see
+        :func:`envsync.receiver.answer`, through which every worker-side answer goes)."""
 
     def ack_received(self, version: int) -> None:
         """Tell the sender this version is seen and armed."""

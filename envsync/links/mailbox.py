@@ -21,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
+
+if TYPE_CHECKING:
+    from envsync.protocol import Request
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,10 @@ class Held:
 
 @dataclass(frozen=True)
 class Ask:
-    """A gather as posted: request ``request`` asks each link worker for these env-state
-    names."""
+    """Requests as posted: per link worker, the request it is sent (one post for the
+    workers of one request; :mod:`envsync.links.records` says how it travels)."""
 
-    request: int
-    names: dict[int, list[str]]
+    requests: dict[int, Request]
 
 
 class Mailbox:

@@ -35,8 +35,8 @@ is no proof: a loaded machine can delay reports by seconds, and a push then wait
 
 Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
 ``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``;
-per gather ``ask``... then ``answer`` (which posts the asks) until it reaches the request
--> ``read_reply``.
+per request ``send_request``... then ``reply`` (whose first call posts the requests) until
+the worker's reply comes.
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
-import torch
 
-from envsync.errors import EnvSyncError, WireError
+from envsync.errors import WireError
 from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, Listener, frames
@@ -62,7 +61,6 @@ from envsync.links.ray_wire import (
     CAUGHT_UP,
     INLINE,
     Acks,
-    Reply,
     Rows,
     Traffic,
     encode,
@@ -70,9 +68,8 @@ from envsync.links.ray_wire import (
     post,
     read_report,
     share_id,
-    unwire,
 )
-from envsync.protocol import NO_FAILURE, Answer, Counts, Until, WorkerStatus, counts_of
+from envsync.protocol import NO_FAILURE, Counts, Reply, Request, Until, WorkerStatus, counts_of
 from envsync.shutdown import EXITING
 from envsync.state import Leaf
 
@@ -129,7 +126,7 @@ class RayLink:
         self._acks: list[Acks] = [(0, 0, NO_FAILURE, True, 0)] * self.num_workers
         self._errors: dict[int, str] = {}
         self._replies: dict[int, Reply] = {}
-        self._asking: Ask | None = None
+        self._asking: dict[int, Request] = {}  # the requests of one id, posted together
         self._seen = [time.monotonic()] * len(self.workers)
         self._deaths = Deaths(actors, len(self.workers), on_death=self._lose)
         self._report_seq = 0
@@ -229,30 +226,21 @@ class RayLink:
             del self._channels[collector]
             self._seen[collector] = 0.0  # silent from now: the next alive() pings its actor
 
-    def ask(self, worker: int, request: int, names: list[str]) -> None:
-        """Ask ``worker`` for these entries; the asks of one request go out together, as one
-        post, when the first answer is awaited (:meth:`answer`)."""
-        if self._asking is None or self._asking.request != request:
-            self._asking = Ask(request, {})
-        self._asking.names[worker] = list(names)
+    def send_request(self, worker: int, request: Request) -> None:
+        """Send ``request`` to ``worker``; the requests of one id go out together, as one
+        post, at the first :meth:`reply` awaited."""
+        if any(held.id != request.id for held in self._asking.values()):
+            self._asking = {}
+        self._asking[worker] = request
 
-    def answer(self, worker: int) -> Answer:
-        if self._asking is not None and not self._closed:
-            asking, self._asking = self._asking, None
-            message = frames(post(self._next_seq(), asking))
+    def reply(self, worker: int, request: int) -> Reply | None:
+        if self._asking and not self._closed:
+            asking, self._asking = self._asking, {}
+            message = frames(post(self._next_seq(), Ask(asking)))
             self._post({c: message for c in range(len(self.workers))})
         with self._changed:
-            request = self._acks[worker][4]
-            replied, _, error = self._replies.get(worker, (0, {}, None))
-        return Answer(request, error if replied == request else None)
-
-    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
-        with self._changed:
-            _, values, _ = self._replies.get(worker, (0, {}, None))
-        missing = [n for n in names if n not in values]
-        if missing:
-            raise EnvSyncError(f"worker {worker}'s gather answer lacks {missing}")
-        return {n: unwire(values[n]) for n in names}
+            reply = self._replies.get(worker)
+        return reply if reply is not None and reply.id == request else None
 
     def status(self, worker: int) -> WorkerStatus:
         received, applied, failed, _, _ = self._acks[worker]

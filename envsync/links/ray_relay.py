@@ -18,8 +18,9 @@ from envsync.errors import WireError
 from envsync.links.base import SenderLink
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, connect
-from envsync.links.ray_wire import CAUGHT_UP, Acks, Reply, Rows, Traffic, leaf_bytes, read_post, share_id, wire
-from envsync.protocol import NO_FAILURE
+from envsync.links.ray_wire import CAUGHT_UP, Acks, Rows, Traffic, leaf_bytes, read_post, share_id
+from envsync.links.records import plain
+from envsync.protocol import NO_FAILURE, Reply
 
 HEARTBEAT = 0.5
 """Seconds between a relay's reports when nothing changes."""
@@ -84,8 +85,9 @@ class Relay:
         self._channel: Channel | None = None
         self._reported: list[Acks] | None = None
         self._sent_failures = [NO_FAILURE] * self.count
-        self._asked: dict[int, tuple[int, list[str]]] = {}
-        self._replied = [0] * self.count
+        self._asked: dict[int, int] = {}  # per local worker, the latest request sent it
+        self._replied = [0] * self.count  # the latest reported
+        self._fresh: dict[int, Reply] = {}  # replies read, not reported yet
         self._stopped = False
         self._woken = threading.Event()
 
@@ -143,11 +145,11 @@ class Relay:
         raise TimeoutError(f"the mailbox never held post {seq}'s share of node {node}")
 
     def _ask(self, ask: Ask) -> None:
-        for worker, names in ask.names.items():
+        for worker, request in ask.requests.items():
             local = worker - self.first
             if 0 <= local < self.count:
-                self._asked[local] = (ask.request, names)  # before the worker can answer
-                self.link.ask(local, ask.request, names)
+                self._asked[local] = request.id  # before the worker can answer
+                self.link.send_request(local, request)
                 self.link.notify(local)
 
     def _down(self) -> None:
@@ -193,19 +195,18 @@ class Relay:
         out = []
         for w in range(self.count):
             s = self.link.status(w)
-            out.append((s.received, s.applied, s.failed, self.link.alive(w), self.link.answer(w).request))
+            out.append((s.received, s.applied, s.failed, self.link.alive(w), self._answered(w)))
         return out
 
-    def _replies(self, statuses: list[Acks]) -> dict[int, Reply]:
-        """The answers to the requests workers answered since the last report."""
-        out = {}
-        for w, status in enumerate(statuses):
-            request, names = self._asked.get(w, (0, []))
-            if status[4] > self._replied[w] and status[4] == request:
-                error = self.link.answer(w).error
-                values = {} if error is not None else wire(self.link.read_reply(w, names))
-                out[w] = (request, values, error)
-        return out
+    def _answered(self, w: int) -> int:
+        """The latest request worker ``w`` replied to (its reply read, to go in the next report)."""
+        asked = self._asked.get(w, 0)
+        if asked > self._replied[w] and w not in self._fresh:
+            reply = self.link.reply(w, asked)
+            if reply is not None:
+                self._fresh[w] = reply
+        fresh = self._fresh.get(w)
+        return self._replied[w] if fresh is None else fresh.id
 
     def _report(self, statuses: list[Acks]) -> None:
         errors = {}
@@ -213,9 +214,9 @@ class Relay:
             if failed != self._sent_failures[w]:
                 errors[w] = self.link.error_text(w)
                 self._sent_failures[w] = failed
-        replies = self._replies(statuses)
+        fresh, self._fresh = self._fresh, {}
         assert self._channel is not None
-        self._channel.send((statuses, errors, replies))
-        for w, (request, _, _) in replies.items():
-            self._replied[w] = request
+        self._channel.send((statuses, errors, {w: plain(reply) for w, reply in fresh.items()}))
+        for w, reply in fresh.items():
+            self._replied[w] = reply.id
         self._reported = statuses

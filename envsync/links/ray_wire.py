@@ -1,7 +1,7 @@
 """What moves between the main process and the relays (on their connections,
 :mod:`envsync.links.ray_channel`, and through the object store): one node's rows and their
 encoding (:func:`encode`), the posts as they travel (:func:`post`, :func:`read_post`), the
-relays' reports (:data:`Acks`, :data:`Reply`, :func:`read_report`) and the count of what
+relays' reports (:data:`Acks`, :func:`read_report`) and the count of what
 moved (:class:`Traffic`).
 
 Everything here is tensors, numpy arrays, integers and strings: no user code is pickled. The
@@ -16,25 +16,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from envsync.errors import WireError
 from envsync.links.base import Key
 from envsync.links.mailbox import Ask, Held
-from envsync.state import Leaf, numpy_view
+from envsync.links.records import as_numpy, plain, reply_of, request_of
+from envsync.protocol import Reply
+from envsync.state import Leaf
 
 Rows = dict[int, tuple[int, int, dict[Key, Leaf]]]
 """One node's share of a push: link worker -> (version, undo mark, leaves)."""
 Acks = tuple[int, int, int, bool, int]
 """One worker's report: ``(received, applied, failed, alive, answered)``."""
-Reply = tuple[int, dict[str, Leaf], str | None]
-"""One worker's answer to a gather: ``(request, values by env-state name, None)``, or
-``(request, {}, traceback text)`` when it failed to answer; the values as
-numpy arrays where numpy has their dtype (see :func:`wire`), which the connection carries
-out of band (:mod:`envsync.links.ray_channel`)."""
 Report = tuple[list[Acks], dict[int, str], dict[int, Reply]]
-"""A relay's report, per local worker: its acks, the tracebacks of new failures and the
-answers to gathers."""
+"""A relay's report, per local worker: its acks, the tracebacks of new failures and its
+replies to requests (as :func:`envsync.links.records.plain` makes them on the connection:
+their values numpy arrays, which the connection carries out of band)."""
 
 
 INLINE = 64 * 1024
@@ -84,6 +81,7 @@ def encode(rows: Rows) -> Rows:
     once.
 
     Examples:
+        >>> import torch
         >>> shared = torch.ones(2)
         >>> out = encode({0: (1, 0, {("env_state", "x"): shared}), 1: (1, 0, {("env_state", "x"): shared})})
         >>> type(out[0][2]["env_state", "x"]).__name__, out[0][2]["env_state", "x"] is out[1][2]["env_state", "x"]
@@ -95,35 +93,10 @@ def encode(rows: Rows) -> Rows:
         if isinstance(value, np.ndarray):
             return value
         if id(value) not in memo:
-            memo[id(value)] = _as_numpy(value)
+            memo[id(value)] = as_numpy(value)
         return memo[id(value)]
 
     return {w: (version, undo, {k: one(v) for k, v in leaves.items()}) for w, (version, undo, leaves) in rows.items()}
-
-
-def wire(values: dict[str, torch.Tensor]) -> dict[str, Leaf]:
-    """A gather answer's values as they travel: numpy arrays where numpy has the dtype.
-
-    Examples:
-        >>> type(wire({"x": torch.ones(2)})["x"]).__name__
-        'ndarray'
-    """
-    return {name: _as_numpy(value) for name, value in values.items()}
-
-
-def unwire(value: Leaf) -> torch.Tensor:
-    """A travelled value as a tensor of its own (the reverse of :func:`wire`).
-
-    Examples:
-        >>> unwire(wire({"x": torch.ones(2)})["x"])
-        tensor([1., 1.])
-    """
-    return torch.from_numpy(np.array(value)) if isinstance(value, np.ndarray) else value.clone()
-
-
-def _as_numpy(value: torch.Tensor) -> Leaf:
-    view = numpy_view(value.detach())
-    return value if view is None else view
 
 
 def leaf_bytes(leaves: dict[Key, Leaf]) -> int:
@@ -147,13 +120,14 @@ def post(seq: int, body: Rows | Held | Ask) -> tuple[int, Any]:
     tagged tuple of plain values (read back by :func:`read_post`).
 
     Examples:
-        >>> post(3, Held(1)), post(4, Ask(2, {0: ["norm"]}))
-        ((3, ('held', 1)), (4, ('ask', 2, {0: ['norm']})))
+        >>> from envsync.protocol import Kind, Request
+        >>> post(3, Held(1)), post(4, Ask({0: Request(2, Kind.ENV_STATE, {"names": ["norm"]})}))
+        ((3, ('held', 1)), (4, ('ask', {0: ('request', 2, 1, {'names': ['norm']})})))
     """
     if isinstance(body, Held):
         return seq, ("held", body.node)
     if isinstance(body, Ask):
-        return seq, ("ask", body.request, body.names)
+        return seq, ("ask", {worker: plain(request) for worker, request in body.requests.items()})
     return seq, body
 
 
@@ -174,8 +148,8 @@ def read_post(message: Any) -> tuple[int, Rows | Held | Ask]:
             return seq, rows
         case (int() as seq, ("held", int() as node)):
             return seq, Held(node)
-        case (int() as seq, ("ask", int() as request, dict() as names)):
-            return seq, Ask(request, names)
+        case (int() as seq, ("ask", dict() as requests)) if all(isinstance(w, int) for w in requests):
+            return seq, Ask({worker: request_of(value) for worker, value in requests.items()})
         case (int() as seq, body):
             raise WireError(f"post {seq} is neither rows nor a mailbox record: {_short(body)}")
     raise WireError(f"not a post: {_short(message)}")
@@ -201,30 +175,18 @@ def read_report(message: Any, workers: int) -> Report:
             raise WireError(f"not a report: {_short(message)}")
     if len(statuses) != workers or not all(_is_acks(s) for s in statuses):
         raise WireError(f"a report of {workers} workers has statuses {_short(statuses)}")
-    for entries, fits in ((errors, _is_text), (replies, _is_reply)):
-        for local, value in entries.items():
+    for entries in (errors, replies):
+        for local in entries:
             if not (isinstance(local, int) and 0 <= local < workers):
                 raise WireError(f"a report of {workers} workers names worker {_short(local)}")
-            if not fits(value):
-                raise WireError(f"a report's entry for worker {local} is {_short(value)}")
-    return statuses, errors, replies
-
-
-def _is_text(value: Any) -> bool:
-    return isinstance(value, str)
+    for local, text in errors.items():
+        if not isinstance(text, str):
+            raise WireError(f"a report's entry for worker {local} is {_short(text)}")
+    return statuses, errors, {local: reply_of(value) for local, value in replies.items()}
 
 
 def _is_acks(status: Any) -> bool:
     return isinstance(status, tuple) and len(status) == 5 and all(isinstance(n, int) for n in status)
-
-
-def _is_reply(reply: Any) -> bool:
-    match reply:
-        case (int(), dict() as values, None):
-            return all(isinstance(k, str) and isinstance(v, np.ndarray | torch.Tensor) for k, v in values.items())
-        case (int(), {}, str()):  # a refusal: the worker's traceback
-            return True
-    return False
 
 
 def _short(value: Any) -> str:

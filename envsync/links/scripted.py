@@ -5,7 +5,7 @@ acknowledgements, rollback, gather and checkpoints without processes or envs: ev
 sender notifies a worker, the link calls ``script(end)`` on that worker's receiver end
 (:class:`~envsync.links.slots.SlotReader`), synchronously, and the script answers as a
 worker would (``end.ack_applied(end.target())``, ``end.report_failure(...)``,
-``end.reply(...)``, ``end.refuse(...)``) or stays silent. The slot table underneath is the
+``end.reply(Reply(...))``) or stays silent. The slot table underneath is the
 in-process link's, so what the sender reads is exactly what a real worker would have written.
 
 Examples:
@@ -28,6 +28,7 @@ import torch
 from envsync.links.base import Key
 from envsync.links.local import LocalLink
 from envsync.links.slots import SlotReader
+from envsync.protocol import Kind, Reply
 from envsync.state import Leaf
 
 Script = Callable[[SlotReader], None]
@@ -44,26 +45,30 @@ def applies(end: SlotReader) -> None:
 
 
 def answers(end: SlotReader) -> None:
-    """Answer a pending gather with the desired values of the names asked for (what a worker
-    that applied its target holds)."""
+    """Answer a pending request for env-state entries with the desired values of the names
+    asked for (what a worker that applied its target holds); a scripted worker holds no env,
+    so a request of any other kind is answered with a failure that says so."""
     request = end.request()
-    if request > end.answered():
-        values: dict[str, torch.Tensor] = {}
-        end.load_entries(end.target(), end.asked(request), lambda name, view: values.update({name: view.clone()}))
-        end.reply(request, lambda names: {n: values[n] for n in names})
+    if request is None:
+        return
+    if request.kind not in (Kind.ENV_STATE, Kind.BATCHED_STATE):
+        end.reply(Reply(request.id, {}, f"a scripted worker holds no env to answer {request.kind.name}"))
+        return
+    values: dict[str, torch.Tensor] = {}
+    end.load_entries(end.target(), request.payload["names"], lambda name, view: values.update({name: view.clone()}))
+    end.reply(Reply(request.id, values))
 
 
 def refuses(error: Exception) -> Script:
-    """A worker that applies every version but fails to answer gathers with ``error``."""
+    """A worker that applies every version but fails to answer requests with ``error``."""
 
     def script(end: SlotReader) -> None:
         target = end.target()
         if target > int(end.table.counters["applied"][end.worker]):
             end.ack_applied(target)
         request = end.request()
-        if request > end.answered():
-            text = "".join(traceback.format_exception(error))
-            end.refuse(request, text)
+        if request is not None:
+            end.reply(Reply(request.id, {}, "".join(traceback.format_exception(error))))
 
     return script
 

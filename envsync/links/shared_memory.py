@@ -30,7 +30,7 @@ import torch
 from envsync.links.base import Key
 from envsync.links.slots import SlotReader, SlotWriter
 from envsync.links.table import Field, Table, pid_alive, plan
-from envsync.protocol import Answer, Counts
+from envsync.protocol import Counts, Reply, Request
 from envsync.state import Leaf
 
 SHM_DIR = "/dev/shm"
@@ -208,14 +208,11 @@ class SharedMemoryLink:
     def flush(self, version: int) -> None:
         self._live().flush(version)
 
-    def ask(self, worker: int, request: int, names: list[str]) -> None:
-        self._live().ask(worker, request, names)
+    def send_request(self, worker: int, request: Request) -> None:
+        self._live().send_request(worker, request)
 
-    def answer(self, worker: int) -> Answer:
-        return self._live().answer(worker)
-
-    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
-        return self._live().read_reply(worker, names)
+    def reply(self, worker: int, request: int) -> Reply | None:
+        return self._live().reply(worker, request)
 
     def status(self, worker: int) -> Any:
         return self._live().status(worker)

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from envsync.buffers import ArrayBuffers
-from envsync.errors import EnvSyncError
+from envsync.errors import EnvSyncError, ValidationError
 from envsync.links.base import BROADCAST, Header, Key, ReceiverLink
+from envsync.links.records import plain, reply_of, request_of, seal, unseal
 from envsync.links.table import ERROR_BYTES, Table, pid_alive
-from envsync.protocol import NO_FAILURE, Answer, Counts, WorkerStatus
+from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf, tensor_of
 
 _LOCK_TIMEOUT = 10.0
@@ -206,20 +207,30 @@ class SlotWriter:
             for semaphore in self._acks:
                 _take_back(semaphore)
 
-    def ask(self, worker: int, request: int, names: list[str]) -> None:
-        """Ask ``worker`` for the current values of ``names`` (answered at a safe point)."""
+    def send_request(self, worker: int, request: Request) -> None:
+        """Put ``request`` in ``worker``'s request area (handled at the worker's next safe
+        point, or at once while idle; :meth:`notify` wakes it)."""
+        data = seal(plain(request))
+        area = self.table.areas["request"]
+        if len(data) > area.shape[1]:
+            raise ValidationError(
+                f"a {request.kind.name} request of {len(data)} bytes does not fit a slot's request area "
+                f"({area.shape[1]} bytes): ask for fewer names or paths at a time"
+            )
         with locked(self._locks[worker], "asking worker %d", worker):
-            for name in names:
-                self.table.array(worker, ("asked", name))[...] = request
-            self.table.counters["ask"][worker] = request
+            area[worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+            self.table.counters["ask_len"][worker] = len(data)
+            self.table.counters["ask"][worker] = request.id
 
-    def answer(self, worker: int) -> Answer:
-        return self.table.answer(worker)
-
-    def read_reply(self, worker: int, names: list[str]) -> dict[str, torch.Tensor]:
-        slot = self.table.slots[worker]
+    def reply(self, worker: int, request: int) -> Reply | None:
+        """``worker``'s reply to ``request`` once it answered it, else ``None``."""
+        answered = self.table.counters["answered"]
+        if int(answered[worker]) != request:
+            return None
         with locked(self._locks[worker], "reading worker %d's reply", worker):
-            return {name: slot[("reply", name)].clone() for name in names}
+            length = int(self.table.counters["reply_len"][worker])
+            data = bytes(self.table.areas["reply"][worker, :length])
+        return reply_of(unseal(data))
 
     def notify(self, worker: int) -> None:
         # the semaphore of the loop that serves the worker's slot (see SlotReader.route_to)
@@ -308,7 +319,7 @@ class SlotReader:
         # env-state name its stamp's
         self._writes = [(key, key[1], table.array(worker, ("writes", key[1]))) for key in self._config]
         self._stamp_views = [(key[1], table.array(worker, key)) for key in self._stamps]
-        self._asked = [k for k in self._slot if k[0] == "asked"]
+        self._request: Request | None = None  # the latest request read, decoded once
         self._lock = lock
         self._wakes = wakes
         self._relayed = relayed
@@ -403,31 +414,37 @@ class SlotReader:
                 load(name, self.table.broadcast[key] if shared else self._slot[key])
             return True
 
-    def request(self) -> int:
-        return int(self._c["ask"][self.worker])
+    def request(self) -> Request | None:
+        """The request this slot has not answered yet, or ``None`` (two integer reads while
+        none is pending: this is read at every safe point)."""
+        c, worker = self._c, self.worker
+        ask = int(c["ask"][worker])
+        if ask == 0 or ask == int(c["answered"][worker]):
+            return None
+        held = self._request
+        if held is not None and held.id == ask:
+            return held
+        with locked(self._lock, "worker %d reading a request", worker):
+            length = int(c["ask_len"][worker])
+            data = bytes(self.table.areas["request"][worker, :length])
+        self._request = request_of(unseal(data))
+        return self._request
 
-    def answered(self) -> int:
-        """The latest request answered on this slot."""
-        return int(self._c["answered"][self.worker])
-
-    def asked(self, request: int) -> list[str]:
-        """The names ``request`` asks this slot for."""
-        with locked(self._lock, "worker %d reading a request", self.worker):
-            return [k[1] for k in self._asked if int(self.table.array(self.worker, k)) == request]
-
-    def reply(self, request: int, read: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+    def reply(self, reply: Reply) -> None:
+        """Answer with ``reply`` and wake the sender; a reply larger than the slot's reply
+        area is sent as a failure that says so."""
+        area = self.table.areas["reply"]
+        if reply.error is not None:  # a traceback's end, as a failure's
+            tail = reply.error.encode("utf-8", "replace")[-ERROR_BYTES:]
+            reply = reply._replace(error=tail.decode("utf-8", "replace"))
+        data = seal(plain(reply))
+        if len(data) > area.shape[1]:
+            text = f"the reply to request {reply.id} is {len(data)} bytes; a slot's reply area holds {area.shape[1]}"
+            data = seal(plain(Reply(reply.id, {}, text)))
         with locked(self._lock, "worker %d replying", self.worker):
-            names = [k[1] for k in self._asked if int(self.table.array(self.worker, k)) == request]
-            for name, value in read(names).items():
-                self._slot[("reply", name)].copy_(value)
-            self._c["answered"][self.worker] = request
-        self._acks[1].release()
-
-    def refuse(self, request: int, text: str) -> None:
-        with locked(self._lock, "worker %d refusing", self.worker):
-            _write_text(self.table.refusal, self._c["refusal_len"], self.worker, text)
-            self._c["refused"][self.worker] = request
-            self._c["answered"][self.worker] = request
+            area[self.worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+            self._c["reply_len"][self.worker] = len(data)
+            self._c["answered"][self.worker] = reply.id
         self._acks[1].release()
 
     def ack_received(self, version: int) -> None:

@@ -1,8 +1,8 @@
 """The slot table both links lay out in one block of bytes: per worker, seventeen int64
-counters, two error-text buffers (a failed apply's, a refused gather's), one view per leaf
-of the desired state, for every env-state entry a reply leaf and an "asked" mark (the worker
--> main path of ``gather``), and for every config name a write count (a worker copies out
-only the names written since it last read). After the slots, one broadcast region per config
+counters, a failed apply's error text, a request area and a reply area (a request and its
+reply as sealed records, :mod:`envsync.links.records`: the link never reads their kind),
+one view per leaf of the desired state, and for every config name a write count (a worker
+copies out only the names written since it last read). After the slots, one broadcast region per config
 name and env-state entry: a value pushed to every worker of the link is written there once,
 and each worker's "source" mark tells it to read that name from the region (config and env
 state take the same path).
@@ -18,10 +18,12 @@ import numpy as np
 import torch
 
 from envsync.links.base import BROADCAST, Key
-from envsync.protocol import Answer, WorkerStatus
+from envsync.protocol import WorkerStatus
 from envsync.state import Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
+REQUEST_BYTES = 16384
+"""Bytes of a sealed request (its kind and payload: names, paths)."""
 COUNTERS = (
     "target",
     "received",
@@ -32,17 +34,17 @@ COUNTERS = (
     "busy",
     "undo",
     "ask",
+    "ask_len",
     "answered",
     "ran",
     "obs",
-    "refused",
-    "refusal_len",
+    "reply_len",
     "reached",
     "wake_to",
     "relay_to",
 )
 ALIGN = 64
-MARKS = ("source", "config_source", "writes", "asked")
+MARKS = ("source", "config_source", "writes")
 """The sections of per-worker int64 marks (beside the leaves of the desired state)."""
 
 
@@ -92,14 +94,13 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
     for name in COUNTERS:
         fields.append(Field((name,), torch.int64, (num_workers,), offset))
         offset = align(offset + 8 * num_workers)
-    for text in ("error", "refusal"):
-        fields.append(Field((text,), torch.uint8, (num_workers, ERROR_BYTES), offset))
-        offset = align(offset + num_workers * ERROR_BYTES)
-    gathered = {("reply", k[1]): v for k, v in leaves.items() if k[0] == "env_state"}
+    for text, size in (("error", ERROR_BYTES), ("request", REQUEST_BYTES), ("reply", reply_bytes(leaves))):
+        fields.append(Field((text,), torch.uint8, (num_workers, size), offset))
+        offset = align(offset + num_workers * size)
     mark = torch.zeros((), dtype=torch.int64)
-    marks = {(kind, k[1]): mark for k in gathered for kind in ("asked", "source")}
+    marks = {("source", k[1]): mark for k in leaves if k[0] == "env_state"}
     marks |= {(kind, k[1]): mark for k in leaves if k[0] == "config" for kind in ("writes", "config_source")}
-    for key, leaf in {**leaves, **gathered, **marks}.items():
+    for key, leaf in {**leaves, **marks}.items():
         value = tensor_of(leaf)
         field = Field(("leaf", *key), value.dtype, (num_workers, *value.shape), offset)
         fields.append(field)
@@ -111,6 +112,23 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
             fields.append(field)
             offset = align(offset + field.nbytes)
     return fields, max(offset, ALIGN)
+
+
+ATTRIBUTE_BYTES = 65536
+"""Room in a reply beyond an env's entries: what it holds at attribute paths (one world's
+masses, a gravity), with their names."""
+
+
+def reply_bytes(leaves: Mapping[Key, Leaf]) -> int:
+    """Bytes of a slot's reply area: room for every env-state entry with its name, or for
+    :data:`ATTRIBUTE_BYTES` of values at attribute paths, or a traceback.
+
+    Examples:
+        >>> reply_bytes({("env_state", "loc"): torch.zeros(4)}) > ERROR_BYTES + ATTRIBUTE_BYTES
+        True
+    """
+    entries = sum(tensor_of(v).nbytes + 128 + len(k[1]) for k, v in leaves.items() if k[0] == "env_state")
+    return align(ERROR_BYTES + ATTRIBUTE_BYTES + entries)
 
 
 class Table:
@@ -127,7 +145,7 @@ class Table:
         arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
         self.error = arrays[("error",)].numpy()
-        self.refusal = arrays[("refusal",)].numpy()
+        self.areas = {area: arrays[(area,)].numpy() for area in ("request", "reply")}
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         # every worker's value of a mark at once (a push to all workers sets each in one write)
         self.columns = {k: v.numpy() for k, v in leaves.items() if k[0] in MARKS}
@@ -157,11 +175,3 @@ class Table:
     def error_text(self, worker: int) -> str:
         length = int(self.counters["error_len"][worker])
         return bytes(self.error[worker, :length]).decode("utf-8", errors="replace")
-
-    def answer(self, worker: int) -> Answer:
-        c = self.counters
-        request = int(c["answered"][worker])
-        if request == 0 or int(c["refused"][worker]) != request:
-            return Answer(request)
-        length = int(c["refusal_len"][worker])
-        return Answer(request, bytes(self.refusal[worker, :length]).decode("utf-8", errors="replace"))

@@ -29,6 +29,7 @@ from envsync.configure import config_applier, env_state_dict
 from envsync.errors import EnvSyncError, ValidationError
 from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.chain import chain_of, runner
+from envsync.integrations.torchrl.paths import held_at
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.links.base import LinkHandle
 from envsync.receiver import EnvStateReceiver, Place, Standalone, SubEnv
@@ -324,6 +325,10 @@ class CollectorAdapter:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         env = self._live_env()
         return {**env_state_dict(env, keep_vars=True), **reinit.stats_entries(chain_of(env), self._spec.reinit)}
+
+    def read_attributes(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        env = self._live_env()
+        return {path: held_at(env, path) for path in paths}
 
     def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
         stats = {k: v.clone() for k, v in entries.items() if k.startswith(f"{reinit.STATS}.")}

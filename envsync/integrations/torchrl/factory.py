@@ -22,6 +22,7 @@ from envsync.integrations.torchrl.adapter import EnvHooks
 from envsync.integrations.torchrl.batched import find_batched, prepare_batched, prepare_leaf
 from envsync.integrations.torchrl.chain import chain_of
 from envsync.integrations.torchrl.native import prepare_native
+from envsync.integrations.torchrl.paths import held_at
 from envsync.levels import split_reinit
 from envsync.probe import Layout, Probe
 from envsync.spec import ApplySpec
@@ -128,10 +129,10 @@ def wrap_env_fn(sender: Sender, fn: Callable[..., EnvBase] | EnvBase) -> Any:
                 "instead (env_fn(make_env)), or use recompute(where='worker')"
             )
         env = prepare_env(fn, sender.spec, initial)
-        sender.port.use_probe(Probe(make=lambda: env, owned=False, chain=chain_of, split=split))
+        sender.port.use_probe(Probe(make=lambda: env, owned=False, chain=chain_of, split=split, held_at=held_at))
         return env
     if not callable(fn):
         raise ValidationError(f"env_fn expects an env factory or an EnvBase, got {type(fn).__name__}")
     factory = EnvFactory(fn, sender.spec, initial)
-    sender.port.use_probe(Probe(make=factory, owned=True, chain=chain_of, split=split))
+    sender.port.use_probe(Probe(make=factory, owned=True, chain=chain_of, split=split, held_at=held_at))
     return factory

@@ -120,7 +120,7 @@ class EnvGroup:
         batched env's own (at a rollout's end, or with the collector idle)."""
         with self._lock:
             indices = range(self.num_envs) if only is None else only
-            asked = [i for i in indices if self.ends[i].request() != self.ends[i].answered()]
+            asked = [i for i in indices if self.ends[i].request() is not None]
             if asked:
                 self.leaves.serve(asked)
             if self.outer is not None:

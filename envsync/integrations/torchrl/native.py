@@ -35,6 +35,7 @@ from envsync.errors import EnvSyncError, ValidationError
 from envsync.integrations.torchrl.adapter import truncate_at
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.outer import outer_env
+from envsync.integrations.torchrl.paths import held_at
 from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle, ReceiverLink
 from envsync.protocol import ApplyAt
@@ -170,6 +171,18 @@ class RowAdapter:
             raise EnvSyncError("the env of this row is gone")
         n, row = self._n, self._row
         return {k: v[row] for k, v in env_state_dict(env, keep_vars=True).items() if v.ndim and v.shape[0] == n}
+
+    def read_attributes(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        """This row's part of what the env holds at ``paths``: its row of a per-row array,
+        a value shared by every row as it is."""
+        env = self._env()
+        if env is None:
+            raise EnvSyncError("the env of this row is gone")
+        out = {}
+        for path in paths:
+            value = held_at(env, path)
+            out[path] = value[self._row].clone() if value.ndim and value.shape[0] == self._n else value
+        return out
 
     def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
         return None

@@ -23,6 +23,7 @@ from torchrl.envs import EnvBase, TransformedEnv
 from envsync.integrations.torchrl.adapter import CollectorAdapter
 from envsync.levels import PREFIX, inner, is_batched, split_reinit
 from envsync.links.base import ReceiverLink
+from envsync.protocol import Kind
 from envsync.receiver import answer
 from envsync.spec import ApplySpec
 
@@ -64,8 +65,6 @@ class OuterState:
         self._loaded: dict[str, int] = {}  # name -> stamp of the value in the env
         self._snapshot: dict[str, torch.Tensor] = {}  # first-time loads, for an undo
         self.version = 0  # the latest version this level holds (see gate)
-        self._answered = 0
-        self._passed = 0  # the latest request left to the sub-env's receiver
 
     def gate(self) -> int:
         """The newest version this level may hold: every env of the worker holds everything
@@ -165,19 +164,14 @@ class OuterState:
         self._adapter.commit({inner(n): live[inner(n)] for n in restored}, version=0, restore=True)
 
     def serve(self) -> None:
-        """Answer a gather for the batched env's own entries, after catching up (caller holds
-        the group's exclusion, with the collector idle or at a rollout's end)."""
-        end = self._end
-        request = end.request()
-        if request in (self._answered, self._passed):
-            return
-        names = end.asked(request)
-        if not names or not all(is_batched(n) for n in names):
-            self._passed = request  # the sub-env's receiver answers that one
+        """Answer a request for the batched env's own entries, after catching up (caller holds
+        the group's exclusion, with the collector idle or at a rollout's end); a request of
+        any other kind is the first sub-env's receiver's."""
+        request = self._end.request()
+        if request is None or request.kind is not Kind.BATCHED_STATE:
             return
         self.catch_up()
-        answer(end, request, self._read)
-        self._answered = request
+        answer(self._end, request, lambda payload: self._read(payload["names"]))
 
     def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         live = self._adapter.state_tensors()

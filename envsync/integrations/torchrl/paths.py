@@ -198,6 +198,26 @@ class AttributePath:
             setattr(parent, last, value.item() if isinstance(value, np.generic) or _is_array(value) else value)
 
 
+def held_at(env: Any, name: str) -> torch.Tensor:
+    """A copy of what ``env`` holds at attribute path ``name``, as a tensor (what
+    ``sender.read_attributes`` reads back).
+
+    Raises:
+        ValidationError: the path does not exist, or holds neither a number nor an array.
+
+    Examples:
+        >>> from torchrl.envs import GymEnv
+        >>> held_at(GymEnv("Pendulum-v1"), "g")
+        tensor(10., dtype=torch.float64)
+    """
+    value = AttributePath.resolve(env, name).get()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, np.ndarray | np.generic | bool | int | float):
+        return torch.as_tensor(np.array(value))
+    raise ValidationError(f"read_attributes: {name!r} holds {_describe(value)}, not a number or an array")
+
+
 def _follow(name: str, obj: Any, part: str, depth: int) -> Any:
     """Attribute ``part`` of ``obj``, the ``depth``-th part of path ``name``.
 
