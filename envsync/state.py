@@ -11,8 +11,6 @@ and :meth:`EnvStateTemplate.nest` shapes flat names back like ``env.state_dict()
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,8 +18,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync.buffers import BUFFERS
 from envsync.errors import ValidationError
+from envsync.fitting import PLAIN, check_finite, fit
 
 ConfigValue = int | float | bool | torch.Tensor | Mapping[str, Any]
 ApplyFn = Callable[[Any, TensorDictBase], None]
@@ -54,10 +52,6 @@ def _leaf_tensor(path: str, value: Any) -> torch.Tensor:
     raise ValidationError(f"config value {path!r} must be a number or a tensor, got {type(value).__name__}")
 
 
-_PLAIN = (bool, int, float, torch.Tensor, np.ndarray)
-"""Leaf types that are never mappings (checked before the costlier ``Mapping`` ABC)."""
-
-
 def flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict[str, Any]:
     """Flatten nested mappings (or a TensorDict) of config names (no dots) into dot-joined
     paths to their leaves."""
@@ -73,7 +67,7 @@ def flatten(values: Any, *, what: str, expected: str, prefix: str = "") -> dict[
         if not isinstance(name, str) or not name or "." in name:
             raise ValidationError(f"{what} name {name!r} must be a non-empty string without '.'")
         path = f"{prefix}{name}"
-        if not isinstance(value, _PLAIN) and isinstance(value, Mapping):  # numbers skip the ABC check
+        if not isinstance(value, PLAIN) and isinstance(value, Mapping):  # numbers skip the ABC check
             flat.update(flatten(value, what=what, expected=expected, prefix=f"{path}."))
         else:
             flat[path] = value
@@ -91,83 +85,6 @@ def nest(flat: Mapping[str, Leaf], *, copy: bool = False) -> TensorDict:
         {tuple(k.split(".")): torch.as_tensor(v).clone() if copy else tensor_of(v) for k, v in flat.items()},
         batch_size=[],
     )
-
-
-def _check_finite(what: str, path: str, value: torch.Tensor) -> None:
-    # a finite sum proves every element finite, at the cost of one read (no bool tensor);
-    # only a non-finite sum (or an overflow) needs the element-wise check
-    if not value.is_floating_point() or bool(torch.isfinite(value.sum())):
-        return
-    if not bool(torch.isfinite(value).all()):
-        raise ValidationError(
-            f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
-        )
-
-
-@functools.cache
-def _float_max(numpy_dtype: np.dtype) -> float:
-    return float(np.finfo(numpy_dtype).max)
-
-
-def _number(value: bool | int | float, like: torch.Tensor, numpy_dtype: np.dtype | None) -> Leaf:
-    """``value`` as a 0-d numpy array of ``numpy_dtype`` (else a tensor of ``like``'s dtype);
-    a float past the dtype's range becomes inf, without numpy's overflow warning (the caller
-    refuses it unless non-finite values are allowed)."""
-    if numpy_dtype is None:
-        return torch.as_tensor(value, dtype=like.dtype)
-    if isinstance(value, float) and numpy_dtype.kind == "f" and abs(value) > _float_max(numpy_dtype):
-        with np.errstate(over="ignore"):  # entered only then: it is a context change per call
-            return np.asarray(value, dtype=numpy_dtype)
-    return np.asarray(value, dtype=numpy_dtype)
-
-
-def _fit(
-    what: str,
-    path: str,
-    value: Any,
-    like: torch.Tensor,
-    allow_nonfinite: bool,
-    *,
-    numpy_dtype: np.dtype | None = None,
-) -> Leaf:
-    """Check one pushed value against its template tensor; return it as a fresh tensor (a
-    copy, never the caller's own). A plain number for a 0-d template with ``numpy_dtype`` becomes a 0-d numpy array."""
-    if not isinstance(value, _PLAIN) and isinstance(value, Mapping | TensorDictBase):
-        raise ValidationError(f"{what} {path!r} is a value in the template, not a mapping")
-    if isinstance(value, bool | int | float):
-        if like.dtype == torch.bool:
-            fits = isinstance(value, bool)
-        elif like.is_floating_point():
-            fits = not isinstance(value, bool)
-        else:
-            fits = isinstance(value, int) and not isinstance(value, bool)
-        if not fits:
-            raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {type(value).__name__} {value!r}")
-        if not allow_nonfinite and not math.isfinite(value):
-            raise ValidationError(
-                f"{what} {path!r} holds NaN or inf; build the sender with allow_nonfinite=True to allow it"
-            )
-        try:
-            number = _number(value, like, numpy_dtype)
-        except (OverflowError, ValueError, RuntimeError) as err:  # numpy's, torch's
-            raise ValidationError(f"{what} {path!r} does not fit dtype {like.dtype}: {value!r}") from err
-        if not allow_nonfinite and isinstance(value, float) and not math.isfinite(number.item()):
-            raise ValidationError(f"{what} {path!r} overflows dtype {like.dtype}: {value!r}")  # 1e300 as float32
-        if number.shape != like.shape:
-            raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(number.shape)}")
-        return number
-    elif isinstance(value, torch.Tensor):
-        widens_to_float = like.is_floating_point() and value.dtype not in (torch.bool,) and not value.is_complex()
-        if value.dtype != like.dtype and not widens_to_float:
-            raise ValidationError(f"{what} {path!r} has dtype {like.dtype}, got {value.dtype}")
-        if value.shape != like.shape:
-            raise ValidationError(f"{what} {path!r} has shape {tuple(like.shape)}, got {tuple(value.shape)}")
-        tensor = BUFFERS.copy(value.detach(), like.dtype)
-    else:
-        raise ValidationError(f"{what} {path!r} must be a number or a tensor, got {type(value).__name__}")
-    if not allow_nonfinite:
-        _check_finite(what, path, tensor)
-    return tensor
 
 
 class ConfigTemplate:
@@ -191,7 +108,7 @@ class ConfigTemplate:
         flat = {path: _leaf_tensor(path, v) for path, v in flatten_config(config).items()}
         if not allow_nonfinite:
             for path, tensor in flat.items():
-                _check_finite("config value", path, tensor)
+                check_finite("config value", path, tensor)
         self.allow_nonfinite = allow_nonfinite
         self._flat = flat
         views = {path: numpy_view(t) if t.ndim == 0 else None for path, t in flat.items()}
@@ -226,7 +143,7 @@ class ConfigTemplate:
         like = self._flat.get(path)
         if like is None:
             raise ValidationError(f"unknown config name {path!r}; known: {self.names}")
-        return _fit("config value", path, value, like, self.allow_nonfinite, numpy_dtype=self._numpy[path])
+        return fit("config value", path, value, like, self.allow_nonfinite, numpy_dtype=self._numpy[path])
 
     def fit_rows(
         self, values: Mapping[str, Any] | TensorDictBase, count: int
@@ -401,7 +318,7 @@ class EnvStateTemplate:
                 raise ValidationError(f"env_state key {key!r} is not in the env's state_dict; known: {self.keys}")
             # copied once here: the sender's records (what later workers start from, what a
             # rollback restores, the checkpoint) must not change when the caller's tensor does
-            fitted[key] = tensor_of(_fit("env_state", key, value, self._flat[key], self.allow_nonfinite))
+            fitted[key] = tensor_of(fit("env_state", key, value, self._flat[key], self.allow_nonfinite))
         return fitted
 
     def nest(self, flat: Mapping[str, torch.Tensor]) -> TensorDict:

@@ -17,9 +17,12 @@ and an ``ObservationNorm`` whose ``loc`` is the env state the test pushes; its o
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +56,34 @@ def _configure(env: Any, difficulty: float, delay: float) -> None:
         raise ValueError(f"difficulty {difficulty} is marked to fail")
 
 
+READ_FLAGS = Path(tempfile.gettempdir()) / "envsync-model-read-flags"
+"""Where :func:`arm_read` leaves the flags that make an env's next read of ``trouble`` fail."""
+
+
+def arm_read(label: int) -> None:
+    """Make the next read of ``trouble`` by the env labelled ``label`` (a native env: by its
+    first row's label) fail once, in any process but this one (the sender's probe env, and a
+    single-process collector's env, read on)."""
+    READ_FLAGS.mkdir(exist_ok=True)
+    (READ_FLAGS / f"read-{label}").write_text(str(os.getpid()))
+
+
+def disarm_reads() -> None:
+    for flag in READ_FLAGS.glob("read-*"):
+        flag.unlink(missing_ok=True)
+
+
+def _read_trouble(label: int) -> None:
+    flag = READ_FLAGS / f"read-{label}"
+    try:
+        armer = int(flag.read_text())
+    except (OSError, ValueError):
+        return
+    if armer != os.getpid():
+        flag.unlink(missing_ok=True)
+        raise RuntimeError(f"reading env {label}'s trouble fails once (flag {flag})")
+
+
 class LabelEnv(CounterEnv):
     """A :class:`~helpers.CounterEnv` with a slow, sometimes failing config method and a
     table; episodes of ``horizon`` steps."""
@@ -73,6 +104,16 @@ class LabelEnv(CounterEnv):
 
     def _obs(self) -> torch.Tensor:
         return torch.tensor([self.difficulty, self.label, float(self.count), float(self.table[-1])])
+
+    @property
+    def trouble(self) -> float:
+        """0, read by ``sender.read_attributes(["trouble"])``; fails once when armed (:func:`arm_read`)."""
+        _read_trouble(int(self.label))
+        return 0.0
+
+    @trouble.setter
+    def trouble(self, value: float) -> None:  # an attribute path names settable attributes
+        return None
 
 
 class NativeLabelEnv(NativeCounterEnv):
@@ -97,6 +138,16 @@ class NativeLabelEnv(NativeCounterEnv):
 
     def _obs(self) -> torch.Tensor:
         return torch.stack([self.difficulty, self.labels, self.count, self.table[:, -1]], -1)
+
+    @property
+    def trouble(self) -> torch.Tensor:
+        """0 per row; fails once when armed for the first row's label (:func:`arm_read`)."""
+        _read_trouble(int(self.labels[0]))
+        return torch.zeros(len(self.labels))
+
+    @trouble.setter
+    def trouble(self, value: torch.Tensor) -> None:
+        return None
 
 
 def horizon_of(label: int) -> int:

@@ -30,11 +30,21 @@ import torch
 from conftest import KINDS, build
 from helpers import start_method
 from hypothesis.stateful import RuleBasedStateMachine
-from model_envs import LOC_KEY, OBSERVATION, TABLE, TRIPWIRE, envs_per_worker, factories, has_env_state
+from model_envs import (
+    LOC_KEY,
+    OBSERVATION,
+    TABLE,
+    TRIPWIRE,
+    arm_read,
+    disarm_reads,
+    envs_per_worker,
+    factories,
+    has_env_state,
+)
 from model_ref import Frames, Model, Setting, Violation, expect
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import AckTimeout, EnvStateSender, ValidationError, WorkerApplyError, reinit
+from envsync import AckTimeout, EnvStateSender, GatherError, ValidationError, WorkerApplyError, reinit
 
 COUNTS: Counter[str] = Counter()
 """Histories and operations run in this process (the soak run prints them)."""
@@ -447,6 +457,56 @@ class ModelMachine(RuleBasedStateMachine):
                 "gather returns what each env holds",
                 f"env {env} (versions {before[env]}..{after[env]}): gathered loc {row}, the model says {sorted(held)}",
             )
+
+    def do_read_attributes(self) -> None:
+        """Each env's difficulty, read back from the env itself at a safe point, is one the
+        model says it held meanwhile."""
+        before = self.sender.env_versions()
+        held = self.call("read_attributes", lambda: self.sender.read_attributes(["difficulty"], timeout=TIMEOUT))
+        after = self.sender.env_versions()
+        values = held["difficulty"].reshape(-1).tolist()
+        expect(len(values) == self.cell.num_envs, "read_attributes works", f"{len(values)} rows")
+        for env, difficulty in enumerate(values):
+            settings = (s for v in range(before[env], after[env] + 1) for s in self.model.table.get(v, {}).get(env, ()))
+            allowed = {s.difficulty for s in settings}
+            expect(
+                any(abs(difficulty - d) < 1e-3 for d in allowed),
+                "read_attributes returns what each env holds",
+                f"env {env} (versions {before[env]}..{after[env]}): difficulty {difficulty}, model {sorted(allowed)}",
+            )
+
+    def do_refused_read(self, env: int) -> None:
+        """A read that fails once in ``env``'s worker: ``GatherError`` naming that env (its
+        traceback attached), no version failed; the next read works. An env in this process
+        (a single-process ``Collector``'s, or its ``SerialEnv``'s) is never refused."""
+        label = env - env % self.cell.per_worker if self.cell.env_kind == "native" else env
+        versions = self.sender.env_versions()
+        arm_read(label)
+        try:
+            self.sender.read_attributes(["trouble"], timeout=TIMEOUT)
+            refused = None
+        except GatherError as err:
+            refused = err
+        except AckTimeout as err:
+            raise Violation("a refused read raises GatherError", f"read_attributes: {err}") from err
+        finally:
+            disarm_reads()
+        if refused is None:
+            in_process = self.cell.kind == "single" and self.cell.env_kind in ("plain", "serial", "native")
+            expect(in_process, "a refused read raises GatherError", f"env {env}'s armed read was not refused")
+        else:
+            expect(
+                refused.env // self.cell.per_worker == env // self.cell.per_worker
+                and "fails once" in refused.remote_traceback,
+                "a refused read names its env and carries its traceback",
+                f"GatherError for env {refused.env}, armed env {env}: {refused.remote_traceback[-200:]}",
+            )
+        expect(
+            all(a >= b for a, b in zip(self.sender.env_versions(), versions, strict=True)),
+            "a refused read fails no version",
+            f"versions {versions} -> {self.sender.env_versions()}",
+        )
+        self.do_read_attributes()
 
     def do_sync_stats(self) -> None:
         """Merged counts add up: never fewer than the last merge (nor, with idle workers that

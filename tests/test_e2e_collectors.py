@@ -8,7 +8,7 @@ from helpers import check_truthful, start_method, tags_non_decreasing
 
 from envsync import EnvStateSender
 from envsync.envs import make_drift_env
-from envsync.integrations.torchrl.adapter import TAG_KEYS, tags_set_aside
+from envsync.integrations.torchrl.tags import TAG_KEYS, tags_set_aside
 
 MATRIX = [("single", "spawn"), ("sync", "spawn"), ("async", "spawn"), ("sync", "fork"), ("async", "fork")]
 

@@ -124,6 +124,16 @@ def machine_for(cell: Cell) -> type[ModelMachine]:
         def resume(self, order: str) -> None:
             self.do_resume(order, gather=False)
 
+        @rule()
+        @operation
+        def read_attributes(self) -> None:
+            self.do_read_attributes()
+
+        @rule(env=st.integers(0, cell.num_envs - 1))
+        @operation
+        def refused_read(self, env: int) -> None:
+            self.do_refused_read(env)
+
         if state:
 
             @rule()

@@ -11,7 +11,7 @@ import torch
 
 from envsync import AckTimeout, GatherError, ValidationError, WorkerApplyError
 from envsync.links.scripted import Script, ScriptedLink, answers, applies, refuses
-from envsync.links.slots import SlotReader
+from envsync.links.slot_reader import SlotReader
 from envsync.sender import Sender
 
 STATE = {"loc": torch.zeros(2)}

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from envsync.links.base import Key
-from envsync.links.slots import SlotReader, SlotWriter
+from envsync.links.slot_reader import SlotReader
+from envsync.links.slots import SlotWriter
 from envsync.links.table import Table, plan
 from envsync.state import Leaf
 

@@ -31,6 +31,8 @@ from envsync.state import Leaf, numpy_view
 _SIZES = struct.Struct("!QI")
 """A sealed record's header length and how many array buffers follow it."""
 _LENGTH = struct.Struct("!Q")
+KINDS = frozenset(int(kind) for kind in Kind)
+"""The kinds a request may name."""
 
 
 def plain(record: Request | Reply) -> tuple[Any, ...]:
@@ -45,7 +47,7 @@ def request_of(value: Any) -> Request:
     """The request :func:`plain` made; :class:`WireError` for anything else (an unknown kind
     included)."""
     match value:
-        case ("request", int() as id_, int() as kind, dict() as payload) if kind in Kind._value2member_map_:
+        case ("request", int() as id_, int() as kind, dict() as payload) if kind in KINDS:
             return Request(id_, Kind(kind), payload)
     raise WireError(f"not a request: {_short(value)}")
 

@@ -3,7 +3,7 @@
 As httpx's ``MockTransport`` tests a client without a network, :class:`ScriptedLink` tests
 acknowledgements, rollback, gather and checkpoints without processes or envs: every time the
 sender notifies a worker, the link calls ``script(end)`` on that worker's receiver end
-(:class:`~envsync.links.slots.SlotReader`), synchronously, and the script answers as a
+(:class:`~envsync.links.slot_reader.SlotReader`), synchronously, and the script answers as a
 worker would (``end.ack_applied(end.target())``, ``end.report_failure(...)``,
 ``end.reply(Reply(...))``) or stays silent. The slot table underneath is the
 in-process link's, so what the sender reads is exactly what a real worker would have written.
@@ -27,7 +27,7 @@ import torch
 
 from envsync.links.base import Key
 from envsync.links.local import LocalLink
-from envsync.links.slots import SlotReader
+from envsync.links.slot_reader import SlotReader
 from envsync.protocol import Kind, Reply
 from envsync.state import Leaf
 

@@ -1,4 +1,5 @@
-"""How the sender and each worker read and write the slot table (:mod:`envsync.links.table`).
+"""How the sender writes the slot table (:mod:`envsync.links.table`), and the slot lock both
+sides take (each worker's side is :mod:`envsync.links.slot_reader`).
 
 A slot is written by the sender and read by its worker under the worker's *slot lock* (a
 process-shared lock for the shared-memory link), so a reader never sees a half-written
@@ -15,7 +16,6 @@ counter before it releases): it blocks only while a slot still owes the version.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,11 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError, ValidationError
-from envsync.links.base import BROADCAST, Header, Key, ReceiverLink
-from envsync.links.records import plain, reply_of, request_of, seal, unseal
-from envsync.links.table import ERROR_BYTES, Table, pid_alive
+from envsync.links.base import BROADCAST, Key
+from envsync.links.records import plain, reply_of, seal, unseal
+from envsync.links.table import ERROR_BYTES, Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf, tensor_of
 
@@ -36,20 +35,20 @@ DRAIN_EVERY = 1024
 """Pushes between two takes-back of unwaited acknowledgement releases (:meth:`SlotWriter.flush`)."""
 
 
-def _write_text(buffer: np.ndarray, lengths: np.ndarray, worker: int, text: str) -> None:
+def write_text(buffer: np.ndarray, lengths: np.ndarray, worker: int, text: str) -> None:
     data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
     buffer[worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
     lengths[worker] = len(data)
 
 
-def _acquire(lock: Any, what: str, *args: Any) -> None:
+def acquire(lock: Any, what: str, *args: Any) -> None:
     """Take a slot lock; one held longer than any write takes means a dead holder: raise,
     naming ``what % args`` (formatted only then: this is on every push's path)."""
     if not lock.acquire(timeout=_LOCK_TIMEOUT):
         raise EnvSyncError(f"{what % args}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
 
 
-def _take_back(semaphore: Any) -> None:
+def take_back(semaphore: Any) -> None:
     """Take every release made so far of ``semaphore`` (without blocking)."""
     while semaphore.acquire(False):
         pass
@@ -63,7 +62,7 @@ class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
     __slots__ = ("_lock",)
 
     def __init__(self, lock: Any, what: str, *args: Any) -> None:
-        _acquire(lock, what, *args)
+        acquire(lock, what, *args)
         self._lock = lock
 
     def __enter__(self) -> None:
@@ -160,7 +159,7 @@ class SlotWriter:
         held = 0
         try:
             for worker in workers:
-                _acquire(locks[held], "broadcasting to worker %d", worker)
+                acquire(locks[held], "broadcasting to worker %d", worker)
                 held += 1
             for key, value in shared.items():
                 array = self.table.broadcast_arrays[key]
@@ -205,7 +204,7 @@ class SlotWriter:
             if self._waiters:
                 return
             for semaphore in self._acks:
-                _take_back(semaphore)
+                take_back(semaphore)
 
     def send_request(self, worker: int, request: Request) -> None:
         """Put ``request`` in ``worker``'s request area (handled at the worker's next safe
@@ -272,243 +271,10 @@ class SlotWriter:
             alone = self._waiters == 1
         try:
             if alone and done is not None:
-                _take_back(semaphore)
+                take_back(semaphore)
             if done is not None and done():
                 return True
             return bool(semaphore.acquire(timeout=max(timeout, 0.0)))
         finally:
             with self._waiters_lock:
                 self._waiters -= 1
-
-
-class SlotReader:
-    """One worker's operations on a table (both links use it).
-
-    Notices: ``wakes`` holds every slot's two semaphores, its wake-up (released by the
-    sender's notify) then its *relay* (released by a receiver in a ``ParallelEnv``'s
-    sub-process, to wake its batched env's group in the worker). An end waits on one of its
-    slot's (``relayed``: the relay), unless it was routed to another end's
-    (:meth:`route_to`): then every notice for it releases that one, so one worker loop
-    waits on one semaphore for every env it holds (:mod:`envsync.worker_loop`).
-    """
-
-    def __init__(
-        self,
-        table: Table,
-        worker: int,
-        lock: Any,
-        wakes: Sequence[Any],
-        acks: Any,
-        *,
-        owner: int = 0,
-        relayed: bool = False,
-        gate: tuple[bool, bool] = (False, False),
-    ) -> None:
-        self.worker = worker
-        self._owner = owner
-        # the sender is this process's parent (a collector's worker): its death re-parents
-        # this process at once, so a parent that changed is all the liveness check reads
-        self._parent = owner if owner and owner == os.getppid() else 0
-        self.table = table
-        self.targets = table.counters["target"]
-        self._c = table.counters
-        self._slot = table.slots[worker]
-        self._config = [k for k in self._slot if k[0] == "config"]
-        self._stamps = [k for k in self._slot if k[0] == "stamp"]
-        # what a header reads, looked up once: per config name its write count's view, per
-        # env-state name its stamp's
-        self._writes = [(key, key[1], table.array(worker, ("writes", key[1]))) for key in self._config]
-        self._stamp_views = [(key[1], table.array(worker, key)) for key in self._stamps]
-        self._request: Request | None = None  # the latest request read, decoded once
-        self._lock = lock
-        self._wakes = wakes
-        self._relayed = relayed
-        # this end's own semaphore, and the column that routes its notices elsewhere
-        self._own = table.num_workers + worker if relayed else worker
-        self._route = self._c["relay_to" if relayed else "wake_to"]
-        self._acks = acks
-        # the config as last copied out, with each name's write count then
-        self._held: dict[str, Leaf] = {}
-        self._held_writes: dict[str, int] = {}
-        self._arrays = ArrayBuffers()  # large config values are copied into arrays let go of
-        self._gated, self._gated_wake = gate  # see gated()
-
-    def _copy_end(self, *, relayed: bool, gate: tuple[bool, bool]) -> SlotReader:
-        return SlotReader(
-            self.table, self.worker, self._lock, self._wakes, self._acks, owner=self._owner, relayed=relayed, gate=gate
-        )
-
-    def claim(self) -> SlotReader:
-        """Mark the slot as served by this process (what the sender's liveness check reads); return self."""
-        self._c["pid"][self.worker] = os.getpid()
-        return self
-
-    @property
-    def link_name(self) -> str:
-        """The link's name, the same in every process (ends of one link share a worker loop)."""
-        return self.table.name
-
-    @property
-    def semaphore(self) -> int:
-        """The index of the semaphore this end's notices release when not routed."""
-        return self._own
-
-    def relayed(self) -> SlotReader:
-        """This end, waiting on the slot's relay instead of its wake-up (for a group's loop)."""
-        return self._copy_end(relayed=True, gate=(False, False))
-
-    def route_to(self, home: ReceiverLink) -> None:
-        """From now on, every notice for this end (the sender's, or a relay's when this end
-        is :meth:`relayed`) releases the semaphore ``home`` waits on (an end of the same link
-        in this process), so that one thread waits for both."""
-        if not isinstance(home, SlotReader) or home.table.name != self.table.name:
-            raise EnvSyncError("a link end can only be routed to an end of the same link")
-        self._route[self.worker] = 0 if home.semaphore == self._own else home.semaphore + 1
-
-    def _routed(self, index: int, column: np.ndarray) -> Any:
-        route = int(column[self.worker])
-        return self._wakes[route - 1 if route else index]
-
-    def poke_relay(self) -> None:
-        """Wake the loop that waits on this slot's relay (the group beside the batched env)."""
-        self._routed(self.table.num_workers + self.worker, self._c["relay_to"]).release()
-
-    def target(self) -> int:
-        return int(self.targets[self.worker])
-
-    def counters(self, name: str, count: int) -> np.ndarray:
-        return self._c[name][self.worker : self.worker + count]
-
-    def read_header(self) -> Header:
-        """The slot's header; a config name not written since the last read is the copy made
-        then (a large config pushed once is copied out once, not at every later version)."""
-        with locked(self._lock, "worker %d reading", self.worker):
-            held, held_writes = self._held, self._held_writes
-            for key, name, view in self._writes:
-                writes = int(view)
-                if held_writes.get(name) != writes:
-                    held[name] = self._copy(key)
-                    held_writes[name] = writes
-            return Header(
-                version=int(self.targets[self.worker]),
-                config=dict(held),
-                stamps={name: int(view) for name, view in self._stamp_views},
-                undo=int(self._c["undo"][self.worker]),
-            )
-
-    def _copy(self, key: Key) -> Leaf:
-        table = self.table
-        if int(table.array(self.worker, table.source(key))) > 0:
-            view, tensor = table.broadcast_arrays[key], table.broadcast[key]
-        else:
-            view, tensor = table.arrays[self.worker][key], self._slot[key]
-        return self._arrays.copy(view) if view is not None else tensor.clone()
-
-    def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
-        with locked(self._lock, "worker %d loading", self.worker):
-            if int(self.targets[self.worker]) != version:
-                return False
-            for name in names:
-                key = ("env_state", name)
-                shared = int(self.table.array(self.worker, ("source", name))) > 0
-                load(name, self.table.broadcast[key] if shared else self._slot[key])
-            return True
-
-    def request(self) -> Request | None:
-        """The request this slot has not answered yet, or ``None`` (two integer reads while
-        none is pending: this is read at every safe point)."""
-        c, worker = self._c, self.worker
-        ask = int(c["ask"][worker])
-        if ask == 0 or ask == int(c["answered"][worker]):
-            return None
-        held = self._request
-        if held is not None and held.id == ask:
-            return held
-        with locked(self._lock, "worker %d reading a request", worker):
-            length = int(c["ask_len"][worker])
-            data = bytes(self.table.areas["request"][worker, :length])
-        self._request = request_of(unseal(data))
-        return self._request
-
-    def reply(self, reply: Reply) -> None:
-        """Answer with ``reply`` and wake the sender; a reply larger than the slot's reply
-        area is sent as a failure that says so."""
-        area = self.table.areas["reply"]
-        if reply.error is not None:  # a traceback's end, as a failure's
-            tail = reply.error.encode("utf-8", "replace")[-ERROR_BYTES:]
-            reply = reply._replace(error=tail.decode("utf-8", "replace"))
-        data = seal(plain(reply))
-        if len(data) > area.shape[1]:
-            text = f"the reply to request {reply.id} is {len(data)} bytes; a slot's reply area holds {area.shape[1]}"
-            data = seal(plain(Reply(reply.id, {}, text)))
-        with locked(self._lock, "worker %d replying", self.worker):
-            area[self.worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-            self._c["reply_len"][self.worker] = len(data)
-            self._c["answered"][self.worker] = reply.id
-        self._acks[1].release()
-
-    def ack_received(self, version: int) -> None:
-        received = self._c["received"]
-        if version > received[self.worker]:
-            received[self.worker] = version  # the counter first: a sender woken reads it
-            self._acks[0].release()
-
-    def ack_applied(self, version: int) -> None:
-        self._c["reached"][self.worker] = version
-        if self._gated:
-            # the env holds it; its batched level acknowledges "applied" once it holds it too
-            self.ack_received(version)
-            if self._gated_wake:
-                self.poke_relay()  # the group, in another process, catches its level up
-            return
-        self._c["applied"][self.worker] = version
-        self._acks[1].release()
-        self.ack_received(version)
-
-    def gated(self, *, wake_group: bool) -> SlotReader:
-        """This end, its "applied" left to the batched level above its env (which writes it
-        once it holds the version too, see :mod:`envsync.integrations.torchrl.outer`): an
-        apply here is recorded as *reached*; ``wake_group``: wake the group through the
-        slot's relay after each (a sub-env in another process than its group)."""
-        return self._copy_end(relayed=self._relayed, gate=(True, wake_group))
-
-    def report_failure(self, version: int, text: str) -> None:
-        _write_text(self.table.error, self._c["error_len"], self.worker, text)
-        self._c["failed"][self.worker] = version
-        self._acks[0].release()
-        self._acks[1].release()
-
-    def set_busy(self, busy: bool) -> None:
-        self._c["busy"][self.worker] = int(busy)
-
-    def is_busy(self) -> bool:
-        return bool(self._c["busy"][self.worker])
-
-    def poke(self) -> None:
-        self._routed(self._own, self._route).release()
-
-    def note_versions(self, ran: int | None, obs: int) -> None:
-        """Record the version the env's latest step ran under (``None``: unchanged) and the
-        one its current observation comes from (read by a batched env's tags)."""
-        if ran is not None:
-            self._c["ran"][self.worker] = ran
-        self._c["obs"][self.worker] = obs
-
-    def wait_notice(self, timeout: float) -> bool:
-        """Block until a notice for this end (or one routed to it) comes, or ``timeout``
-        passes; then take back the notices that came meanwhile (the counters say what
-        each was for: a push to many envs routed here wakes its loop once)."""
-        semaphore = self._wakes[self._own]
-        if not semaphore.acquire(timeout=timeout):
-            return False
-        _take_back(semaphore)
-        return True
-
-    def owner_alive(self) -> bool:
-        """Whether the process that owns the link (the sender's) still runs."""
-        if self._parent:
-            return os.getppid() == self._parent
-        return not self._owner or self._owner == os.getpid() or pid_alive(self._owner)
-
-    def close(self) -> None:
-        return None

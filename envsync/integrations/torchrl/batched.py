@@ -31,17 +31,9 @@ from torchrl.envs.batched_envs import BatchedEnvBase
 
 from envsync.configure import apply_config
 from envsync.errors import EnvSyncError, ValidationError
-from envsync.integrations.torchrl.adapter import (
-    INDEX_KEY,
-    VERSION_KEY,
-    EnvHooks,
-    fill_changes,
-    mark_change,
-    serve_env,
-    set_tag,
-    truncate_at,
-)
+from envsync.integrations.torchrl.adapter import EnvHooks, serve_env
 from envsync.integrations.torchrl.outer import outer_env
+from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, fill_changes, mark_change, set_tag, truncate_at
 from envsync.links.base import LinkHandle
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec

@@ -18,10 +18,10 @@ from tensordict import TensorDictBase
 from envsync import worker_loop
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
-from envsync.integrations.torchrl.adapter import tags_set_aside
 from envsync.integrations.torchrl.batched import MAX_ROUNDS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.outer import OuterState
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
+from envsync.integrations.torchrl.tags import tags_set_aside
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 

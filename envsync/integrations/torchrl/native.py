@@ -32,14 +32,15 @@ from torchrl.envs import EnvBase
 
 from envsync.configure import config_kwargs, env_state_dict, find_config_method
 from envsync.errors import EnvSyncError, ValidationError
-from envsync.integrations.torchrl.adapter import truncate_at
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.outer import outer_env
 from envsync.integrations.torchrl.paths import held_at
+from envsync.integrations.torchrl.tags import truncate_at
 from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle, ReceiverLink
+from envsync.places import SubEnv
 from envsync.protocol import ApplyAt
-from envsync.receiver import EnvStateReceiver, SubEnv
+from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, flat_names, tensor_of
 
