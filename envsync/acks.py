@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from envsync.core import Core
 from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
 from envsync.fleet import Attachment
-from envsync.links.base import SenderLink
+from envsync.links.base import Acknowledgements
 from envsync.protocol import NO_FAILURE, Until, all_settled, any_owing, is_done
 
 _ACK_SLICE = 0.05
@@ -34,7 +34,7 @@ def wait(core: Core, version: int, mode: Until, targets: list[int], timeout: flo
     deadline = time.monotonic() + timeout
     try:
         # first block (a link returns at once when nothing is owed), then read the counters
-        link = located[pending[0]][0].link if pending else None
+        link: Acknowledgements | None = located[pending[0]][0].link if pending else None
         while link is not None:
             slots = [located[e][1] for e in pending if located[e][0].link is link]
             woken = _block(link, slots, version, mode, deadline - time.monotonic())
@@ -58,7 +58,7 @@ def _closed(version: int) -> EnvSyncError:
     return EnvSyncError(f"the sender was closed while waiting for version {version}")
 
 
-def _block(link: SenderLink, slots: list[int], version: int, mode: Until, remaining: float) -> bool:
+def _block(link: Acknowledgements, slots: list[int], version: int, mode: Until, remaining: float) -> bool:
     """Block on ``link`` until ``slots`` acknowledged ``version`` (at most a slice); return
     whether an acknowledgement came. A link closed meanwhile counts as one: the counters
     read next tell what happened."""
@@ -74,7 +74,7 @@ def _block(link: SenderLink, slots: list[int], version: int, mode: Until, remain
         return True
 
 
-def _settled(core: Core, link: SenderLink, slots: list[int], version: int, mode: Until) -> bool | None:
+def _settled(core: Core, link: Acknowledgements, slots: list[int], version: int, mode: Until) -> bool | None:
     """The common ends of a wake-up, in one or two reads of the link: ``True`` when every
     slot waited for has acknowledged ``version`` and none ever failed; ``False`` when some
     still owe it but no slot of the link ever failed (nothing to raise: block again);
@@ -95,7 +95,7 @@ def _progress(
     version: int,
     mode: Until,
     check_liveness: bool,
-) -> SenderLink | None:
+) -> Acknowledgements | None:
     """Drop the envs that are done from ``pending``; raise failures and (when asked to
     check) deaths; return a link to block on (``None`` when nothing is pending)."""
     try:

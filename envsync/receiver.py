@@ -29,7 +29,7 @@ from envsync import worker_loop
 from envsync.errors import EnvSyncError
 from envsync.exclusion import Exclusion
 from envsync.levels import is_batched
-from envsync.links.base import ReceiverLink
+from envsync.links.base import End, ReceiverLink
 from envsync.places import Place, Standalone
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply, Request
 from envsync.reinit import STATS
@@ -97,7 +97,7 @@ class EnvStateReceiver:
     def __init__(
         self,
         *,
-        link: ReceiverLink,
+        link: End,
         spec: ApplySpec,
         adapter: EnvAdapter,
         initial_config: TensorDictBase | None,

@@ -6,7 +6,7 @@ or many (a ``SerialEnv``'s sub-envs, a natively batched env's rows, a ``Parallel
 group, which its sub-envs wake through their slots' relays). Each env's owner (its
 :class:`~envsync.receiver.EnvStateReceiver`, or the batched env's group for all of its envs)
 joins the loop with its link ends (:func:`serve`); the ends' notices are routed to the
-semaphore of the loop's first end (:meth:`~envsync.links.base.ReceiverLink.route_to`), so
+semaphore of the loop's first end (:meth:`~envsync.links.base.Notices.route_to`), so
 one thread waits on one semaphore, as gymnasium's ``_async_worker`` waits on one pipe.
 Woken by the sender (or every half second), the loop calls each member's ``on_wake``: it
 acknowledges what reached its envs, and, when the collector does not drive them, applies
@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
-from envsync.links.base import ReceiverLink
+from envsync.links.base import Notices
 from envsync.shutdown import EXITING, on_shutdown
 
 PERIOD = 0.5
@@ -57,7 +57,7 @@ class WorkerLoop:
         home: the end whose semaphore the loop waits on (the first end that joined).
     """
 
-    def __init__(self, home: ReceiverLink) -> None:
+    def __init__(self, home: Notices) -> None:
         self.home = home
         self._members: list[weakref.ReferenceType[Member]] = []
         self.running = True
@@ -112,7 +112,7 @@ def _forget_loops() -> None:
 os.register_at_fork(after_in_child=_forget_loops)
 
 
-def serve(member: Member, ends: Sequence[ReceiverLink]) -> None:
+def serve(member: Member, ends: Sequence[Notices]) -> None:
     """Serve ``member`` in this process's loop of the ends' link (started when there is none):
     every notice for ``ends`` wakes that loop from now on, and it calls ``member.on_wake``."""
     first = ends[0]

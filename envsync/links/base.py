@@ -57,8 +57,9 @@ BROADCAST = ("config", "env_state")
 """The sections whose leaves a link can write once for all its workers (a broadcast)."""
 
 
-class SenderLink(Protocol):
-    """The main process's side of a link."""
+class Outbox(Protocol):
+    """The main process's side of a link, as a push and a request use it: write, wake,
+    flush, ask, read the reply."""
 
     num_workers: int
 
@@ -79,18 +80,29 @@ class SenderLink(Protocol):
         """Every write of ``version`` to this link is done (a link that batches, e.g. one
         object-store put per push, sends now; the shared-memory and local links do nothing)."""
 
+    def send_request(self, worker: int, request: Request) -> None:
+        """Send ``request`` to the worker (its kind is the worker's to read, never the link's)."""
+
+    def reply(self, worker: int, request: int) -> Reply | None:
+        """The worker's reply to ``request`` once it came, else ``None``."""
+
+    def handle(self) -> LinkHandle:
+        """What a worker needs to open its end (picklable for the shared-memory link)."""
+
+    def close(self) -> None:
+        """Release every resource; idempotent."""
+
+
+class Acknowledgements(Protocol):
+    """The main process's side of a link, as waiting uses it (:mod:`envsync.acks`): what
+    each worker acknowledged or failed, whether it lives, a wait for the next acknowledgement."""
+
     def status(self, worker: int) -> WorkerStatus:
         """Read the worker's acknowledgements."""
 
     def failed(self) -> list[int]:
         """Every worker's latest failed version (:data:`~envsync.protocol.NO_FAILURE`: none),
         in one read (checked before every push)."""
-
-    def send_request(self, worker: int, request: Request) -> None:
-        """Send ``request`` to the worker (its kind is the worker's to read, never the link's)."""
-
-    def reply(self, worker: int, request: int) -> Reply | None:
-        """The worker's reply to ``request`` once it came, else ``None``."""
 
     def error_text(self, worker: int) -> str:
         """The traceback text of the worker's latest failure."""
@@ -108,32 +120,26 @@ class SenderLink(Protocol):
         anything), or ``timeout`` passes; return whether an acknowledgement came, or at once
         ``True`` when the waiter's rule ``done`` holds."""
 
-    def handle(self) -> LinkHandle:
-        """What a worker needs to open its end (picklable for the shared-memory link)."""
 
-    def close(self) -> None:
-        """Release every resource; idempotent."""
+class SenderLink(Outbox, Acknowledgements, Protocol):
+    """The main process's side of a link: its outbox and its acknowledgements in one object."""
 
 
 class LinkHandle(Protocol):
     """Opens one worker's end of a link."""
 
-    def open(self, worker: int) -> ReceiverLink:
+    def open(self, worker: int) -> End:
         """Return ``worker``'s end."""
 
 
 class ReceiverLink(Protocol):
-    """One worker's side of a link."""
+    """One worker's side of a link, as its receiver uses it: read what is published, load
+    it, answer requests, acknowledge, report failures, mark the env driven."""
 
     worker: int
 
     def target(self) -> int:
         """The latest version published to this worker (one integer read)."""
-
-    def counters(self, name: str, count: int) -> np.ndarray:
-        """A live view of counter ``name`` (``"target"``, ``"applied"``, ``"failed"``, ``"ran"``,
-        ``"obs"``) of ``count`` slots from this end's: what a batched env's group and a step's
-        fast path read without a call per read (an int64 array, written by others)."""
 
     def read_header(self) -> Header:
         """A consistent copy of the version, the config, the stamps and the undo mark."""
@@ -159,44 +165,64 @@ class ReceiverLink(Protocol):
     def report_failure(self, version: int, text: str) -> None:
         """Tell the sender this version failed, with the traceback text."""
 
-    def gated(self, *, wake_group: bool) -> ReceiverLink:
-        """This end, for an env under a batched level: its applies are recorded as reached,
-        and the batched level acknowledges them as applied once it holds them too
-        (``wake_group``: wake the level's group through the slot's relay after each)."""
-
     def set_busy(self, busy: bool) -> None:
         """Mark whether the collector drives the env (the worker loop keeps off meanwhile)."""
-
-    def note_versions(self, ran: int | None, obs: int) -> None:
-        """Record the version the env's latest step ran under (``None``: unchanged) and the one
-        its current observation comes from (a batched env reads them for its tags)."""
 
     def is_busy(self) -> bool:
         """Whether the collector drives the env now (as marked with ``set_busy``, possibly
         from another process: a batched env's group marks its sub-envs)."""
 
-    def poke(self) -> None:
-        """Wake the loop that serves this end (as the sender's notify does)."""
+    def close(self) -> None:
+        """Drop the mapping."""
 
-    def poke_relay(self) -> None:
-        """Wake the loop that waits on the slot's relay (a batched env's group, see ``relayed``)."""
 
-    def relayed(self) -> ReceiverLink:
-        """This end, its loop waiting on the slot's relay instead of its wake-up."""
+class Notices(Protocol):
+    """How an end's notices reach its worker loop (:mod:`envsync.worker_loop`)."""
+
+    worker: int
 
     @property
     def link_name(self) -> str:
         """The link's name, the same in every process (see :mod:`envsync.worker_loop`)."""
 
-    def route_to(self, home: ReceiverLink) -> None:
+    def route_to(self, home: Notices) -> None:
         """Route every notice for this end to the semaphore ``home`` (an end of the same link,
         in this process) waits on: one worker loop waits for both."""
 
     def wait_notice(self, timeout: float) -> bool:
         """Block until a notice for this end (or one routed to it) comes or ``timeout`` passes."""
 
+    def poke(self) -> None:
+        """Wake the loop that serves this end (as the sender's notify does)."""
+
     def owner_alive(self) -> bool:
         """Whether the sender's process still runs (a worker whose sender died exits)."""
 
-    def close(self) -> None:
-        """Drop the mapping."""
+
+class Marks(Protocol):
+    """What a batched env's level reads and marks on its envs' ends: the counters its group
+    and a step's fast path read, the versions an env's steps ran, the gate and the relay."""
+
+    def counters(self, name: str, count: int) -> np.ndarray:
+        """A live view of counter ``name`` (``"target"``, ``"applied"``, ``"failed"``, ``"ran"``,
+        ``"obs"``) of ``count`` slots from this end's: what a batched env's group and a step's
+        fast path read without a call per read (an int64 array, written by others)."""
+
+    def gated(self, *, wake_group: bool) -> End:
+        """This end, for an env under a batched level: its applies are recorded as reached,
+        and the batched level acknowledges them as applied once it holds them too
+        (``wake_group``: wake the level's group through the slot's relay after each)."""
+
+    def note_versions(self, ran: int | None, obs: int) -> None:
+        """Record the version the env's latest step ran under (``None``: unchanged) and the one
+        its current observation comes from (a batched env reads them for its tags)."""
+
+    def relayed(self) -> End:
+        """This end, its loop waiting on the slot's relay instead of its wake-up."""
+
+    def poke_relay(self) -> None:
+        """Wake the loop that waits on the slot's relay (a batched env's group, see ``relayed``)."""
+
+
+class End(ReceiverLink, Notices, Marks, Protocol):
+    """An opened end: its receiver's, its loop's and its batched level's sides in one object."""

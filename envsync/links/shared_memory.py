@@ -31,7 +31,6 @@ from envsync.links.base import Key
 from envsync.links.slot_reader import SlotReader
 from envsync.links.slots import SlotWriter
 from envsync.links.table import Field, Table, pid_alive, plan
-from envsync.protocol import Counts, Reply, Request
 from envsync.state import Leaf
 
 SHM_DIR = "/dev/shm"
@@ -129,8 +128,9 @@ def _release(path: str, fd: int, owner: int) -> None:
             os.close(fd)
 
 
-class SharedMemoryLink:
-    """The sender end over a /dev/shm file.
+class SharedMemoryLink(SlotWriter):
+    """The sender end over a /dev/shm file: a :class:`~envsync.links.slots.SlotWriter` on a
+    table it creates, owns and unlinks.
 
     Args:
         leaves: one worker's starting leaves (they fix the layout).
@@ -188,41 +188,9 @@ class SharedMemoryLink:
             owner=os.getpid(),
         )
         handle = self._handle
-        self._writer: SlotWriter | None = SlotWriter(handle.table(), handle.locks, handle.wakes, handle.acks)
-        self._writer.initialise(leaves)
+        super().__init__(handle.table(), handle.locks, handle.wakes, handle.acks)
+        self.initialise(leaves)
         self._alive = alive
-
-    def _live(self) -> SlotWriter:
-        if self._writer is None:
-            raise RuntimeError("link is closed")
-        return self._writer
-
-    def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
-        self._live().write(worker, version, entries, undo=undo)
-
-    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
-        self._live().broadcast(version, shared, entries)
-
-    def notify(self, worker: int) -> None:
-        self._live().notify(worker)
-
-    def flush(self, version: int) -> None:
-        self._live().flush(version)
-
-    def send_request(self, worker: int, request: Request) -> None:
-        self._live().send_request(worker, request)
-
-    def reply(self, worker: int, request: int) -> Reply | None:
-        return self._live().reply(worker, request)
-
-    def status(self, worker: int) -> Any:
-        return self._live().status(worker)
-
-    def failed(self) -> list[int]:
-        return self._live().failed()
-
-    def error_text(self, worker: int) -> str:
-        return self._live().error_text(worker)
 
     def alive(self, worker: int) -> bool:
         """Whether the slot's process can still answer: the collector says its worker lives,
@@ -230,22 +198,12 @@ class SharedMemoryLink:
         for a sub-env) still runs."""
         if not self._alive(worker):
             return False
-        pid = int(self._live().table.counters["pid"][worker])
+        pid = int(self.table.counters["pid"][worker])
         return not pid or pid == os.getpid() or pid_alive(pid)
-
-    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
-        return self._live().counts(slots, applied=applied)
-
-    def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
-        return self._live().wait_acks(timeout, applied=applied, done=done)
-
-    def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
-        """A copy of every leaf currently published to ``worker``."""
-        return self._live().read_back(worker)
 
     def worker_pid(self, worker: int) -> int:
         """The pid a receiver wrote when it opened its end (0 before)."""
-        return int(self._live().table.counters["pid"][worker])
+        return int(self.table.counters["pid"][worker])
 
     def handle(self) -> SharedMemoryHandle:
         if self._handle is None:
@@ -253,8 +211,9 @@ class SharedMemoryLink:
         return self._handle
 
     def close(self) -> None:
-        # drop every reference to the locks and semaphores: they are freed with the last one
-        self._writer = None
+        # drop every reference to the locks and semaphores: they are freed with the last one (the
+        # mapping stays valid for whatever still reads it; its file is unlinked)
+        self.release()
         self._handle = None
         self._finalizer()
 

@@ -14,7 +14,7 @@ import torch
 
 from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
-from envsync.links.base import Header, Key, ReceiverLink
+from envsync.links.base import Header, Key, Notices
 from envsync.links.records import plain, request_of, seal, unseal
 from envsync.links.slots import locked, take_back, write_text
 from envsync.links.table import ERROR_BYTES, Table, pid_alive
@@ -98,7 +98,7 @@ class SlotReader:
         """This end, waiting on the slot's relay instead of its wake-up (for a group's loop)."""
         return self._copy_end(relayed=True, gate=(False, False))
 
-    def route_to(self, home: ReceiverLink) -> None:
+    def route_to(self, home: Notices) -> None:
         """From now on, every notice for this end (the sender's, or a relay's when this end
         is :meth:`relayed`) releases the semaphore ``home`` waits on (an end of the same link
         in this process), so that one thread waits for both."""

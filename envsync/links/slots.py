@@ -95,6 +95,11 @@ class SlotWriter:
         self._waiters_lock = threading.Lock()
         self._flushes = 0
 
+    def release(self) -> None:
+        """Drop this writer's references to the locks and semaphores (each is freed with its
+        last reference); the writer is unusable after."""
+        self._locks, self._wakes, self._acks = [], [], (None, None)
+
     def initialise(self, leaves: Mapping[Key, Leaf]) -> None:
         """Give every worker the same starting leaves at version 0 (before any worker reads)."""
         self.table.counters["failed"][:] = NO_FAILURE

@@ -37,7 +37,7 @@ from envsync.integrations.torchrl.outer import outer_env
 from envsync.integrations.torchrl.paths import held_at
 from envsync.integrations.torchrl.tags import truncate_at
 from envsync.levels import split_reinit
-from envsync.links.base import LinkHandle, ReceiverLink
+from envsync.links.base import End, LinkHandle
 from envsync.places import SubEnv
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver
@@ -281,7 +281,7 @@ class Rows:
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:
         hooks = self._hooks
 
-        def end(index: int) -> ReceiverLink:
+        def end(index: int) -> End:
             opened = handle.open(first_slot + index)
             return opened.gated(wake_group=False) if gated else opened
 

@@ -22,7 +22,7 @@ from torchrl.envs import EnvBase, TransformedEnv
 
 from envsync.integrations.torchrl.adapter import CollectorAdapter
 from envsync.levels import PREFIX, inner, is_batched, split_reinit
-from envsync.links.base import ReceiverLink
+from envsync.links.base import End
 from envsync.protocol import Kind
 from envsync.receiver import answer
 from envsync.spec import ApplySpec
@@ -45,7 +45,7 @@ class OuterState:
     """The batched env's own entries, loaded and read beside it (see the module docstring).
 
     The worker's envs record the versions they applied as *reached* (their ends are gated,
-    :meth:`~envsync.links.base.ReceiverLink.gated`); this level acknowledges them as
+    :meth:`~envsync.links.base.Marks.gated`); this level acknowledges them as
     *applied* once it holds them too, or reports their failure: "applied" covers both levels.
 
     Args:
@@ -55,7 +55,7 @@ class OuterState:
             the batched entries (every env of the worker carries the same).
     """
 
-    def __init__(self, env: EnvBase, spec: ApplySpec, ends: list[ReceiverLink]) -> None:
+    def __init__(self, env: EnvBase, spec: ApplySpec, ends: list[End]) -> None:
         self._adapter = CollectorAdapter(None, env, outer_spec(spec))
         self._ends = ends
         self._end = first = ends[0]
