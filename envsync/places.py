@@ -5,10 +5,25 @@ env, driven and reset by its group (:class:`SubEnv`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from envsync.receiver import EnvStateReceiver
+from envsync.links.base import ReceiverLink
+from envsync.spec import ApplySpec
+
+
+class Applier(Protocol):
+    """What a place asks of its receiver (:class:`~envsync.receiver.EnvStateReceiver`)."""
+
+    @property
+    def spec(self) -> ApplySpec:
+        """How versions are applied."""
+
+    @property
+    def link(self) -> ReceiverLink:
+        """The receiver's end of its link."""
+
+    def apply_latest(self, *, reset_after: bool) -> bool:
+        """Apply the latest version published (then reset, ``reset_after``); whether it did."""
 
 
 class Place(Protocol):
@@ -20,7 +35,7 @@ class Place(Protocol):
     def resets(self) -> bool:
         """Whether the receiver resets its env itself (after catching up, or an idle apply)."""
 
-    def idle_apply(self, receiver: EnvStateReceiver) -> None:
+    def idle_apply(self, receiver: Applier) -> None:
         """Apply ``receiver``'s pending ``"step"`` or ``"truncate"`` version while the
         collector is idle (called under the receiver's exclusion)."""
 
@@ -39,7 +54,7 @@ class Standalone:
 
     resets = True
 
-    def idle_apply(self, receiver: EnvStateReceiver) -> None:
+    def idle_apply(self, receiver: Applier) -> None:
         receiver.apply_latest(reset_after=receiver.spec.idle_resets)
 
     def hand_over(self) -> None:
@@ -69,7 +84,7 @@ class SubEnv:
         self._before_idle_apply = before_idle_apply
         self._wake_group = wake_group
 
-    def idle_apply(self, receiver: EnvStateReceiver) -> None:
+    def idle_apply(self, receiver: Applier) -> None:
         if receiver.spec.idle_resets:
             self._wake_group()  # the group resets the sub-env through its collector
             return
