@@ -334,3 +334,16 @@ def test_the_sweep_keeps_live_files_whatever_their_pid_says() -> None:
     finally:
         os.unlink(alias)
         link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_ends_counters_follow_the_sender_and_cannot_be_written_past_the_link(kind: str) -> None:
+    link = make(kind, 2)
+    try:
+        targets = link.handle().open(0).counters("target", 2)
+        link.write(1, 3, {("config", "level"): torch.tensor(2)})
+        assert targets.tolist() == [0, 3]
+        with pytest.raises(ValueError, match="read-only"):
+            targets[0] = 5
+    finally:
+        link.close()

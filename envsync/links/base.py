@@ -206,7 +206,8 @@ class Marks(Protocol):
     def counters(self, name: str, count: int) -> np.ndarray:
         """A live view of counter ``name`` (``"target"``, ``"applied"``, ``"failed"``, ``"ran"``,
         ``"obs"``) of ``count`` slots from this end's: what a batched env's group and a step's
-        fast path read without a call per read (an int64 array, written by others)."""
+        fast path read without a call per read (a read-only int64 array: only the link's own
+        methods write the table)."""
 
     def gated(self, *, wake_group: bool) -> End:
         """This end, for an env under a batched level: its applies are recorded as reached,

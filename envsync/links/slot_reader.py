@@ -118,7 +118,9 @@ class SlotReader:
         return int(self.targets[self.worker])
 
     def counters(self, name: str, count: int) -> np.ndarray:
-        return self._c[name][self.worker : self.worker + count]
+        view = self._c[name][self.worker : self.worker + count].view()
+        view.flags.writeable = False  # the link's own methods are the only writers
+        return view
 
     def read_header(self) -> Header:
         """The slot's header; a config name not written since the last read is the copy made
