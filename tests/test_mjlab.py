@@ -24,7 +24,7 @@ from mjlab_envs import CART, POLE, make_cartpole, make_cartpoles_32, make_cartpo
 from torchrl.collectors import Collector, MultiSyncCollector  # noqa: E402
 
 import envsync  # noqa: E402
-from envsync import EnvStateSender, ValidationError  # noqa: E402
+from envsync import EnvStateSender, ValidationError, curriculum  # noqa: E402
 from envsync.configure import wrapper_chain  # noqa: E402
 
 MASS = 0.1  # the pole's mass as built
@@ -184,11 +184,9 @@ def drive(collector: Any, sender: EnvStateSender, mode: str, frames: int = FRAME
     return wrong, checked, versions
 
 
-COLLECTORS: dict[str, Callable[..., Any]] = {
-    "single": lambda s, **kw: Collector(s.env_fn(make_cartpoles_64), None, frames_per_batch=64 * 16, **kw),
-    "multisync": lambda s, **kw: MultiSyncCollector(
-        [s.env_fn(make_cartpoles_32)] * 2, None, frames_per_batch=64 * 16, **kw
-    ),
+COLLECTORS: dict[str, Callable[..., Any]] = {  # 64 worlds: one env of 64, or two workers of 32
+    "single": lambda s, **kw: Collector(s.env_fn(make_cartpoles_64), None, **kw),
+    "multisync": lambda s, **kw: MultiSyncCollector([s.env_fn(make_cartpoles_32)] * 2, None, **kw),
 }
 
 
@@ -198,7 +196,9 @@ COLLECTORS: dict[str, Callable[..., Any]] = {
 def test_every_frame_of_ten_thousand_names_the_mass_its_world_ran(kind: str, mode: str) -> None:
     sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at=mode)
     with start_method("fork"):
-        collector = COLLECTORS[kind](sender, total_frames=-1, weight_sync_schemes=sender.schemes())
+        collector = COLLECTORS[kind](
+            sender, frames_per_batch=64 * 16, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
     try:
         assert sender.num_envs == 64
         wrong, checked, versions = drive(collector, sender, mode)
@@ -207,3 +207,76 @@ def test_every_frame_of_ten_thousand_names_the_mass_its_world_ran(kind: str, mod
         sender.close()
     assert checked >= FRAMES and wrong == 0, (wrong, checked)
     assert len(versions) >= 4, versions  # the worlds ran many pushes, each at its own safe point
+
+
+# ---- curricula over worlds: each episode credited to the physics the simulator ran -----------
+
+
+def with_pole_mass(batch: TensorDictBase) -> TensorDictBase:
+    """The batch with the simulator's pole and subtree masses as one number per frame each
+    (the ledger's measures take one number per frame)."""
+    physics = batch["next", "physics"]
+    batch.set(("next", "pole_mass"), physics[..., 0])
+    batch.set(("next", "subtree_mass"), physics[..., 1])
+    return batch
+
+
+PHYSICS = {  # what the simulator reported over each episode's steps
+    "pole_min": curriculum.Measure(("next", "pole_mass"), "min"),
+    "pole_max": curriculum.Measure(("next", "pole_mass"), "max"),
+    "subtree_min": curriculum.Measure(("next", "subtree_mass"), "min"),
+    "subtree_max": curriculum.Measure(("next", "subtree_mass"), "max"),
+    "pole_mass": curriculum.Measure(("next", "pole_mass"), "mean"),
+}
+
+
+def ran(episode: curriculum.Episode, factor: float) -> bool:
+    """Whether every step of the episode, as the simulator reported it, ran ``factor`` times
+    the masses as built (pole and cart subtree)."""
+    m = episode.measures
+    return all(
+        abs(m[f"{name}_{end}"] - built * factor) <= 1e-5 * built * factor
+        for name, built in (("pole", MASS), ("subtree", SUBTREE))
+        for end in ("min", "max")
+    )
+
+
+@pytest.mark.parametrize("kind", list(COLLECTORS))
+@pytest.mark.timeout(300)
+def test_adr_over_the_mass_per_world_credits_each_episode_to_the_mass_the_simulator_ran(kind: str) -> None:
+    """ADR's objective is the pole mass the simulator reported over the episode, and its
+    thresholds sit at 0.75 of the mass as built: the upper boundary widens to its bound, the
+    lower one steps down until it evaluates 0.7 (below the threshold), then back up, and so
+    settles at 0.7/0.8, which it can do only if each boundary's results are those of the
+    worlds that ran it."""
+    sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="reset")
+    with start_method("fork"):
+        collector = COLLECTORS[kind](sender, frames_per_batch=64 * 4, total_frames=-1,
+                                     weight_sync_schemes=sender.schemes())
+    adr = curriculum.ADR(sender, ranges={"mass": (1.0, 1.0)}, bounds={"mass": (0.5, 1.5)}, delta=0.1,
+                         boundary_fraction=0.5, queue=4, thresholds=(0.75 * MASS, 0.75 * MASS),
+                         objective="pole_mass", measures=PHYSICS, seed=0)
+    episodes = wrong = credited = 0
+    try:
+        for index, batch in enumerate(collector):
+            assigned = dict(adr.assigned)  # (env, version) -> (boundary, value), as ADR will credit them
+            for episode in adr.observe(with_pole_mass(batch)):
+                episodes += 1
+                wrong += not ran(episode, episode.config["mass"].item())
+                if (episode.env, episode.version) in assigned:
+                    credited += 1
+                    wrong += not ran(episode, assigned[episode.env, episode.version][1])
+            if index == 40:
+                break
+        held = sender.read_attributes(["sim.model.body_mass"])["sim", "model", "body_mass"][:, POLE]
+        runs = [MASS * sender.config_at(env, v)["mass"].item() for env, v in enumerate(sender.env_versions())]
+    finally:
+        collector.shutdown()
+        sender.close()
+    assert episodes >= 500 and credited >= 200 and wrong == 0, (episodes, credited, wrong)
+    assert held.tolist() == pytest.approx(runs, rel=1e-5)  # each world holds the row of the version it runs
+    lows = [record["mass.low"] for record in adr.history()]
+    assert min(lows) == pytest.approx(0.7) and adr.range["mass"][0] in (pytest.approx(0.7), pytest.approx(0.8))
+    shrank = any(later > earlier for earlier, later in zip(lows[:-1], lows[1:], strict=True))
+    assert shrank, f"the lower boundary never moved back up: {lows}"
+    assert adr.range["mass"][1] == pytest.approx(1.5), adr.range
