@@ -280,3 +280,80 @@ def test_adr_over_the_mass_per_world_credits_each_episode_to_the_mass_the_simula
     shrank = any(later > earlier for earlier, later in zip(lows[:-1], lows[1:], strict=True))
     assert shrank, f"the lower boundary never moved back up: {lows}"
     assert adr.range["mass"][1] == pytest.approx(1.5), adr.range
+
+
+MASSES = (0.5, 1.0, 1.5)  # the mass factors the levels, lessons and arms set
+
+
+def plr(sender: EnvStateSender) -> curriculum.PLR:
+    """Scores a level by its episodes' simulated pole mass: each level's score ends as minus
+    its own mass."""
+    return curriculum.PLR(sender, [{"mass": m} for m in MASSES], score=lambda e: -e.measures["pole_mass"],
+                          measures=PHYSICS, seed=0)
+
+
+def lessons(sender: EnvStateSender) -> curriculum.Lessons:
+    """Moves on when the simulated pole mass of its episodes passes each lesson's threshold."""
+    steps = [curriculum.Lesson({"mass": m}, measure="pole_mass", threshold=0.9 * MASS * m, min_lesson_length=30,
+                               signal_smoothing=False) for m in (1.0, 1.5)]
+    return curriculum.Lessons(sender, [*steps, curriculum.Lesson({"mass": 0.5})], measures=PHYSICS)
+
+
+def bandit(sender: EnvStateSender) -> curriculum.Bandit:
+    """Rewards an arm by its episodes' simulated pole mass: the heaviest arm pays 1."""
+    return curriculum.Bandit(sender, [{"mass": m} for m in MASSES], reward=lambda e: e.measures["pole_mass"],
+                             reward_range=(0.0, MASS * MASSES[-1]), measures=PHYSICS)
+
+
+def choices(strategy: Any) -> dict[tuple[int, int], float]:
+    """The mass factor the strategy chose for each (env, version) it still tracks."""
+    if isinstance(strategy, curriculum.PLR):
+        return {key: MASSES[level] for key, level in strategy.assigned.items()}
+    if isinstance(strategy, curriculum.Bandit):
+        return {key: MASSES[arm] for key, (arm, _) in strategy.pulls.items()}
+    factor = float(strategy.lessons[strategy.lesson].config["mass"])
+    return {(env, strategy.since): factor for env in range(strategy.sender.num_envs)}
+
+
+@pytest.mark.parametrize("make", [plr, lessons, bandit], ids=["plr", "lessons", "bandit"])
+@pytest.mark.timeout(180)
+def test_plr_lessons_and_bandit_drive_worlds_and_each_world_runs_its_choice(
+    make: Callable[[EnvStateSender], Any],
+) -> None:
+    """Each strategy drives the 64 worlds of one env as it drives sub-envs: a row per world
+    (a fleet-wide push for Lessons, which each world takes at its own reset); every episode
+    ran, by the simulator's account, the mass the strategy chose for its (env, version)."""
+    sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="reset")
+    with start_method("fork"):
+        collector = COLLECTORS["single"](sender, frames_per_batch=64 * 4, total_frames=-1,
+                                         weight_sync_schemes=sender.schemes())
+    strategy = make(sender)
+    chosen = {(env, 0): 1.0 for env in range(64)} | choices(strategy)
+    episodes: list[curriculum.Episode] = []
+    wrong = mixed = 0
+    try:
+        for index, batch in enumerate(collector):
+            for episode in strategy.observe(with_pole_mass(batch)):
+                episodes.append(episode)
+                wrong += not ran(episode, chosen[episode.env, episode.version])
+            chosen |= choices(strategy)
+            mixed += len(set(batch["next", "physics"][..., 0].flatten().tolist())) > 1
+            if index == 25:
+                break
+        held = sender.read_attributes(["sim.model.body_mass"])["sim", "model", "body_mass"][:, POLE]
+        runs = [MASS * chosen[env, v] for env, v in enumerate(sender.env_versions())]
+    finally:
+        collector.shutdown()
+        sender.close()
+    assert len(episodes) >= 300 and wrong == 0, (len(episodes), wrong)
+    assert held.tolist() == pytest.approx(runs, rel=1e-5)  # each world holds the choice of the version it runs
+    # worlds of one batch ran different masses: each takes its own row (or the new lesson) at its own reset
+    assert mixed >= (2 if isinstance(strategy, curriculum.Lessons) else 10), mixed
+    if isinstance(strategy, curriculum.PLR):  # every level scored by its own simulated mass, nothing else
+        assert strategy.seen.all() and strategy.scores.tolist() == pytest.approx([-MASS * m for m in MASSES], rel=1e-5)
+    elif isinstance(strategy, curriculum.Bandit):  # each arm's mean reward is its own mass's
+        means = (strategy.sums / strategy.counts).tolist()
+        assert means == pytest.approx([m / MASSES[-1] for m in MASSES], rel=1e-5)
+        assert int(strategy.counts.argmax()) == len(MASSES) - 1, strategy.counts  # UCB1 favours the heavy arm
+    else:
+        assert strategy.lesson == 2 and {round(e.measures["pole_mass"] / MASS, 3) for e in episodes} == {1.0, 1.5, 0.5}
