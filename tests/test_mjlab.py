@@ -24,7 +24,7 @@ from mjlab_envs import CART, POLE, make_cartpole, make_cartpoles_32, make_cartpo
 from torchrl.collectors import Collector, MultiSyncCollector  # noqa: E402
 
 import envsync  # noqa: E402
-from envsync import EnvStateSender, ValidationError  # noqa: E402
+from envsync import EnvStateSender, ValidationError, curriculum  # noqa: E402
 from envsync.configure import wrapper_chain  # noqa: E402
 
 MASS = 0.1  # the pole's mass as built
@@ -184,11 +184,9 @@ def drive(collector: Any, sender: EnvStateSender, mode: str, frames: int = FRAME
     return wrong, checked, versions
 
 
-COLLECTORS: dict[str, Callable[..., Any]] = {
-    "single": lambda s, **kw: Collector(s.env_fn(make_cartpoles_64), None, frames_per_batch=64 * 16, **kw),
-    "multisync": lambda s, **kw: MultiSyncCollector(
-        [s.env_fn(make_cartpoles_32)] * 2, None, frames_per_batch=64 * 16, **kw
-    ),
+COLLECTORS: dict[str, Callable[..., Any]] = {  # 64 worlds: one env of 64, or two workers of 32
+    "single": lambda s, **kw: Collector(s.env_fn(make_cartpoles_64), None, **kw),
+    "multisync": lambda s, **kw: MultiSyncCollector([s.env_fn(make_cartpoles_32)] * 2, None, **kw),
 }
 
 
@@ -198,7 +196,9 @@ COLLECTORS: dict[str, Callable[..., Any]] = {
 def test_every_frame_of_ten_thousand_names_the_mass_its_world_ran(kind: str, mode: str) -> None:
     sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at=mode)
     with start_method("fork"):
-        collector = COLLECTORS[kind](sender, total_frames=-1, weight_sync_schemes=sender.schemes())
+        collector = COLLECTORS[kind](
+            sender, frames_per_batch=64 * 16, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
     try:
         assert sender.num_envs == 64
         wrong, checked, versions = drive(collector, sender, mode)
@@ -207,3 +207,153 @@ def test_every_frame_of_ten_thousand_names_the_mass_its_world_ran(kind: str, mod
         sender.close()
     assert checked >= FRAMES and wrong == 0, (wrong, checked)
     assert len(versions) >= 4, versions  # the worlds ran many pushes, each at its own safe point
+
+
+# ---- curricula over worlds: each episode credited to the physics the simulator ran -----------
+
+
+def with_pole_mass(batch: TensorDictBase) -> TensorDictBase:
+    """The batch with the simulator's pole and subtree masses as one number per frame each
+    (the ledger's measures take one number per frame)."""
+    physics = batch["next", "physics"]
+    batch.set(("next", "pole_mass"), physics[..., 0])
+    batch.set(("next", "subtree_mass"), physics[..., 1])
+    return batch
+
+
+PHYSICS = {  # what the simulator reported over each episode's steps
+    "pole_min": curriculum.Measure(("next", "pole_mass"), "min"),
+    "pole_max": curriculum.Measure(("next", "pole_mass"), "max"),
+    "subtree_min": curriculum.Measure(("next", "subtree_mass"), "min"),
+    "subtree_max": curriculum.Measure(("next", "subtree_mass"), "max"),
+    "pole_mass": curriculum.Measure(("next", "pole_mass"), "mean"),
+}
+
+
+def ran(episode: curriculum.Episode, factor: float) -> bool:
+    """Whether every step of the episode, as the simulator reported it, ran ``factor`` times
+    the masses as built (pole and cart subtree)."""
+    m = episode.measures
+    return all(
+        abs(m[f"{name}_{end}"] - built * factor) <= 1e-5 * built * factor
+        for name, built in (("pole", MASS), ("subtree", SUBTREE))
+        for end in ("min", "max")
+    )
+
+
+@pytest.mark.parametrize("kind", list(COLLECTORS))
+@pytest.mark.timeout(300)
+def test_adr_over_the_mass_per_world_credits_each_episode_to_the_mass_the_simulator_ran(kind: str) -> None:
+    """ADR's objective is the pole mass the simulator reported over the episode, and its
+    thresholds sit at 0.75 of the mass as built: the upper boundary widens to its bound, the
+    lower one steps down until it evaluates 0.7 (below the threshold), then back up, and so
+    settles at 0.7/0.8, which it can do only if each boundary's results are those of the
+    worlds that ran it."""
+    sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="reset")
+    with start_method("fork"):
+        collector = COLLECTORS[kind](sender, frames_per_batch=64 * 4, total_frames=-1,
+                                     weight_sync_schemes=sender.schemes())
+    adr = curriculum.ADR(sender, ranges={"mass": (1.0, 1.0)}, bounds={"mass": (0.5, 1.5)}, delta=0.1,
+                         boundary_fraction=0.5, queue=4, thresholds=(0.75 * MASS, 0.75 * MASS),
+                         objective="pole_mass", measures=PHYSICS, seed=0)
+    episodes = wrong = credited = 0
+    try:
+        for index, batch in enumerate(collector):
+            assigned = dict(adr.assigned)  # (env, version) -> (boundary, value), as ADR will credit them
+            for episode in adr.observe(with_pole_mass(batch)):
+                episodes += 1
+                wrong += not ran(episode, episode.config["mass"].item())
+                if (episode.env, episode.version) in assigned:
+                    credited += 1
+                    wrong += not ran(episode, assigned[episode.env, episode.version][1])
+            if index == 40:
+                break
+        held = sender.read_attributes(["sim.model.body_mass"])["sim", "model", "body_mass"][:, POLE]
+        runs = [MASS * sender.config_at(env, v)["mass"].item() for env, v in enumerate(sender.env_versions())]
+    finally:
+        collector.shutdown()
+        sender.close()
+    assert episodes >= 500 and credited >= 200 and wrong == 0, (episodes, credited, wrong)
+    assert held.tolist() == pytest.approx(runs, rel=1e-5)  # each world holds the row of the version it runs
+    lows = [record["mass.low"] for record in adr.history()]
+    assert min(lows) == pytest.approx(0.7) and adr.range["mass"][0] in (pytest.approx(0.7), pytest.approx(0.8))
+    shrank = any(later > earlier for earlier, later in zip(lows[:-1], lows[1:], strict=True))
+    assert shrank, f"the lower boundary never moved back up: {lows}"
+    assert adr.range["mass"][1] == pytest.approx(1.5), adr.range
+
+
+MASSES = (0.5, 1.0, 1.5)  # the mass factors the levels, lessons and arms set
+
+
+def plr(sender: EnvStateSender) -> curriculum.PLR:
+    """Scores a level by its episodes' simulated pole mass: each level's score ends as minus
+    its own mass."""
+    return curriculum.PLR(sender, [{"mass": m} for m in MASSES], score=lambda e: -e.measures["pole_mass"],
+                          measures=PHYSICS, seed=0)
+
+
+def lessons(sender: EnvStateSender) -> curriculum.Lessons:
+    """Moves on when the simulated pole mass of its episodes passes each lesson's threshold."""
+    steps = [curriculum.Lesson({"mass": m}, measure="pole_mass", threshold=0.9 * MASS * m, min_lesson_length=30,
+                               signal_smoothing=False) for m in (1.0, 1.5)]
+    return curriculum.Lessons(sender, [*steps, curriculum.Lesson({"mass": 0.5})], measures=PHYSICS)
+
+
+def bandit(sender: EnvStateSender) -> curriculum.Bandit:
+    """Rewards an arm by its episodes' simulated pole mass: the heaviest arm pays 1."""
+    return curriculum.Bandit(sender, [{"mass": m} for m in MASSES], reward=lambda e: e.measures["pole_mass"],
+                             reward_range=(0.0, MASS * MASSES[-1]), measures=PHYSICS)
+
+
+def choices(strategy: Any) -> dict[tuple[int, int], float]:
+    """The mass factor the strategy chose for each (env, version) it still tracks."""
+    if isinstance(strategy, curriculum.PLR):
+        return {key: MASSES[level] for key, level in strategy.assigned.items()}
+    if isinstance(strategy, curriculum.Bandit):
+        return {key: MASSES[arm] for key, (arm, _) in strategy.pulls.items()}
+    factor = float(strategy.lessons[strategy.lesson].config["mass"])
+    return {(env, strategy.since): factor for env in range(strategy.sender.num_envs)}
+
+
+@pytest.mark.parametrize("make", [plr, lessons, bandit], ids=["plr", "lessons", "bandit"])
+@pytest.mark.timeout(180)
+def test_plr_lessons_and_bandit_drive_worlds_and_each_world_runs_its_choice(
+    make: Callable[[EnvStateSender], Any],
+) -> None:
+    """Each strategy drives the 64 worlds of one env as it drives sub-envs: a row per world
+    (a fleet-wide push for Lessons, which each world takes at its own reset); every episode
+    ran, by the simulator's account, the mass the strategy chose for its (env, version)."""
+    sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="reset")
+    with start_method("fork"):
+        collector = COLLECTORS["single"](sender, frames_per_batch=64 * 4, total_frames=-1,
+                                         weight_sync_schemes=sender.schemes())
+    strategy = make(sender)
+    chosen = {(env, 0): 1.0 for env in range(64)} | choices(strategy)
+    episodes: list[curriculum.Episode] = []
+    wrong = mixed = 0
+    try:
+        for index, batch in enumerate(collector):
+            for episode in strategy.observe(with_pole_mass(batch)):
+                episodes.append(episode)
+                wrong += not ran(episode, chosen[episode.env, episode.version])
+            chosen |= choices(strategy)
+            mixed += len(set(batch["next", "physics"][..., 0].flatten().tolist())) > 1
+            if index == 25:
+                break
+        held = sender.read_attributes(["sim.model.body_mass"])["sim", "model", "body_mass"][:, POLE]
+        runs = [MASS * chosen[env, v] for env, v in enumerate(sender.env_versions())]
+    finally:
+        collector.shutdown()
+        sender.close()
+    assert len(episodes) >= 300 and wrong == 0, (len(episodes), wrong)
+    assert held.tolist() == pytest.approx(runs, rel=1e-5)  # each world holds the choice of the version it runs
+    # worlds of one batch ran different masses: each takes its own row (or the new lesson) at its own reset
+    assert mixed >= (2 if isinstance(strategy, curriculum.Lessons) else 10), mixed
+    if isinstance(strategy, curriculum.PLR):  # every level scored by its own simulated mass, nothing else
+        assert strategy.seen.all() and strategy.scores.tolist() == pytest.approx([-MASS * m for m in MASSES], rel=1e-5)
+    elif isinstance(strategy, curriculum.Bandit):  # each arm's mean reward is its own mass's
+        means = (strategy.sums / strategy.counts).tolist()
+        assert means == pytest.approx([m / MASSES[-1] for m in MASSES], rel=1e-5)
+        assert int(strategy.counts.argmax()) == len(MASSES) - 1, strategy.counts  # UCB1 favours the heavy arm
+    else:
+        assert strategy.lesson == 2 and {round(e.measures["pole_mass"] / MASS, 3) for e in episodes} == {1.0, 1.5, 0.5}
