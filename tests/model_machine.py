@@ -439,6 +439,10 @@ class ModelMachine(RuleBasedStateMachine):
                 return err
         raise Violation("a failing apply raises WorkerApplyError", f"version {version}: never raised")
 
+    def held_between(self, env: int, first: int, last: int) -> list[Any]:
+        """Every setting the model says ``env`` held from version ``first`` to ``last``."""
+        return [s for v in range(first, last + 1) for s in self.model.table.get(v, {}).get(env, ())]
+
     def do_gather(self) -> None:
         """Each env's ``loc``, read back at a safe point, is one the model says it held."""
         before = self.sender.env_versions()
@@ -451,7 +455,7 @@ class ModelMachine(RuleBasedStateMachine):
         locs = gathered.flatten_keys(".")[LOC_KEY]
         expect(locs.shape[0] == self.cell.num_envs, "gather works", f"gather gave {locs.shape[0]} rows")
         for env, row in enumerate(locs.tolist()):
-            held = {s.loc for v in range(before[env], after[env] + 1) for s in self.model.table.get(v, {}).get(env, ())}
+            held = {s.loc for s in self.held_between(env, before[env], after[env])}
             expect(
                 any(all(abs(x - loc) < 1e-4 for x in row) for loc in held),
                 "gather returns what each env holds",
@@ -467,8 +471,7 @@ class ModelMachine(RuleBasedStateMachine):
         values = held["difficulty"].reshape(-1).tolist()
         expect(len(values) == self.cell.num_envs, "read_attributes works", f"{len(values)} rows")
         for env, difficulty in enumerate(values):
-            settings = (s for v in range(before[env], after[env] + 1) for s in self.model.table.get(v, {}).get(env, ()))
-            allowed = {s.difficulty for s in settings}
+            allowed = {s.difficulty for s in self.held_between(env, before[env], after[env])}
             expect(
                 any(abs(difficulty - d) < 1e-3 for d in allowed),
                 "read_attributes returns what each env holds",

@@ -347,3 +347,16 @@ def test_an_ends_counters_follow_the_sender_and_cannot_be_written_past_the_link(
             targets[0] = 5
     finally:
         link.close()
+
+
+def test_a_closed_shared_memory_link_refuses_every_write_wake_and_wait() -> None:
+    link = make("shm", 2)
+    link.close()
+    for use in (
+        lambda: link.write(0, 1, {("config", "level"): torch.tensor(2)}),
+        lambda: link.notify(0),
+        lambda: link.wait_acks(0.01, applied=True),
+        lambda: link.handle(),
+    ):
+        with pytest.raises(RuntimeError, match="link is closed"):
+            use()

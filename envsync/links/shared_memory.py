@@ -198,7 +198,7 @@ class SharedMemoryLink(SlotWriter):
         for a sub-env) still runs."""
         if not self._alive(worker):
             return False
-        pid = int(self.table.counters["pid"][worker])
+        pid = self.worker_pid(worker)
         return not pid or pid == os.getpid() or pid_alive(pid)
 
     def worker_pid(self, worker: int) -> int:

@@ -72,6 +72,17 @@ class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
         self._lock.release()
 
 
+class _Released:
+    """What a released writer holds instead of its locks and semaphores: any use of them is
+    a use of a closed link."""
+
+    def __getitem__(self, index: int) -> Any:
+        raise RuntimeError("link is closed")
+
+    def __iter__(self) -> Any:
+        raise RuntimeError("link is closed")
+
+
 class SlotWriter:
     """The sender's operations on a table (both links use it).
 
@@ -87,8 +98,8 @@ class SlotWriter:
     def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
         self.table = table
         self.num_workers = table.num_workers
-        self._locks = locks
-        self._wakes = wakes
+        self._locks: list[Any] | _Released = locks
+        self._wakes: list[Any] | _Released = wakes
         self._wake_to = table.counters["wake_to"]
         self._acks = acks
         self._waiters = 0
@@ -97,8 +108,8 @@ class SlotWriter:
 
     def release(self) -> None:
         """Drop this writer's references to the locks and semaphores (each is freed with its
-        last reference); the writer is unusable after."""
-        self._locks, self._wakes, self._acks = [], [], (None, None)
+        last reference); whatever needs one after raises ``RuntimeError("link is closed")``."""
+        self._locks = self._wakes = self._acks = _Released()
 
     def initialise(self, leaves: Mapping[Key, Leaf]) -> None:
         """Give every worker the same starting leaves at version 0 (before any worker reads)."""
