@@ -440,7 +440,12 @@ class ModelMachine(RuleBasedStateMachine):
         raise Violation("a failing apply raises WorkerApplyError", f"version {version}: never raised")
 
     def held_between(self, env: int, first: int, last: int) -> list[Any]:
-        """Every setting the model says ``env`` held from version ``first`` to ``last``."""
+        """Every setting the model says ``env`` may have held while a read ran, from version
+        ``first`` (what ``env_versions()`` counted before it) to ``last`` (after it). Under a
+        batched level a sub-env holds a version it *reached* before its siblings let the level
+        acknowledge it *applied* (docs/batched.md): there, up to the latest version published."""
+        if self.cell.env_kind != "plain":
+            last = max(last, self.model.latest)
         return [s for v in range(first, last + 1) for s in self.model.table.get(v, {}).get(env, ())]
 
     def do_gather(self) -> None:
