@@ -1,12 +1,14 @@
 """Where a receiver's env lives, and so what its receiver does besides applying
-(:class:`Place`): an env its receiver owns (:class:`Standalone`), or a sub-env of a batched
-env, driven and reset by its group (:class:`SubEnv`)."""
+(:class:`Place`): an env its receiver owns (:class:`Standalone`), a sub-env of a batched
+env, driven and reset by its group (:class:`SubEnv`), or a batched env's own transforms,
+applied by its group once every env under them applied (:class:`BatchedLevel`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Protocol
 
+from envsync.levels import is_batched
 from envsync.links.base import ReceiverLink
 from envsync.spec import ApplySpec
 
@@ -35,6 +37,10 @@ class Place(Protocol):
     def resets(self) -> bool:
         """Whether the receiver resets its env itself (after catching up, or an idle apply)."""
 
+    def owns(self, name: str) -> bool:
+        """Whether the env-state entry ``name`` (or, ``"batched"``, a request for the batched
+        env's own entries) is this level's (:mod:`envsync.levels`)."""
+
     def idle_apply(self, receiver: Applier) -> None:
         """Apply ``receiver``'s pending ``"step"`` or ``"truncate"`` version while the
         collector is idle (called under the receiver's exclusion)."""
@@ -53,6 +59,9 @@ class Standalone:
     """
 
     resets = True
+
+    def owns(self, name: str) -> bool:
+        return not is_batched(name)
 
     def idle_apply(self, receiver: Applier) -> None:
         receiver.apply_latest(reset_after=receiver.spec.idle_resets)
@@ -80,6 +89,9 @@ class SubEnv:
 
     resets = False
 
+    def owns(self, name: str) -> bool:
+        return not is_batched(name)
+
     def __init__(self, before_idle_apply: Callable[[], None], wake_group: Callable[[], None] = lambda: None) -> None:
         self._before_idle_apply = before_idle_apply
         self._wake_group = wake_group
@@ -96,3 +108,26 @@ class SubEnv:
 
     def hand_over(self) -> None:
         self._wake_group()
+
+
+class BatchedLevel:
+    """A batched env's own transforms: entries ``batched.*``, applied by its group (through
+    :meth:`~envsync.receiver.EnvStateReceiver.apply_pending`) once every env under them holds
+    the version (its end is the gate, :class:`~envsync.gate.GateEnd`); never reset by its
+    receiver, it answers the requests for its entries itself.
+
+    Examples:
+        >>> BatchedLevel().owns("batched.transforms.0.loc"), BatchedLevel().owns("transforms.0.loc")
+        (True, False)
+    """
+
+    resets = False
+
+    def owns(self, name: str) -> bool:
+        return is_batched(name)
+
+    def idle_apply(self, receiver: Applier) -> None:
+        receiver.apply_latest(reset_after=False)
+
+    def hand_over(self) -> None:
+        return None  # it answers for its entries itself

@@ -1,17 +1,26 @@
 """EnvStateReceiver: notice a version -> apply it at a safe point -> acknowledge.
 
-One receiver lives beside each env, bound to one link end and one env adapter. Its safe
-points are called by the adapter from the thread that drives the env: :meth:`before_reset`
-(before the env resets), :meth:`before_step` (before a step) and :meth:`truncate_now`
-(after a step). While the collector is idle, the process's worker loop (:mod:`envsync.worker_loop`), woken
-by the sender, applies ``"step"`` and ``"truncate"`` versions at once.
+One receiver lives beside each level of a worker's env that holds state, bound to one link
+end and one env adapter: a plain env, each sub-env of a batched env, each row of a natively
+batched env, an env outside any collector, and a batched env's own transforms (whose end is
+the gate over its envs' ends, :class:`~envsync.gate.GateEnd`). Its place
+(:mod:`envsync.places`) says which entries it owns and what it does besides applying. Its
+safe points are called by the adapter from the thread that drives the env:
+:meth:`before_reset` (before the env resets), :meth:`before_step` (before a step) and
+:meth:`truncate_now` (after a step); a batched level's by its group
+(:meth:`apply_pending`). While the collector is idle, the process's worker loop
+(:mod:`envsync.worker_loop`), woken by the sender, applies ``"step"`` and ``"truncate"``
+versions at once.
 
 One apply, in order: config method -> env state (copied from the link straight into the
 env's tensors) -> re-initialisation (not after a version that only merges statistics) ->
 (``"truncate"`` while idle: the reset that follows).
 Everything runs inside one ``try``: if any part raises, the previous config and env state
 are restored, the failure is reported with its traceback, and the env keeps running its
-previous version. Nothing is acknowledged as applied before the whole apply succeeded.
+previous version. Nothing is acknowledged as applied before the whole apply succeeded. An
+entry this receiver loaded whose stamp went back to 0 (a rollback of the push that first
+pushed it) gets back the value it had before that push, even when the receiver never saw the
+rollback's own version.
 """
 
 from __future__ import annotations
@@ -19,17 +28,18 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 from tensordict import TensorDictBase
 
 from envsync import worker_loop
+from envsync.env_adapter import EnvAdapter
 from envsync.errors import EnvSyncError
 from envsync.exclusion import Exclusion
-from envsync.levels import is_batched
-from envsync.links.base import End, ReceiverLink
+from envsync.levels import BATCHED
+from envsync.links.base import Notices, ReceiverLink
 from envsync.places import Place, Standalone
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply, Request
 from envsync.reinit import STATS
@@ -39,44 +49,10 @@ from envsync.state import FlatConfig, flat_names
 _MAX_RETRIES = 8
 
 
-class EnvAdapter(Protocol):
-    """What a receiver needs from the env it serves (see ``envsync.integrations``)."""
-
-    def apply_config(self, config: FlatConfig) -> None:
-        """Give the env a whole config (by dotted name) through the user's config method."""
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The env's live ``state_dict()`` tensors by key (written in place), and its running
-        statistics (``stats.*``: fresh exports, loaded back by :meth:`commit`)."""
-
-    def read_attributes(self, paths: list[str]) -> dict[str, torch.Tensor]:
-        """Copies of what the env holds at attribute paths (a row's part, for a row of a
-        natively batched env), by path."""
-
-    def note_read(self, entries: dict[str, torch.Tensor], target: int) -> None:
-        """A gather read ``entries`` while ``target`` was the latest version published: the
-        statistics of a version published later (a merge of what was read) are loaded on top
-        of what the env saw after this read."""
-
-    def commit(self, written: dict[str, torch.Tensor], *, version: int, restore: bool = False) -> None:
-        """Load entries of ``version`` written into :meth:`state_tensors` that are not live
-        (``stats.*``): statistics on top of what the env saw since the latest read before
-        ``version`` was published (see :meth:`note_read`), unless ``restore`` (the env's own
-        earlier values, put back) or the same transform's own entries were written too (its
-        whole state: a checkpoint row)."""
-
-    @property
-    def has_reinit(self) -> bool:
-        """Whether any re-initialisation policy runs after an apply (and so may fail)."""
-
-    def reinit(self, version: int) -> None:
-        """Run the re-initialisation policies after a version is in place."""
-
-    def reset(self) -> None:
-        """Reset the env through its collector, so the next rollout starts a fresh episode."""
+L = TypeVar("L", bound=ReceiverLink)
 
 
-class EnvStateReceiver:
+class EnvStateReceiver(Generic[L]):
     """The worker side of envsync, bound to one link end and one env adapter.
 
     Args:
@@ -97,7 +73,7 @@ class EnvStateReceiver:
     def __init__(
         self,
         *,
-        link: End,
+        link: L,
         spec: ApplySpec,
         adapter: EnvAdapter,
         initial_config: TensorDictBase | None,
@@ -116,15 +92,22 @@ class EnvStateReceiver:
         self._config: FlatConfig | None = None
         if initial_config is not None:
             self._config = {k: v.clone() for k, v in flat_names(initial_config).items()}
-        self._snapshot: dict[str, torch.Tensor] = {}
+        self._snapshot: dict[str, torch.Tensor] = {}  # what this apply replaced, for its restore
         self._kept: set[str] = set()
-        self._snapshot_version = 0
+        self._first: set[str] = set()  # the entries this apply pushes for the first time
+        self._before_first: dict[str, torch.Tensor] = {}  # what an entry's first push replaced
         self._stamps: dict[str, int] = {}
-        self._handlers = {Kind.ENV_STATE: self._entries, Kind.ATTRIBUTES: self._attributes}
+        self._handlers = {
+            Kind.ENV_STATE: self._entries,
+            Kind.BATCHED_STATE: self._entries,
+            Kind.ATTRIBUTES: self._attributes,
+        }
         self._closed = False
         self._truncates = spec.truncates
         self._applies_at_step = spec.apply_at is ApplyAt.STEP and not spec.truncates
         self.place: Place = place if place is not None else Standalone()
+        self._owns = self.place.owns
+        self._answers_level = self.place.owns(BATCHED)
         self._handed = 0  # the latest request handed to the batched env's level
 
     @property
@@ -132,16 +115,17 @@ class EnvStateReceiver:
         """This receiver's worker index on its link."""
         return self.link.worker
 
-    def start(self, *, loop: bool = True) -> bool:
-        """Catch up with the latest desired state, and (``loop``) join the worker loop; return
+    def start(self, *, loop: Notices | None) -> bool:
+        """Catch up with the latest desired state, and join the worker loop through ``loop``
+        (its end's notices: the link end itself; ``None``: its group serves it); return
         whether it caught up. After catching up it resets its env when its place says it
         does (:attr:`Place.resets`; a sub-env's group resets the sub-env instead)."""
         caught_up = False
         with self._lock:
             if self._pending(self.link.target()):
                 caught_up = self.apply_latest(reset_after=self.place.resets)
-        if loop:
-            worker_loop.serve(self, [self.link])
+        if loop is not None:
+            worker_loop.serve(self, [loop])
         return caught_up
 
     def close(self) -> None:
@@ -162,6 +146,18 @@ class EnvStateReceiver:
 
     def _pending(self, target: int) -> bool:
         return target != self.version and target != self._failed
+
+    @property
+    def pending(self) -> bool:
+        """Whether a version is published that this receiver neither holds nor failed."""
+        return self._pending(self.link.target())
+
+    def apply_pending(self) -> None:
+        """Apply a pending version now, in any mode: the caller knows its env is at a safe
+        point (a batched level's group, once its envs applied what it gates on)."""
+        with self._lock:
+            if self._pending(self.link.target()):
+                self.apply_latest(reset_after=False)
 
     def _notice(self, target: int) -> None:
         if target != self.seen:
@@ -219,7 +215,7 @@ class EnvStateReceiver:
         if request is None:
             return
         with self._lock:
-            if request.kind is Kind.BATCHED_STATE:
+            if request.kind is Kind.BATCHED_STATE and not self._answers_level:
                 if request.id != self._handed:
                     self._handed = request.id
                     self.place.hand_over()
@@ -260,9 +256,10 @@ class EnvStateReceiver:
                 self._notice(version)
                 config = header.config
                 self.adapter.apply_config(config)
-                self._undo(header.undo)
-                # the batched env's own entries are its group's (envsync.levels)
-                names = [n for n, stamp in header.stamps.items() if stamp > self.version and not is_batched(n)]
+                self._undo(header.stamps)
+                # the entries of this receiver's level (envsync.levels), pushed since it last
+                # applied and up to the header's version (a batched level's gate)
+                names = [n for n, stamp in header.stamps.items() if self.version < stamp <= version and self._owns(n)]
                 loaded = []
                 keep_all = reset_after or self.adapter.has_reinit
                 if self._load(version, names, loaded, keep_all=keep_all):
@@ -287,24 +284,34 @@ class EnvStateReceiver:
         finally:
             self.applying = False
         self._config = config
-        self._stamps.update({name: header.stamps[name] for name in loaded})
+        for name in loaded:
+            self._stamps[name] = header.stamps[name]
+            if name not in self._first:  # pushed again: its first push can no longer be rolled back
+                self._before_first.pop(name, None)
         self.version = version
         self.link.ack_applied(version)
         return True
 
     def _load(self, version: int, names: list[str], loaded: list[str], *, keep_all: bool) -> bool:
         """Copy the given env-state entries from the link straight into the env. What they
-        replace is kept (one reused buffer per entry) where it cannot be had otherwise: for
-        every entry when a later step of this apply may still fail (``keep_all``), else for
-        the entries pushed here for the first time, whose live values only this worker knows
-        (a fleet rollback puts them back; the sender republishes the others)."""
+        replace is kept (one reused buffer per entry) when a later step of this apply may
+        still fail (``keep_all``); what an entry's first push replaces is kept until the
+        entry is pushed again or rolled back (only this worker knows it: a fleet rollback
+        puts it back, see :meth:`_undo`; the sender republishes the others). An entry its
+        env does not hold yet (a lazy transform's, until its first reset) loads nothing: the
+        apply waits for the next safe point."""
         if not names:
             return True
         live = self.adapter.state_tensors()
-        keep = set(names) if keep_all else {name for name in names if not self._stamps.get(name)}
+        if any(name not in live for name in names):
+            return False
+        keep = set(names) if keep_all else set()
+        self._first = first = {name for name in names if not self._stamps.get(name)}
 
         def load(name: str, view: torch.Tensor) -> None:
             target = live[name]
+            if name in first:
+                self._before_first[name] = target.detach().clone()
             if name in keep:
                 kept = self._snapshot.get(name)
                 if kept is None or kept.shape != target.shape or kept.dtype != target.dtype:
@@ -315,24 +322,23 @@ class EnvStateReceiver:
             target.data.copy_(view)
 
         done = self.link.load_entries(version, names, load)  # all or nothing, under the slot lock
-        if done and keep:
-            self._kept = keep
-            self._snapshot_version = version
+        self._kept = keep if done else set()
         self.adapter.commit({name: live[name] for name in loaded}, version=version)
         return done
 
-    def _undo(self, undo: int) -> None:
-        """A rollback of ``undo``: put back the first-time entries this worker loaded for it,
-        those ``undo`` itself pushed (an env that applied earlier versions in the same apply,
-        at a reset, keeps their entries: the rollback does not undo them)."""
-        if undo and undo == self._snapshot_version:
-            live = self.adapter.state_tensors()
-            undone = [name for name in self._kept if self._stamps.get(name) == undo]
-            for name in undone:
-                live[name].data.copy_(self._snapshot[name])
-                self._stamps[name] = 0
-            self.adapter.commit({name: live[name] for name in undone}, version=undo, restore=True)
-            self._snapshot_version = 0
+    def _undo(self, stamps: dict[str, int]) -> None:
+        """Entries this receiver loaded whose stamp is 0 again (their first push rolled back):
+        put back what that push replaced. An entry pushed again since keeps its new value."""
+        undone = [name for name, stamp in self._stamps.items() if stamp and not stamps.get(name, 0)]
+        if not undone:
+            return
+        live = self.adapter.state_tensors()
+        restored = [name for name in undone if name in self._before_first and name in live]
+        for name in restored:
+            live[name].data.copy_(self._before_first.pop(name))
+        for name in undone:
+            self._stamps[name] = 0
+        self.adapter.commit({name: live[name] for name in restored}, version=0, restore=True)
 
     def _restore(self, loaded: list[str]) -> str:
         """Put the previous config and env state back; return what failed doing so."""
@@ -340,9 +346,10 @@ class EnvStateReceiver:
             if self._config is not None:
                 self.adapter.apply_config(self._config)
             live = self.adapter.state_tensors() if loaded else {}
-            restored = [name for name in loaded if name in self._kept]
+            restored = [name for name in loaded if name in self._kept or name in self._first]
             for name in restored:
-                live[name].data.copy_(self._snapshot[name])
+                kept = self._snapshot[name] if name in self._kept else self._before_first[name]
+                live[name].data.copy_(kept)
             self.adapter.commit({name: live[name] for name in restored}, version=self.version, restore=True)
         except Exception:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()

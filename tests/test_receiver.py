@@ -71,7 +71,7 @@ def fleet(sender: EnvStateSender, workers: int = 2, apply_at: str = "step") -> l
         for w, env in enumerate(envs)
     ]
     for receiver in receivers:
-        receiver.start()
+        receiver.start(loop=receiver.link)
     return receivers
 
 
@@ -132,10 +132,10 @@ def test_only_what_nothing_else_can_restore_is_kept() -> None:
     with EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") as sender:
         (receiver,) = fleet(sender, workers=1)
         sender.push(env_state={"loc": torch.ones(3)}, wait="applied", timeout=5)
-        assert receiver._kept == {"loc"}  # first push: only this worker knows the old values
-        first = receiver._snapshot_version
+        # first push: only this worker knows the old values (a rollback puts them back)
+        assert set(receiver._before_first) == {"loc"} and receiver._before_first["loc"].abs().sum() == 0
         sender.push(env_state={"loc": torch.full((3,), 2.0)}, wait="applied", timeout=5)
-        assert receiver._snapshot_version == first  # no copy kept: the sender can republish
+        assert not receiver._before_first and not receiver._kept  # pushed again: the sender can republish
 
 
 def test_a_listener_wake_while_busy_does_not_hide_a_step_version_from_the_next_step() -> None:
@@ -201,7 +201,7 @@ def test_an_outpaced_receiver_acknowledges_nothing_it_did_not_load_and_loads_it_
             adapter=adapter,
             initial_config=sender.desired_config(),
         )
-        receiver.start(loop=False)
+        receiver.start(loop=None)
         sender.push(config={"difficulty": 5.0}, env_state={"loc": torch.full((3,), 7.0)}, wait=None)
         receiver.before_step()  # every load finds a newer version: it gives up
         assert receiver.version == 0 and sender.versions() == [0]

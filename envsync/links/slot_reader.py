@@ -210,7 +210,7 @@ class SlotReader:
 
     def gated(self, *, wake_group: bool) -> SlotReader:
         """This end, its "applied" left to the batched level above its env (which writes it
-        once it holds the version too, see :mod:`envsync.integrations.torchrl.outer`): an
+        once it holds the version too, see :mod:`envsync.gate`): an
         apply here is recorded as *reached*; ``wake_group``: wake the group through the
         slot's relay after each (a sub-env in another process than its group)."""
         return self._copy_end(relayed=self._relayed, gate=(True, wake_group))

@@ -9,7 +9,7 @@
 * :mod:`.handlers` teaches ``envsync.reinit`` torchrl's stateful transforms;
 * :mod:`.applies` holds the built-in ``apply=`` objects (front: :mod:`envsync.apply`);
 * :mod:`.rollouts` wraps a rollout's safe points once for every env kind; :mod:`.batched`,
-  :mod:`.group`, :mod:`.native` and :mod:`.outer` serve batched envs, :mod:`.outside` an env
+  :mod:`.group`, :mod:`.native` and :mod:`.level` serve batched envs, :mod:`.outside` an env
   outside any collector, :mod:`.ray` a ``RayCollector``.
 
 Where torchrl gives no public way, this package (and only it) reaches into torchrl's

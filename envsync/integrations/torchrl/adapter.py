@@ -326,5 +326,5 @@ def bind_env(collector: Any, handle: LinkHandle, slot: int, env_index: int) -> E
     receiver_ref = weakref.ref(receiver)
     wrap_rollout(collector, receiver_ref, hooks.begin, hooks.finish, tags_set_aside)
     guard_commands(collector, receiver_ref)
-    receiver.start()
+    receiver.start(loop=receiver.link)
     return receiver

@@ -10,7 +10,7 @@ What needs the collector lives beside the batched env, in :class:`~.group.EnvGro
 the worker loop (one member for all sub-envs; an idle apply goes to a ``SerialEnv``'s leaf directly, or as a
 partial reset of that sub-env through the collector; a ``ParallelEnv``'s leaves are served
 by their own processes' loops and wake the group through their slots' relays), the busy marks, the tags, and
-the batched env's own transforms (:class:`~.outer.OuterState`, caught up after a step that
+the batched env's own transforms (its receiver, :mod:`.level`, caught up after a step that
 saw a change and when a rollout begins). A leaf writes into its slot the version its latest
 step ran under and the one its observation comes from, only when they change;
 :class:`BatchedHooks` reads them after a batched step only while some sub-env is unsettled,
@@ -32,7 +32,7 @@ from torchrl.envs.batched_envs import BatchedEnvBase
 from envsync.configure import apply_config
 from envsync.errors import EnvSyncError, ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks, serve_env
-from envsync.integrations.torchrl.outer import outer_env
+from envsync.integrations.torchrl.level import outer_env
 from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, fill_changes, mark_change, set_tag, truncate_at
 from envsync.links.base import LinkHandle
 from envsync.receiver import EnvStateReceiver
@@ -84,7 +84,7 @@ def _bind_leaf(
     env: EnvBase, hooks: EnvHooks, handle: LinkHandle, slot: int, env_index: int, loop: bool, gated: bool
 ) -> bool:
     receiver: EnvStateReceiver = serve_env(env, hooks, handle, slot, env_index, None, relay=loop, gated=gated)
-    return receiver.start(loop=loop)
+    return receiver.start(loop=receiver.link if loop else None)
 
 
 def _apply_now(env: EnvBase, hooks: Any) -> None:

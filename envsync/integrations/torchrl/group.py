@@ -1,9 +1,10 @@
 """A batched env's group: what of its sub-envs needs the collector, beside the batched env.
 
-Its place in the worker loop (one member for all its sub-envs), the busy marks, the tags, the batched env's own
-transforms (:class:`~.outer.OuterState`) and the rollout's safe points of a worker whose
-env is a ``SerialEnv``, a ``ParallelEnv`` or a natively batched env (see :mod:`.batched`
-for the sub-envs' own hooks).
+Its place in the worker loop (one member for all its sub-envs), the busy marks, the tags,
+the safe points of the batched env's own transforms (their receiver, on the gate over the
+sub-envs' ends: :mod:`.level`) and the rollout's safe points of a worker whose env is a
+``SerialEnv``, a ``ParallelEnv`` or a natively batched env (see :mod:`.batched` for the
+sub-envs' own hooks).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from tensordict import TensorDictBase
 from envsync import worker_loop
 from envsync.errors import ValidationError
 from envsync.exclusion import Exclusion
+from envsync.gate import GateEnd
 from envsync.integrations.torchrl.batched import MAX_ROUNDS, BatchedHooks, Leaves
-from envsync.integrations.torchrl.outer import OuterState
+from envsync.integrations.torchrl.level import level_receiver
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.integrations.torchrl.tags import tags_set_aside
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
+from envsync.receiver import EnvStateReceiver
 
 
 class EnvGroup:
@@ -56,7 +59,8 @@ class EnvGroup:
         self.exclusion = Exclusion()  # the group's: its worker loop against its collector's rollouts
         self._lock = self.exclusion.lock
         self._closed = False
-        self.outer: OuterState | None = None  # the batched env's own transforms, if any
+        self.gate = GateEnd(self.ends)  # the batched level's end, if it has a receiver
+        self.level: EnvStateReceiver | None = None  # the batched env's own transforms' receiver, if any
 
     def unchanged(self) -> bool:
         """Whether no push reached any sub-env since the group last settled."""
@@ -69,10 +73,15 @@ class EnvGroup:
         reached, failed = self._reached.copy(), self._failures.copy()
         ran, obs = self._ran.copy(), self._obs.copy()
         settled = bool(np.all(((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)))
-        settled = settled and (self.outer is None or not self.outer.behind())
+        settled = settled and (self.level is None or not self._level_behind())
         if settled:
             self._seen = targets.tobytes()
         return ran.tolist(), obs.tolist(), reached.tolist(), settled
+
+    def _level_behind(self) -> bool:
+        """Whether the batched level has a version to apply, or envs to acknowledge."""
+        assert self.level is not None
+        return self.level.pending or self.gate.unacknowledged()
 
     def pending(self) -> list[int]:
         """The sub-envs with a version not applied (nor failed) yet."""
@@ -110,10 +119,13 @@ class EnvGroup:
                     self.leaves.apply_now(pending)
 
     def catch_up(self) -> None:
-        """Load the batched env's own entries the worker's envs all applied (a safe point)."""
-        if self.outer is not None:
+        """Apply the batched env's own level up to what the worker's envs all applied, and
+        acknowledge what it holds (a safe point)."""
+        level = self.level
+        if level is not None:
             with self._lock:
-                self.outer.catch_up()
+                level.apply_pending()
+                self.gate.ack_applied(level.version)
 
     def serve(self, only: list[int] | None = None) -> None:
         """Answer pending gathers: the sub-envs' (unless their receivers serve them) and the
@@ -123,8 +135,9 @@ class EnvGroup:
             asked = [i for i in indices if self.ends[i].request() is not None]
             if asked:
                 self.leaves.serve(asked)
-            if self.outer is not None:
-                self.outer.serve()
+            if self.level is not None and self.gate.request() is not None:
+                self.catch_up()
+                self.level.serve()
 
     def settle(self, truncating: list[int]) -> None:
         """After a rollout: a truncating version applies here only for the sub-envs whose
@@ -193,7 +206,7 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
     group = EnvGroup(collector, hooks, leaves, handle, first_slot)
     own = hooks.own_transforms(env, collector)
     if own is not None:
-        group.outer = OuterState(own, hooks.spec, group.ends)
+        group.level = level_receiver(own, hooks.spec, group.gate, group.exclusion)
     caught_up = leaves.bind(handle, first_slot, first_env, gated=own is not None)
     hooks.group = group
     group_ref = weakref.ref(group)

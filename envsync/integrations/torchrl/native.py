@@ -33,7 +33,7 @@ from torchrl.envs import EnvBase
 from envsync.configure import config_kwargs, env_state_dict, find_config_method
 from envsync.errors import EnvSyncError, ValidationError
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
-from envsync.integrations.torchrl.outer import outer_env
+from envsync.integrations.torchrl.level import outer_env
 from envsync.integrations.torchrl.paths import held_at
 from envsync.integrations.torchrl.tags import truncate_at
 from envsync.levels import split_reinit
@@ -297,7 +297,7 @@ class Rows:
         ]
         hooks.rows = rows
         with hooks.applier.batch():
-            return any([row.start(loop=False) for row in rows])  # a list: every row catches up
+            return any([row.start(loop=None) for row in rows])  # a list: every row catches up
 
     def apply_now(self, indices: list[int]) -> None:
         with self._hooks.applier.batch():

@@ -81,7 +81,7 @@ def attach_env(sender: Sender, env: EnvBase) -> int:
     attachment.on_close = _unbinder(env_ref, hooks, receiver)
     env.__dict__[_ATTACHED] = (weakref.ref(sender), attachment)
     _wrap(env, hooks, weakref.ref(receiver))
-    receiver.start()  # catch up with the latest desired state, then join the worker loop
+    receiver.start(loop=receiver.link)  # catch up with the latest desired state, then join the worker loop
     return attachment.offset
 
 

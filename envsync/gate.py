@@ -1,0 +1,103 @@
+"""The end of a batched env's own level: a gate over the ends of the envs under it.
+
+A batched env's own transforms (:mod:`envsync.levels`) have a receiver like every level, on
+an end of their own: :class:`GateEnd`, made of the (ungated) ends of the worker's envs. Its
+target is the newest version every env under it holds (:meth:`GateEnd.target`); it reads
+the worker's first slot (every env of the worker carries the batched entries); an apply it
+acknowledges is every env's *reached* version acknowledged *applied*
+(:meth:`GateEnd.ack_applied`), and a failure is reported for each env that reached the
+failed version: so "applied" covers both levels, and the push that published the version
+raises the level's failure. It answers only the requests for the batched env's own entries
+(the envs' receivers hand those over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from envsync.links.base import End, Header
+from envsync.protocol import Kind, Reply, Request
+
+
+class GateEnd:
+    """The batched level's end over ``ends``, the worker's envs' ends (see the module).
+
+    Args:
+        ends: the ends of every env under the level, the first one's slot read.
+    """
+
+    def __init__(self, ends: list[End]) -> None:
+        self._ends = ends
+        self._first = first = ends[0]
+        self.worker = first.worker
+        count = len(ends)
+        self._targets, self._reached = first.counters("target", count), first.counters("reached", count)
+        self._applied = first.counters("applied", count)
+        self._source = 0  # the version of the first slot's header last read
+        self._gate = 0  # the gate never moves back (an env's reached version never does)
+
+    def target(self) -> int:
+        """The newest version the level may hold: every env under it holds everything
+        pushed to it up to there (an env still applying, or one that failed its latest
+        version and waits for the rollback, holds the level at what it holds)."""
+        targets, reached = self._targets.copy(), self._reached.copy()
+        waiting = reached != targets
+        gate = min(int(reached[waiting].min()), int(targets.max())) if waiting.any() else int(targets.max())
+        self._gate = max(self._gate, gate)
+        return self._gate
+
+    def read_header(self) -> Header:
+        """The first slot's header, its version the gate's: the receiver loads only the
+        entries stamped up to there (a newer push waits until every env holds it)."""
+        gate = self.target()
+        header = self._first.read_header()
+        self._source = header.version
+        return replace(header, version=gate, undo=0)
+
+    def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:
+        return self._first.load_entries(self._source, names, load)
+
+    def request(self) -> Request | None:
+        """A request for the batched env's own entries (the envs' receivers answer the rest)."""
+        request = self._first.request()
+        return request if request is not None and request.kind is Kind.BATCHED_STATE else None
+
+    def reply(self, reply: Reply) -> None:
+        self._first.reply(reply)
+
+    def ack_received(self, version: int) -> None:
+        return None  # each env acknowledges what reached it
+
+    def ack_applied(self, version: int) -> None:
+        """The level holds ``version``: every env whose reached version it covers is applied."""
+        reached, applied = self._reached.copy(), self._applied.copy()
+        for i, end in enumerate(self._ends):
+            if applied[i] != reached[i] and reached[i] <= version:
+                end.ack_applied(int(reached[i]))
+
+    def unacknowledged(self) -> bool:
+        """Whether some env reached a version not yet acknowledged applied."""
+        return bool((self._applied != self._reached).any())
+
+    def report_failure(self, version: int, text: str) -> None:
+        """The level failed ``version``: each env that reached that very version fails it
+        (one does: the gate is some env's reached version); an env waiting on an older one
+        stays unacknowledged until the level holds a version again (the rollback's)."""
+        reached = self._reached.copy()
+        text = f"the batched env's own transforms failed to apply version {version}:\n{text}"
+        for i, end in enumerate(self._ends):
+            if reached[i] == version:
+                end.report_failure(version, text)
+
+    def set_busy(self, busy: bool) -> None:
+        for end in self._ends:
+            end.set_busy(busy)
+
+    def is_busy(self) -> bool:
+        return any(end.is_busy() for end in self._ends)
+
+    def close(self) -> None:
+        return None  # the envs' ends are their receivers' and their group's
