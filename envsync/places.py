@@ -43,7 +43,7 @@ class Place(Protocol):
 
     def idle_apply(self, receiver: Applier) -> None:
         """Apply ``receiver``'s pending ``"step"`` or ``"truncate"`` version while the
-        collector is idle (called under the receiver's exclusion)."""
+        collector is idle (called under the receiver's owner's lock)."""
 
     def hand_over(self) -> None:
         """A request asks for the batched env's own entries: its group answers."""

@@ -37,9 +37,9 @@ from tensordict import TensorDictBase
 from envsync import worker_loop
 from envsync.env_adapter import EnvAdapter
 from envsync.errors import EnvSyncError
-from envsync.exclusion import Exclusion
 from envsync.levels import BATCHED
 from envsync.links.base import Notices, ReceiverLink
+from envsync.owner import Owner
 from envsync.places import Place, Standalone
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply, Request
 from envsync.reinit import STATS
@@ -62,7 +62,7 @@ class EnvStateReceiver(Generic[L]):
         initial_config: the config the env was built with (version 0).
         place: where the env lives (:class:`~envsync.places.Standalone`, the default, or
             :class:`~envsync.places.SubEnv`).
-        exclusion: the env's exclusion (:mod:`envsync.exclusion`), shared with the hooks
+        owner: the env's owner (:mod:`envsync.owner`), shared with the hooks
             that step and reset it; a fresh one when not given.
 
     Examples:
@@ -78,14 +78,14 @@ class EnvStateReceiver(Generic[L]):
         adapter: EnvAdapter,
         initial_config: TensorDictBase | None,
         place: Place | None = None,
-        exclusion: Exclusion | None = None,
+        owner: Owner | None = None,
     ) -> None:
         self.link = link
         self.spec = spec
         self.adapter = adapter
-        self.exclusion = exclusion if exclusion is not None else Exclusion()
-        self._lock = self.exclusion.lock
-        self.applying = False  # read only by the thread that holds the exclusion
+        self.owner = owner if owner is not None else Owner()
+        self.owner.marks_with(link.set_busy)
+        self._lock = self.owner.lock
         self.version = 0
         self.seen = 0
         self._failed = NO_FAILURE
@@ -166,11 +166,11 @@ class EnvStateReceiver(Generic[L]):
 
     def busy(self) -> AbstractContextManager[None]:
         """Mark the collector as driving the env: the worker loop keeps off meanwhile."""
-        return self.exclusion.driving(self.link.set_busy)
+        return self.owner.driving()
 
     def before_reset(self) -> None:
         """Safe point before the env resets: every mode applies a pending version here."""
-        if self.applying:
+        if self.owner.is_applying:
             return
         target = self.link.target()
         if self._pending(target):
@@ -179,7 +179,7 @@ class EnvStateReceiver(Generic[L]):
 
     def before_step(self) -> None:
         """Safe point before a step: arm a new version; ``"step"`` mode applies it."""
-        if self.applying:
+        if self.owner.is_applying:
             return
         target = self.link.target()
         with self._lock:
@@ -189,7 +189,7 @@ class EnvStateReceiver(Generic[L]):
 
     def truncate_now(self) -> bool:
         """Whether the step just taken must end the episode (``"truncate"`` mode, pending)."""
-        return self._truncates and not self.applying and self._pending(self.link.target())
+        return self._truncates and not self.owner.is_applying and self._pending(self.link.target())
 
     def settle(self, truncating: list[int]) -> None:
         """After a rollout: a truncating version applies here only if the rollout's last
@@ -203,7 +203,7 @@ class EnvStateReceiver(Generic[L]):
         """Called by the worker loop when woken by the sender (or every half second)."""
         with self._lock:
             self._notice(self.link.target())
-            if not self.exclusion.driven:
+            if not self.owner.driven:
                 self.apply_if_idle()
                 self.serve()
 
@@ -244,7 +244,10 @@ class EnvStateReceiver(Generic[L]):
         """Apply the latest desired state; on failure restore the previous one and report.
         Outpaced by the sender (a newer version each time it loads), it acknowledges
         nothing, restores the previous config, and stays pending for its next safe point."""
-        self.applying = True
+        with self._lock, self.owner.applying():
+            return self._apply_latest(reset_after)
+
+    def _apply_latest(self, reset_after: bool) -> bool:
         previous = self.version
         version = self.link.target()
         loaded: list[str] = []
@@ -281,8 +284,6 @@ class EnvStateReceiver(Generic[L]):
             self._failed = version
             self.link.report_failure(version, text)
             return False
-        finally:
-            self.applying = False
         self._config = config
         for name in loaded:
             self._stamps[name] = header.stamps[name]

@@ -25,7 +25,6 @@ from torchrl.envs import EnvBase
 from envsync import reinit
 from envsync.configure import config_applier, env_state_dict
 from envsync.errors import EnvSyncError, ValidationError
-from envsync.exclusion import Exclusion
 from envsync.integrations.torchrl.chain import chain_of, runner
 from envsync.integrations.torchrl.paths import held_at
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
@@ -41,6 +40,7 @@ from envsync.integrations.torchrl.tags import (
     truncate_at,
 )
 from envsync.links.base import LinkHandle
+from envsync.owner import Owner
 from envsync.places import Place, Standalone, SubEnv
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
@@ -81,8 +81,8 @@ class EnvHooks:
         self._target: Any = None
         self._step = env._step
         self._reset = env._reset
-        self.exclusion = Exclusion()
-        self._lock = self.exclusion.lock
+        self.owner = Owner()
+        self._lock = self.owner.lock
 
     @classmethod
     def install(cls, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase | None) -> EnvHooks:
@@ -115,7 +115,7 @@ class EnvHooks:
         self._settled = False
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        # the env's exclusion for the whole step: no apply from the worker loop overlaps it, and
+        # the env's owner's lock for the whole step: no apply from the worker loop overlaps it, and
         # the fast path's test sees every version an apply made before the step began
         with self._lock:
             frame = self.frame
@@ -128,7 +128,7 @@ class EnvHooks:
             return self._slow_step(receiver, frame, tensordict)
 
     def _slow_step(self, receiver: EnvStateReceiver, frame: int, tensordict: TensorDictBase) -> TensorDictBase:
-        if receiver.applying:  # a step of the apply itself (a re-init that rolls out)
+        if self.owner.is_applying:  # a step of the apply itself (a re-init that rolls out)
             return self._step(tensordict)
         self._handled = self._target[0]
         receiver.before_step()
@@ -308,7 +308,7 @@ def serve_env(
         adapter=CollectorAdapter(collector, env, hooks.spec),
         initial_config=hooks.initial_config,
         place=place,
-        exclusion=hooks.exclusion,
+        owner=hooks.owner,
     )
     hooks.bind(receiver, env_index)
     return receiver

@@ -18,13 +18,13 @@ from tensordict import TensorDictBase
 
 from envsync import worker_loop
 from envsync.errors import ValidationError
-from envsync.exclusion import Exclusion
 from envsync.gate import GateEnd
 from envsync.integrations.torchrl.batched import MAX_ROUNDS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.level import level_receiver
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.integrations.torchrl.tags import tags_set_aside
 from envsync.links.base import LinkHandle
+from envsync.owner import Owner
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver
 
@@ -56,10 +56,12 @@ class EnvGroup:
         self._ran, self._obs = first.counters("ran", count), first.counters("obs", count)
         self._seen = b""
         self._noticed = np.zeros(count, dtype=np.int64)  # the targets acknowledged as received
-        self.exclusion = Exclusion()  # the group's: its worker loop against its collector's rollouts
-        self._lock = self.exclusion.lock
+        self.gate = GateEnd(self.ends)  # the batched level's end (its receiver's, if it has one)
+        # the group's owner: its worker loop against its collector's rollouts; driving the
+        # batched env marks every env under it busy
+        self.owner = Owner(self.gate.set_busy)
+        self._lock = self.owner.lock
         self._closed = False
-        self.gate = GateEnd(self.ends)  # the batched level's end, if it has a receiver
         self.level: EnvStateReceiver | None = None  # the batched env's own transforms' receiver, if any
 
     def unchanged(self) -> bool:
@@ -91,11 +93,7 @@ class EnvGroup:
     def busy(self) -> AbstractContextManager[None]:
         """Mark the collector as driving the batched env: the worker loop keeps off meanwhile,
         and so do a ``ParallelEnv``'s sub-envs' own loops (told through their slots)."""
-        return self.exclusion.driving(self._mark_busy)
-
-    def _mark_busy(self, busy: bool) -> None:
-        for end in self.ends:
-            end.set_busy(busy)
+        return self.owner.driving()
 
     def apply_if_idle(self, only: list[int] | None = None) -> None:
         """With the collector idle: ``"step"`` versions apply at once in their leaves;
@@ -159,7 +157,7 @@ class EnvGroup:
             for i in np.flatnonzero(targets != self._noticed).tolist():
                 self.ends[i].ack_received(int(targets[i]))
             self._noticed = targets
-            if not self.exclusion.driven:
+            if not self.owner.driven:
                 self.apply_if_idle()
                 self.catch_up()
                 self.serve()
@@ -206,7 +204,7 @@ def bind_batched(collector: Any, handle: LinkHandle, first_slot: int, first_env:
     group = EnvGroup(collector, hooks, leaves, handle, first_slot)
     own = hooks.own_transforms(env, collector)
     if own is not None:
-        group.level = level_receiver(own, hooks.spec, group.gate, group.exclusion)
+        group.level = level_receiver(own, hooks.spec, group.gate, group.owner)
     caught_up = leaves.bind(handle, first_slot, first_env, gated=own is not None)
     hooks.group = group
     group_ref = weakref.ref(group)

@@ -8,7 +8,7 @@ envs' ends (:class:`~envsync.gate.GateEnd`), with the batched level's place
 (:class:`~envsync.places.BatchedLevel`) and this module's adapter, which shows the batched
 env's own ``state_dict()`` under those names. Its group applies it at the batched env's
 safe points (:meth:`~envsync.receiver.EnvStateReceiver.apply_pending`), under the group's
-exclusion, never while the collector drives the env.
+owner, never while the collector drives the env.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torchrl.envs import EnvBase, TransformedEnv
 
-from envsync.exclusion import Exclusion
 from envsync.gate import GateEnd
 from envsync.integrations.torchrl.adapter import CollectorAdapter
 from envsync.levels import PREFIX, inner, split_reinit
+from envsync.owner import Owner
 from envsync.places import BatchedLevel
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
@@ -69,14 +69,14 @@ class LevelAdapter:
         self._adapter.reset()
 
 
-def level_receiver(env: EnvBase, spec: ApplySpec, gate: GateEnd, exclusion: Exclusion) -> EnvStateReceiver:
+def level_receiver(env: EnvBase, spec: ApplySpec, gate: GateEnd, owner: Owner) -> EnvStateReceiver:
     """The receiver of ``env``'s own transforms on ``gate`` (over the worker's envs' ends),
-    under its group's ``exclusion``."""
+    under its group's ``owner``."""
     return EnvStateReceiver(
         link=gate,
         spec=spec,
         adapter=LevelAdapter(env, spec),
         initial_config=None,
         place=BatchedLevel(),
-        exclusion=exclusion,
+        owner=owner,
     )

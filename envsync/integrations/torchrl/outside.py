@@ -72,7 +72,7 @@ def attach_env(sender: Sender, env: EnvBase) -> int:
             spec=hooks.spec,
             adapter=OutsideAdapter(env, hooks.spec),
             initial_config=hooks.initial_config,
-            exclusion=hooks.exclusion,
+            owner=hooks.owner,
         )
     except BaseException:
         sender.port.detach(attachment)

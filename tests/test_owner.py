@@ -1,4 +1,4 @@
-"""One exclusion per env: an apply never overlaps a step or reset of the same env, whatever
+"""One owner per env: an apply never overlaps a step or reset of the same env, whatever
 thread applies (the collector's own, a worker's loop, a ``ParallelEnv`` sub-process's
 loop), so a frame's tag always names the config its observation came from.
 
