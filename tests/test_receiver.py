@@ -98,6 +98,33 @@ def test_reset_mode_arms_at_a_step_and_applies_at_the_reset() -> None:
         assert sender.versions() == [version, version]
 
 
+def test_a_rolled_back_first_push_is_undone_where_the_env_skipped_the_rollbacks_own_version() -> None:
+    """In "reset" mode worker 0 applies a version that pushes ``loc`` for the first time, worker
+    1 fails it, and the sender rolls it back; a newer push lands before worker 0's next reset,
+    so worker 0 never reads the rollback's version (nor its undo mark). Its ``loc`` must still
+    come back: the rolled-back entry's stamp is 0 again."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=refuse_label_one_negative, apply_at="reset")
+    receivers = fleet(sender, apply_at="reset")
+    live = [torch.full((3,), float(i + 1)) for i in range(2)]
+    for receiver, values in zip(receivers, live, strict=True):
+        receiver.adapter.env.transform.loc.copy_(values)  # type: ignore[attr-defined]
+    failing = sender.push(config={"difficulty": -1.0}, env_state={"loc": torch.full((3,), 9.0)}, wait=None)
+    for receiver in receivers:
+        receiver.before_reset()
+    assert receivers[0].adapter.env.transform.loc.tolist() == [9.0] * 3  # type: ignore[attr-defined]
+    with pytest.raises(WorkerApplyError, match="label one refuses") as info:
+        sender.wait(failing, until="applied", timeout=5)
+    assert info.value.rollback == failing + 1
+    newer = sender.push(config={"difficulty": 2.0}, wait=None)  # before worker 0's next reset
+    for receiver in receivers:
+        receiver.before_reset()
+    sender.wait(newer, until="applied", timeout=5)
+    for receiver, values in zip(receivers, live, strict=True):
+        env = receiver.adapter.env  # type: ignore[attr-defined]
+        assert env.transform.loc.tolist() == values.tolist() and env.base_env.difficulty == 2.0
+    sender.close()
+
+
 def test_a_failure_restores_config_and_env_state_and_rolls_the_fleet_back() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply=refuse_label_one_negative, apply_at="step")
     receivers = fleet(sender)
