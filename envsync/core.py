@@ -98,12 +98,17 @@ class Core:
         return self.fleet.envs_of(self.fleet.worker_of(index))[0]
 
     def applied_versions(self, targets: Sequence[int], *, whole: bool = False) -> dict[int, int]:
-        """The version each of ``targets`` has applied; ``whole``: the oldest any env of its
-        worker has applied (what a batched env's own state follows)."""
+        """The version whose entries each of ``targets`` holds: its own level's (``reached``:
+        an env under a batched level holds its own entries before, or without, that level);
+        ``whole``: the oldest any env of its worker has applied (what a batched env's own
+        state follows)."""
         out = {}
         for index in targets:
-            envs = self.fleet.envs_of(self.fleet.worker_of(index)) if whole else [index]
-            out[index] = min(self.applied(env) for env in envs)
+            if whole:
+                out[index] = min(self.applied(env) for env in self.fleet.envs_of(self.fleet.worker_of(index)))
+            else:
+                attachment, slot = self.fleet.locate(index)
+                out[index] = attachment.link.status(slot).reached
         return out
 
     # ---- publishing ----------------------------------------------------------------------------

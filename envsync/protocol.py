@@ -106,11 +106,14 @@ class WorkerStatus(NamedTuple):
         worker: the worker index.
         target: the latest version published to this worker.
         received: the latest version the worker has seen and armed.
-        applied: the version its env runs now.
+        applied: the version its env runs now (every level of it: an env under a batched
+            level counts a version once that level holds it too).
         failed: the latest version it failed to apply, or :data:`NO_FAILURE`.
+        reached: the version the env's own level holds (its entries, and the statistics they
+            carry): ``applied``, or ahead of it while a batched level above waits or failed.
 
     Examples:
-        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE)
+        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE, reached=2)
         >>> is_done(s, 3, Until.RECEIVED), is_done(s, 3, Until.APPLIED)
         (True, False)
     """
@@ -120,6 +123,7 @@ class WorkerStatus(NamedTuple):
     received: int
     applied: int
     failed: int
+    reached: int
 
 
 def is_done(status: WorkerStatus, version: int, until: Until) -> bool:
@@ -137,7 +141,7 @@ def is_done(status: WorkerStatus, version: int, until: Until) -> bool:
         ``True`` when nothing up to ``version`` is outstanding for this worker.
 
     Examples:
-        >>> s = WorkerStatus(worker=1, target=2, received=2, applied=2, failed=NO_FAILURE)
+        >>> s = WorkerStatus(worker=1, target=2, received=2, applied=2, failed=NO_FAILURE, reached=2)
         >>> is_done(s, 5, Until.APPLIED)  # worker 1 was not targeted by 3..5
         True
     """
@@ -152,7 +156,7 @@ def owes(status: WorkerStatus, version: int, until: Until) -> bool:
     the wait, with the failure raised).
 
     Examples:
-        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE)
+        >>> s = WorkerStatus(worker=0, target=3, received=3, applied=2, failed=NO_FAILURE, reached=2)
         >>> owes(s, 3, Until.APPLIED), owes(s._replace(failed=3), 3, Until.APPLIED)
         (True, False)
     """
@@ -210,7 +214,7 @@ def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = N
         waited: the version a ``wait`` is waiting for, if any.
 
     Examples:
-        >>> s = WorkerStatus(worker=0, target=4, received=4, applied=3, failed=4)
+        >>> s = WorkerStatus(worker=0, target=4, received=4, applied=3, failed=4, reached=4)
         >>> failure_to_raise(s, reported=NO_FAILURE), failure_to_raise(s, reported=4)
         (4, None)
         >>> failure_to_raise(s, reported=4, waited=4)

@@ -112,7 +112,7 @@ class Failures:
 
     Examples:
         >>> failures = Failures()
-        >>> status = WorkerStatus(worker=0, target=2, received=2, applied=1, failed=2)
+        >>> status = WorkerStatus(worker=0, target=2, received=2, applied=1, failed=2, reached=2)
         >>> failures.to_raise(0, status)
         2
         >>> failures.raised(0, 2); failures.to_raise(0, status) is None

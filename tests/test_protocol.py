@@ -6,7 +6,7 @@ from envsync.protocol import NO_FAILURE, ApplyAt, Until, WorkerStatus, failure_t
 
 
 def status(target: int, received: int, applied: int, failed: int = NO_FAILURE) -> WorkerStatus:
-    return WorkerStatus(worker=0, target=target, received=received, applied=applied, failed=failed)
+    return WorkerStatus(worker=0, target=target, received=received, applied=applied, failed=failed, reached=applied)
 
 
 def test_a_targeted_worker_is_done_once_it_acknowledged_the_version() -> None:

@@ -462,7 +462,7 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monk
         starting.join(30)
         assert node.written == [1, 2]  # start() returns once it caught up
         statuses, errors, replies = channel.recv()  # its first report (no worker reads this link)
-        assert statuses == [(0, 0, NO_FAILURE, True, 0)] and errors == {} and replies == {}
+        assert statuses == [(0, 0, NO_FAILURE, True, 0, 0)] and errors == {} and replies == {}
         channel.send((3, rows[3]))
         # a post it cannot deliver (not rows; a held share the mailbox never got) costs that
         # post, not the next

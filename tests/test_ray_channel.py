@@ -142,7 +142,7 @@ def test_a_peer_with_the_token_that_sends_code_or_garbage_is_dropped_and_the_oth
         for dropped in (evil, garbled):
             with pytest.raises((EOFError, ConnectionResetError)):
                 dropped.recv()
-        good.send(([(1, 1, 0, True, 0)], {}, {}))  # the link's reading thread still reads
+        good.send(([(1, 1, 0, True, 0, 1)], {}, {}))  # the link's reading thread still reads
         deadline = time.monotonic() + 10
         while link.status(2).applied != 1 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -54,7 +54,7 @@ def joined(link: RayLink, collector: int) -> Channel:
 
 
 def report(channel: Channel, received: int, applied: int) -> None:
-    channel.send(([(received, applied, NO_FAILURE, True, 0)], {}, {}))
+    channel.send(([(received, applied, NO_FAILURE, True, 0, applied)], {}, {}))
 
 
 def settle(link: RayLink, worker: int, applied: int, timeout: float = 10.0) -> None:

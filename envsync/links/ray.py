@@ -123,7 +123,7 @@ class RayLink:
         self._seq = 0
         self._pending: Rows = {w: (0, 0, dict(leaves)) for w in range(self.num_workers)}
         self._target = [0] * self.num_workers
-        self._acks: list[Acks] = [(0, 0, NO_FAILURE, True, 0)] * self.num_workers
+        self._acks: list[Acks] = [(0, 0, NO_FAILURE, True, 0, 0)] * self.num_workers
         self._errors: dict[int, str] = {}
         self._replies: dict[int, Reply] = {}
         self._asking: dict[int, Request] = {}  # the requests of one id, posted together
@@ -243,9 +243,9 @@ class RayLink:
         return reply if reply is not None and reply.id == request else None
 
     def status(self, worker: int) -> WorkerStatus:
-        received, applied, failed, _, _ = self._acks[worker]
+        received, applied, failed, _, _, reached = self._acks[worker]
         target = self._target[worker]
-        return WorkerStatus(worker=worker, target=target, received=received, applied=applied, failed=failed)
+        return WorkerStatus(worker, target, received, applied, failed, reached)
 
     def failed(self) -> list[int]:
         return [acks[2] for acks in self._acks]

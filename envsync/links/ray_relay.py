@@ -195,7 +195,7 @@ class Relay:
         out = []
         for w in range(self.count):
             s = self.link.status(w)
-            out.append((s.received, s.applied, s.failed, self.link.alive(w), self._answered(w)))
+            out.append((s.received, s.applied, s.failed, self.link.alive(w), self._answered(w), s.reached))
         return out
 
     def _answered(self, w: int) -> int:
@@ -210,7 +210,7 @@ class Relay:
 
     def _report(self, statuses: list[Acks]) -> None:
         errors = {}
-        for w, (_, _, failed, _, _) in enumerate(statuses):
+        for w, (_, _, failed, _, _, _) in enumerate(statuses):
             if failed != self._sent_failures[w]:
                 errors[w] = self.link.error_text(w)
                 self._sent_failures[w] = failed

@@ -26,8 +26,8 @@ from envsync.state import Leaf
 
 Rows = dict[int, tuple[int, int, dict[Key, Leaf]]]
 """One node's share of a push: link worker -> (version, undo mark, leaves)."""
-Acks = tuple[int, int, int, bool, int]
-"""One worker's report: ``(received, applied, failed, alive, answered)``."""
+Acks = tuple[int, int, int, bool, int, int]
+"""One worker's report: ``(received, applied, failed, alive, answered, reached)``."""
 Report = tuple[list[Acks], dict[int, str], dict[int, Reply]]
 """A relay's report, per local worker: its acks, the tracebacks of new failures and its
 replies to requests (as :func:`envsync.links.records.plain` makes them on the connection:
@@ -161,9 +161,9 @@ def read_report(message: Any, workers: int) -> Report:
     :class:`WireError` for anything else.
 
     Examples:
-        >>> read_report(([(1, 1, 0, True, 0)], {}, {}), 1)
-        ([(1, 1, 0, True, 0)], {}, {})
-        >>> read_report(([(1, 1, 0, True, 0)], {5: "boom"}, {}), 1)
+        >>> read_report(([(1, 1, 0, True, 0, 1)], {}, {}), 1)
+        ([(1, 1, 0, True, 0, 1)], {}, {})
+        >>> read_report(([(1, 1, 0, True, 0, 1)], {5: "boom"}, {}), 1)
         Traceback (most recent call last):
         ...
         envsync.errors.WireError: a report of 1 workers names worker 5
@@ -186,7 +186,7 @@ def read_report(message: Any, workers: int) -> Report:
 
 
 def _is_acks(status: Any) -> bool:
-    return isinstance(status, tuple) and len(status) == 5 and all(isinstance(n, int) for n in status)
+    return isinstance(status, tuple) and len(status) == 6 and all(isinstance(n, int) for n in status)
 
 
 def _short(value: Any) -> str:

@@ -170,7 +170,7 @@ class Table:
     def status(self, worker: int) -> WorkerStatus:
         c = self.counters
         target, received, applied = int(c["target"][worker]), int(c["received"][worker]), int(c["applied"][worker])
-        return WorkerStatus(worker, target, received, applied, int(c["failed"][worker]))
+        return WorkerStatus(worker, target, received, applied, int(c["failed"][worker]), int(c["reached"][worker]))
 
     def error_text(self, worker: int) -> str:
         length = int(self.counters["error_len"][worker])
