@@ -20,8 +20,8 @@ from tensordict import TensorDictBase
 
 pytest.importorskip("mjlab")
 
-from mjlab_envs import CART, POLE, make_cartpole, make_cartpoles_32, make_cartpoles_64  # noqa: E402
-from torchrl.collectors import Collector, MultiSyncCollector  # noqa: E402
+from mjlab_envs import CART, EPISODE_STEPS, FALL, POLE, make_cartpole, make_cartpoles_32, make_cartpoles_64  # noqa: E402
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 
 import envsync  # noqa: E402
 from envsync import EnvStateSender, ValidationError, curriculum  # noqa: E402
@@ -165,32 +165,65 @@ def check_frames(batch: TensorDictBase, factors: dict[tuple[int, int], float]) -
     return wrong, flat.shape[0]
 
 
-def drive(collector: Any, sender: EnvStateSender, mode: str, frames: int = FRAMES) -> tuple[int, int, set[int]]:
-    """Push a random mass factor per world before every batch; return (mis-tagged frames,
-    frames checked, versions seen under "next")."""
+class Episodes:
+    """Per trajectory (torchrl's ``("collector", "traj_ids")`` per world: an episode, or its part
+    since a reset between batches), across batches: the versions it ran, its length, and how
+    many episodes ended with the pole up before mjlab's time-out (only a ``"truncate"``
+    version ends them so). Read from ``done`` and the pole's angle, not from ``truncated``:
+    torchrl 0.14.1's ``MJLabWrapper`` returns mjlab's own termination buffers, which later
+    steps overwrite in the collected batch."""
+
+    def __init__(self) -> None:
+        self.ran: dict[tuple[int, int], set[int]] = {}
+        self.steps: dict[tuple[int, int], int] = {}
+        self.cut = 0
+
+    def add(self, batch: TensorDictBase) -> None:
+        flat = batch.reshape(-1)
+        keys = zip(flat["env_index"].tolist(), flat["collector", "traj_ids"].tolist(), strict=True)
+        up = flat["next", "done"].flatten() & (flat["next", "physics"][:, 2].abs() <= FALL)
+        for key, version, cut in zip(keys, flat["next", "env_version"].tolist(), up.tolist(), strict=True):
+            self.ran.setdefault(key, set()).add(version)
+            self.steps[key] = self.steps.get(key, 0) + 1
+            self.cut += cut and self.steps[key] < EPISODE_STEPS
+
+    def mixed(self) -> int:
+        """How many trajectories ran more than one version."""
+        return sum(len(versions) > 1 for versions in self.ran.values())
+
+
+def drive(
+    collector: Any, sender: EnvStateSender, mode: str, frames: int = FRAMES
+) -> tuple[int, int, set[int], Episodes]:
+    """Push a random mass factor per world before every batch (waiting until it is applied,
+    except in ``"reset"`` mode); return (mis-tagged frames, frames checked, versions seen under
+    "next", the trajectories)."""
     factors = {(env, 0): 1.0 for env in range(sender.num_envs)}
     wrong = checked = 0
+    episodes = Episodes()
     versions: set[int] = set()
     generator = torch.Generator().manual_seed(0)
     for batch in collector:
         bad, count = check_frames(batch, factors)
         wrong, checked = wrong + bad, checked + count
+        episodes.add(batch)
         versions |= set(batch["next", "env_version"].flatten().tolist())
         if checked >= frames:
             break
         rows = 0.5 + 1.5 * torch.rand(sender.num_envs, generator=generator)
-        version = sender.push(config={"mass": rows}, wait="applied" if mode == "step" else "received")
+        version = sender.push(config={"mass": rows}, wait="received" if mode == "reset" else "applied")
         factors.update({(env, version): float(rows[env]) for env in range(sender.num_envs)})
-    return wrong, checked, versions
+    return wrong, checked, versions, episodes
 
 
 COLLECTORS: dict[str, Callable[..., Any]] = {  # 64 worlds: one env of 64, or two workers of 32
     "single": lambda s, **kw: Collector(s.env_fn(make_cartpoles_64), None, **kw),
     "multisync": lambda s, **kw: MultiSyncCollector([s.env_fn(make_cartpoles_32)] * 2, None, **kw),
+    "multiasync": lambda s, **kw: MultiAsyncCollector([s.env_fn(make_cartpoles_32)] * 2, None, **kw),
 }
 
 
-@pytest.mark.parametrize("mode", ["reset", "step"])
+@pytest.mark.parametrize("mode", ["reset", "step", "truncate"])
 @pytest.mark.parametrize("kind", list(COLLECTORS))
 @pytest.mark.timeout(420)
 def test_every_frame_of_ten_thousand_names_the_mass_its_world_ran(kind: str, mode: str) -> None:
@@ -201,12 +234,23 @@ def test_every_frame_of_ten_thousand_names_the_mass_its_world_ran(kind: str, mod
         )
     try:
         assert sender.num_envs == 64
-        wrong, checked, versions = drive(collector, sender, mode)
+        wrong, checked, versions, episodes = drive(collector, sender, mode)
     finally:
         collector.shutdown()
         sender.close()
     assert checked >= FRAMES and wrong == 0, (wrong, checked)
     assert len(versions) >= 4, versions  # the worlds ran many pushes, each at its own safe point
+    if mode == "step":  # a push lands mid-episode
+        assert episodes.mixed() > 0
+    else:  # at a world's own reset, or after its running episode was cut: never inside one
+        assert episodes.mixed() == 0, episodes.mixed()
+    # only a "truncate" version ends an episode with the pole up before the time-out: mid-rollout where a push
+    # lands while the worker collects (MultiAsyncCollector); the other collectors are idle at a push, and it
+    # resets the worlds between batches (a new trajectory id, no frame ends)
+    if mode == "truncate" and kind == "multiasync":
+        assert episodes.cut > 0
+    if mode != "truncate":
+        assert episodes.cut == 0, episodes.cut
 
 
 # ---- curricula over worlds: each episode credited to the physics the simulator ran -----------
