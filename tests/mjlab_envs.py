@@ -44,7 +44,7 @@ def make_cartpole(num_envs: int = 8) -> Any:
     from mjlab.tasks.registry import load_env_cfg
     from torchrl.envs import MJLabEnv
 
-    wp.config.quiet = True  # no line per Warp module loaded
+    wp.config.log_level = wp.LOG_WARNING  # no line per Warp module loaded (warp 1.19 ignores config.quiet)
     cfg = load_env_cfg(TASK)
     cfg.observations["physics"] = ObservationGroupCfg(
         {"masses": ObservationTermCfg(func=pole_physics), "angle": ObservationTermCfg(func=pole_angle)},
