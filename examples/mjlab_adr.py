@@ -231,7 +231,8 @@ def train(args: Args) -> Log:
     optim = torch.optim.Adam(loss.parameters(), lr=args.lr)
     frames = args.worlds * args.steps_per_batch
     collector = Collector(sender.env_fn(lambda: make_env(args)), actor, frames_per_batch=frames,
-                          total_frames=frames * args.batches, weight_sync_schemes=sender.schemes())
+                          total_frames=frames * args.batches, weight_sync_schemes=sender.schemes(),
+                          auto_register_policy_transforms=False)  # the actor needs no InitTracker
     log = Log(built=dict(zip(PHYSICS, built, strict=True)))
     try:
         for batch in collector:
