@@ -44,7 +44,6 @@ from tensordict import TensorDictBase
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torch import nn
 from torchrl.collectors import Collector
-from torchrl.envs import Transform, TransformedEnv
 from torchrl.modules import MLP, ProbabilisticActor, TanhNormal, ValueOperator
 from torchrl.objectives import ClipPPOLoss
 from torchrl.objectives.value import GAE
@@ -101,18 +100,25 @@ def pole_fallen(env: Any, limit: float) -> torch.Tensor:
     return env.scene["cartpole"].data.joint_pos[:, 1].abs() > limit
 
 
-class OwnDoneFlags(Transform):
-    """Copies ``terminated`` and ``truncated`` out of mjlab's buffers: torchrl 0.14.1's
-    ``MJLabWrapper`` returns mjlab's own termination buffers, which the next step overwrites,
-    so the collected batch (and GAE) would see later steps' flags."""
+def own_done_flags(env_class: type) -> type:
+    """``env_class`` (torchrl's ``MJLabEnv``) with ``terminated`` and ``truncated`` copied out
+    of mjlab's buffers: torchrl 0.14.1's ``MJLabWrapper`` returns mjlab's own termination
+    buffers, which the next step overwrites, so the collected batch (and GAE) would see later
+    steps' flags. (A subclass, not a transform: a ``TransformedEnv`` around the worlds gives
+    them a batched level, which holds their "applied" acknowledgements back: the known gap
+    in docs/domain_randomization.md, "Batched simulators".)"""
 
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        for key in ("terminated", "truncated"):
-            next_tensordict.set(key, next_tensordict.get(key).clone())
-        return next_tensordict
+    class OwnDoneFlags(env_class):  # type: ignore[misc, valid-type]
+        def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+            out = super()._step(tensordict)
+            for key in ("terminated", "truncated"):
+                out.set(key, out.get(key).clone())
+            return out
+
+    return OwnDoneFlags
 
 
-def make_env(args: Args) -> TransformedEnv:
+def make_env(args: Args) -> Any:
     """``Mjlab-Cartpole-Balance`` with ``args.worlds`` worlds on the CPU, the ``"physics"``
     observation, and episodes that end when the pole tilts past ``args.fall`` radians."""
     import mjlab.tasks  # noqa: F401  (registers the tasks)
@@ -128,7 +134,7 @@ def make_env(args: Args) -> TransformedEnv:
                                                       enable_corruption=False)
     cfg.terminations["fallen"] = TerminationTermCfg(func=pole_fallen, params={"limit": args.fall})
     cfg.episode_length_s = args.episode_s
-    return TransformedEnv(MJLabEnv(TASK, cfg=cfg, num_envs=args.worlds, device="cpu"), OwnDoneFlags())
+    return own_done_flags(MJLabEnv)(TASK, cfg=cfg, num_envs=args.worlds, device="cpu")
 
 
 def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
