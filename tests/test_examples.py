@@ -147,6 +147,20 @@ def test_plr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "every frame showed the config" in capsys.readouterr().out
 
 
+def test_mjlab_adr_without_mjlab_exits_non_zero_saying_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The main venv has no mjlab (it pins mujoco 3.11): the example says where it runs. Its
+    smoke run is tests/test_mjlab.py's, in the mjlab venv."""
+    monkeypatch.setitem(sys.modules, "mjlab", None)  # `import mjlab` raises ImportError, with or without mjlab
+    with pytest.raises(SystemExit) as exit_info:
+        load("mjlab_adr").main(["--smoke", "--out", str(tmp_path)])
+    message = str(exit_info.value.code)
+    assert message.startswith("mjlab is missing") and "make .venv-mjlab/.installed" in message
+    assert ".venv-mjlab/bin/python examples/mjlab_adr.py" in message
+    assert not (tmp_path / "mjlab_adr.json").exists()
+
+
 @pytest.mark.timeout(180)
 def test_physics_dr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("mujoco")
