@@ -422,7 +422,7 @@ def transformed_cartpoles() -> Any:
     [
         pytest.param(lambda: make_cartpole(8), id="plain"),
         pytest.param(transformed_cartpoles, id="transformed", marks=pytest.mark.xfail(
-            strict=True, reason="outer.py OuterState.gate(): a batched level acknowledges a world's version only once "
+            strict=True, reason="gate.py GateEnd.target(): a batched level acknowledges a world's version only once "
             "every world of the worker waiting for a version reached it, even when no batched-level entry or reinit "
             "needs it; with per-world pushes in reset mode applied lags while any world waits for its reset")),
     ],
