@@ -5,7 +5,7 @@ an end of their own: :class:`GateEnd`, made of the (ungated) ends of the worker'
 target is the newest version every env under it holds (:meth:`GateEnd.target`); it reads
 the worker's first slot (every env of the worker carries the batched entries); an apply it
 acknowledges is every env's *reached* version acknowledged *applied*
-(:meth:`GateEnd.ack_applied`), and a failure is reported for each env that reached the
+(:meth:`GateEnd.ack_applied`; also a newer one that asks nothing of the level), and a failure is reported for each env that reached the
 failed version: so "applied" covers both levels, and the push that published the version
 raises the level's failure. It answers only the requests for the batched env's own entries
 (the envs' receivers hand those over).
@@ -38,6 +38,7 @@ class GateEnd:
         self._applied = first.counters("applied", count)
         self._source = 0  # the version of the first slot's header last read
         self._gate = 0  # the gate never moves back (an env's reached version never does)
+        self._checked: dict[int, tuple[int, int]] = {}  # env -> (its version, the level's) that asked something
 
     def target(self) -> int:
         """The newest version the level may hold: every env under it holds everything
@@ -71,12 +72,35 @@ class GateEnd:
     def ack_received(self, version: int) -> None:
         return None  # each env acknowledges what reached it
 
-    def ack_applied(self, version: int) -> None:
-        """The level holds ``version``: every env whose reached version it covers is applied."""
-        reached, applied = self._reached.copy(), self._applied.copy()
+    def ack_applied(self, version: int, holds: Callable[[dict[str, int]], bool] | None = None) -> None:
+        """The level holds ``version``: every env whose reached version it covers is applied.
+
+        With ``holds`` (the level's receiver's :meth:`~envsync.receiver.EnvStateReceiver.holds`),
+        an env that reached a newer version, its latest, is applied too where that version
+        asks nothing of the level (no entry of the level pushed since, no re-initialisation
+        to run): in ``"reset"`` mode an env that reset into a version is then applied at once,
+        not only once every sibling that waits for its own reset has reached it too.
+        """
+        reached, applied, targets = self._reached.copy(), self._applied.copy(), self._targets.copy()
         for i, end in enumerate(self._ends):
-            if applied[i] != reached[i] and reached[i] <= version:
-                end.ack_applied(int(reached[i]))
+            got = int(reached[i])
+            if applied[i] == got:
+                continue
+            if got <= version or (holds is not None and got == targets[i] and self._asks_nothing(i, got, version, holds)):
+                end.ack_applied(got)
+
+    def _asks_nothing(self, env: int, got: int, version: int, holds: Callable[[dict[str, int]], bool]) -> bool:
+        """Whether version ``got``, env ``env``'s latest, asks nothing of the level that holds
+        ``version`` (read from the env's own slot once per pair, not at every safe point)."""
+        if self._checked.get(env) == (got, version):
+            return False
+        header = self._ends[env].read_header()
+        if header.version != got:
+            return False  # a newer push landed meanwhile: the env has not reached it yet
+        if holds(header.stamps):
+            return True
+        self._checked[env] = (got, version)
+        return False
 
     def unacknowledged(self) -> bool:
         """Whether some env reached a version not yet acknowledged applied."""

@@ -152,6 +152,15 @@ class EnvStateReceiver(Generic[L]):
         """Whether a version is published that this receiver neither holds nor failed."""
         return self._pending(self.link.target())
 
+    def holds(self, stamps: dict[str, int]) -> bool:
+        """Whether a version whose env-state entries are stamped ``stamps`` asks nothing of this
+        receiver's level: it holds every entry the level owns as stamped there, and has no
+        re-initialisation to run (a batched level's gate then acknowledges an env that reached
+        that version without waiting for its siblings, :meth:`~envsync.gate.GateEnd.ack_applied`)."""
+        if self.adapter.has_reinit:
+            return False
+        return all(self._stamps.get(name, 0) == stamp for name, stamp in stamps.items() if self._owns(name))
+
     def apply_pending(self) -> None:
         """Apply a pending version now, in any mode: the caller knows its env is at a safe
         point (a batched level's group, once its envs applied what it gates on)."""

@@ -12,6 +12,7 @@ exists.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,3 +111,50 @@ def test_a_failure_of_the_batched_level_is_raised_by_its_push_and_rolled_back_ev
     version = sender.push(config={"difficulty": 3.0}, wait="applied")
     assert [runs(folder, w) for w in range(workers)] == [b + 1 for b in before]
     check_frames(next(it), version, 3.0)
+
+
+@pytest.mark.parametrize("kind", ["serial", "parallel", "native"])
+@pytest.mark.parametrize("level_reinit", [False, True], ids=["no-level-reinit", "level-reinit"])
+def test_an_env_that_applied_at_its_own_reset_is_applied_while_a_sibling_waits_for_its_reset(
+    kind: str, level_reinit: bool, tmp_path: Path
+) -> None:
+    """Reset mode, one push to both envs of a batched env under a batched level: env 0 resets
+    (and applies), env 1 does not yet. Where the version carries nothing for the batched
+    level and the level has no ``reinit``, the level holds it already: env 0 is *applied* at
+    once. With a batched-level ``reinit``, the level must run it for the version, which it
+    does once every env holds it: env 0 waits for env 1's reset."""
+    sender = EnvStateSender(
+        config={"difficulty": 0.0},
+        apply="set_difficulty",
+        apply_at="reset",
+        reinit={"batched.Flaky": reinit.call("recount")} if level_reinit else None,
+    )
+    with start_method("fork"):
+        collector = Collector(
+            sender.env_fn(functools.partial(make_flaky_batched, kind, N, 0, str(tmp_path))),
+            None,
+            frames_per_batch=4 * N,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
+    try:
+        next(iter(collector))
+        version = sender.push(config={"difficulty": 4.0}, wait="received")
+        collector.reset(index=[0])
+        deadline = time.monotonic() + 3.0  # the worker loop acknowledges within half a second
+        while sender.env_versions()[0] != version and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if level_reinit:
+            assert sender.env_versions() == [0, 0]
+            assert runs(tmp_path, 0) == 0
+            collector.reset(index=[1])
+            sender.wait(version, until="applied", timeout=5.0)
+            assert runs(tmp_path, 0) == 1
+        else:
+            assert sender.env_versions() == [version, 0]
+        collector.reset()
+        sender.wait(version, until="applied", timeout=5.0)
+        assert sender.env_versions() == [version, version]
+    finally:
+        collector.shutdown()
+        sender.close()

@@ -123,7 +123,7 @@ class EnvGroup:
         if level is not None:
             with self._lock:
                 level.apply_pending()
-                self.gate.ack_applied(level.version)
+                self.gate.ack_applied(level.version, level.holds)
 
     def serve(self, only: list[int] | None = None) -> None:
         """Answer pending gathers: the sub-envs' (unless their receivers serve them) and the
