@@ -5,10 +5,11 @@ an end of their own: :class:`GateEnd`, made of the (ungated) ends of the worker'
 target is the newest version every env under it holds (:meth:`GateEnd.target`); it reads
 the worker's first slot (every env of the worker carries the batched entries); an apply it
 acknowledges is every env's *reached* version acknowledged *applied*
-(:meth:`GateEnd.ack_applied`; also a newer one that asks nothing of the level), and a failure is reported for each env that reached the
-failed version: so "applied" covers both levels, and the push that published the version
-raises the level's failure. It answers only the requests for the batched env's own entries
-(the envs' receivers hand those over).
+(:meth:`GateEnd.ack_applied`; also a newer one that asks nothing of the level), and a
+failure is reported for each env that reached the failed version: so "applied" covers
+both levels, and the push that published the version raises the level's failure. It
+answers only the requests for the batched env's own entries (the envs' receivers hand
+those over).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class GateEnd:
             got = int(reached[i])
             if applied[i] == got:
                 continue
-            if got <= version or (holds is not None and got == targets[i] and self._asks_nothing(i, got, version, holds)):
+            newer_and_free = holds is not None and got == targets[i] and self._asks_nothing(i, got, version, holds)
+            if got <= version or newer_and_free:
                 end.ack_applied(got)
 
     def _asks_nothing(self, env: int, got: int, version: int, holds: Callable[[dict[str, int]], bool]) -> bool:
