@@ -34,9 +34,7 @@ class GateEnd:
         self._ends = ends
         self._first = first = ends[0]
         self.worker = first.worker
-        count = len(ends)
-        self._targets, self._reached = first.counters("target", count), first.counters("reached", count)
-        self._applied = first.counters("applied", count)
+        self._count = len(ends)
         self._source = 0  # the version of the first slot's header last read
         self._gate = 0  # the gate never moves back (an env's reached version never does)
         self._checked: dict[int, tuple[int, int]] = {}  # env -> (its version, the level's) that asked something
@@ -45,7 +43,7 @@ class GateEnd:
         """The newest version the level may hold: every env under it holds everything
         pushed to it up to there (an env still applying, or one that failed its latest
         version and waits for the rollback, holds the level at what it holds)."""
-        targets, reached = self._targets.copy(), self._reached.copy()
+        targets, reached = self._first.read_counters(("target", "reached"), self._count)
         waiting = reached != targets
         gate = min(int(reached[waiting].min()), int(targets.max())) if waiting.any() else int(targets.max())
         self._gate = max(self._gate, gate)
@@ -82,7 +80,7 @@ class GateEnd:
         to run): in ``"reset"`` mode an env that reset into a version is then applied at once,
         not only once every sibling that waits for its own reset has reached it too.
         """
-        reached, applied, targets = self._reached.copy(), self._applied.copy(), self._targets.copy()
+        reached, applied, targets = self._first.read_counters(("reached", "applied", "target"), self._count)
         for i, end in enumerate(self._ends):
             got = int(reached[i])
             if applied[i] == got:
@@ -106,13 +104,14 @@ class GateEnd:
 
     def unacknowledged(self) -> bool:
         """Whether some env reached a version not yet acknowledged applied."""
-        return bool((self._applied != self._reached).any())
+        applied, reached = self._first.read_counters(("applied", "reached"), self._count)
+        return bool((applied != reached).any())
 
     def report_failure(self, version: int, text: str) -> None:
         """The level failed ``version``: each env that reached that very version fails it
         (one does: the gate is some env's reached version); an env waiting on an older one
         stays unacknowledged until the level holds a version again (the rollback's)."""
-        reached = self._reached.copy()
+        (reached,) = self._first.read_counters(("reached",), self._count)
         text = f"the batched env's own transforms failed to apply version {version}:\n{text}"
         for i, end in enumerate(self._ends):
             if reached[i] == version:
@@ -125,5 +124,5 @@ class GateEnd:
     def is_busy(self) -> bool:
         return any(end.is_busy() for end in self._ends)
 
-    def close(self) -> None:
-        return None  # the envs' ends are their receivers' and their group's
+    def note_versions(self, ran: int | None, obs: int) -> None:
+        return None  # the envs under the level note what their steps run

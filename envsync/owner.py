@@ -18,14 +18,25 @@ Exactly one thread touches an env at a time; ownership passes through the env's
   state -> re-initialisation -> the reset that follows); the steps the apply takes itself
   (``reinit.recompute`` rolls out) pass the safe points untouched.
 
+The owner also holds the hooks' *fast path* (:attr:`Owner.settled`, :attr:`Owner.handled`,
+:attr:`Owner.depth`): a step with nothing pending costs one integer read, compared with the
+latest target the step path handled, while the env is settled; anything that changes the env
+outside a step (an idle apply, a version noted elsewhere) unsettles it
+(:meth:`Owner.unsettle`), so the next step takes the slow path and looks. ``depth`` counts
+the batched hooks' nested calls (a ``step_and_maybe_reset`` that steps and resets through
+them), so only the outermost call runs the safe points.
+
 The lock is held for every step and every reset (the hooks' ``step``/``reset`` take it
 around the whole call, so a version is never applied while the env steps, and a step never
 reads a half-applied config), for a whole apply and for a reply. It is re-entrant: an apply
 that steps the env takes the steps' lock again in the same thread. Sub-envs of a
 ``SerialEnv`` have one owner each, in the worker; those of a ``ParallelEnv`` one each in
-their own sub-process. A natively batched env is one env object whose steps take no lock of
-their own: its rows are applied while idle only by its group in the worker loop, under the
-group's owner and only while no rollout or command drives the env.
+their own sub-process. A batched env has one owner for itself (its own transforms, its
+group's idle work, and every row of a natively batched env, whose rows are one env object:
+their receivers share it); marking it driven marks every env under it busy in its slot, and
+a sub-env in another process reads that mark before an idle apply
+(:class:`~envsync.places.SubEnv`). The owner's mark is set by whoever binds the env to its
+link end (:meth:`Owner.marks_with`).
 """
 
 from __future__ import annotations
@@ -63,6 +74,21 @@ class Owner:
         self._driven = 0
         self._applying = False
         self._mark = mark
+        self.settled = False
+        """Whether the env's steps may take the fast path (nothing changed outside a step)."""
+        self.handled = 0
+        """The latest target the step path itself has seen (the fast path compares with it)."""
+        self.depth = 0
+        """How deep the batched hooks are in nested calls of one step or reset."""
+
+    def __reduce__(self) -> tuple[type[Owner], tuple[()]]:
+        """A copy of an env (torchrl deep-copies transforms with their parent) is another env:
+        its owner starts idle, unmarked and unsettled."""
+        return (Owner, ())
+
+    def unsettle(self) -> None:
+        """Make the env's next step take the slow path (a version was applied outside one)."""
+        self.settled = False
 
     def marks_with(self, mark: Callable[[bool], None]) -> None:
         """Mark the env busy through ``mark`` from now on (a new receiver's link end)."""
@@ -101,9 +127,10 @@ class Owner:
 
     @contextmanager
     def applying(self) -> Iterator[None]:
-        """A receiver applies a version for the block (the caller holds ``lock``)."""
-        self._applying = True
+        """A receiver applies a version for the block (the caller holds ``lock``; the
+        receivers of a batched env's rows and level share one owner, one apply at a time)."""
+        before, self._applying = self._applying, True
         try:
             yield
         finally:
-            self._applying = False
+            self._applying = before

@@ -81,10 +81,11 @@ class EnvStateReceiver(Generic[L]):
         owner: Owner | None = None,
     ) -> None:
         self.link = link
+        self.latest = link.target
+        """The latest version published to this env: one integer read (a step's fast path)."""
         self.spec = spec
         self.adapter = adapter
         self.owner = owner if owner is not None else Owner()
-        self.owner.marks_with(link.set_busy)
         self._lock = self.owner.lock
         self.version = 0
         self.seen = 0
@@ -178,16 +179,16 @@ class EnvStateReceiver(Generic[L]):
         return self.owner.driving()
 
     def before_reset(self) -> None:
-        """Safe point before the env resets: every mode applies a pending version here."""
-        if self.owner.is_applying:
-            return
-        target = self.link.target()
-        if self._pending(target):
+        """Safe point before the env resets: every mode applies a pending version here; the
+        reset's observation comes from the version held then (noted in the link)."""
+        if not self.owner.is_applying and self._pending(self.link.target()):
             with self._lock:
                 self.apply_latest(reset_after=False)
+        self.link.note_versions(None, self.version)
 
     def before_step(self) -> None:
-        """Safe point before a step: arm a new version; ``"step"`` mode applies it."""
+        """Safe point before a step: arm a new version; ``"step"`` mode applies it. The step
+        runs under the version held then (noted in the link)."""
         if self.owner.is_applying:
             return
         target = self.link.target()
@@ -195,6 +196,7 @@ class EnvStateReceiver(Generic[L]):
             self._notice(target)
             if self._applies_at_step and self._pending(target):
                 self.apply_latest(reset_after=False)
+        self.link.note_versions(self.version, self.version)
 
     def truncate_now(self) -> bool:
         """Whether the step just taken must end the episode (``"truncate"`` mode, pending)."""

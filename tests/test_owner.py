@@ -107,3 +107,55 @@ def test_idle_applies_never_run_inside_torchrls_own_worker_commands() -> None:
     finally:
         collector.shutdown()
         sender.close()
+
+
+def test_an_owner_marks_once_per_drive_and_nested_applies_keep_applying_until_the_outermost_ends() -> None:
+    from envsync.owner import Owner
+
+    marks: list[bool] = []
+    owner = Owner(marks.append)
+    with owner.driving(), owner.driving():  # a rollout, and one of torchrl's commands inside it
+        assert owner.state == "driven"
+    assert marks == [True, False] and owner.state == "idle"
+    with owner.lock, owner.applying():  # a row's apply; the level's apply inside the same owner
+        with owner.applying():
+            assert owner.is_applying
+        assert owner.is_applying  # the inner apply's end does not end the outer one
+    assert owner.state == "idle"
+
+
+def test_the_rows_of_a_natively_batched_env_and_its_level_share_the_envs_owner_and_its_fast_path() -> None:
+    """A natively batched env is one env object: its rows' receivers, its level's and its group
+    go through one owner, whose fast path an idle apply of a row unsettles."""
+    from helpers import make_native_counters
+    from torchrl.envs import Compose, TransformedEnv
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(lambda: TransformedEnv(make_native_counters(3), Compose())),
+        None,
+        frames_per_batch=6,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    try:
+        it = iter(collector)
+        next(it)
+        from envsync.integrations.torchrl.batched import BatchedHooks
+
+        found = BatchedHooks.of(collector.env)
+        assert found is not None
+        hooks = found[1]
+        owner = hooks.owner
+        assert hooks.group is not None and hooks.group.owner is owner and hooks.group.level is not None
+        assert all(row.owner is owner for row in hooks.rows) and hooks.group.level.owner is owner
+        owner.settled = True
+        version = sender.push(config={"difficulty": 2.0}, envs=[1], wait="applied")  # applied while idle
+        assert not owner.settled  # the next step reads what changed
+        batch = next(it)
+        assert batch["next", "env_version"][1].eq(version).all()
+        assert batch["next", "observation"][1, :, 0].eq(2.0).all()
+        assert batch["next", "env_version"][0].eq(0).all()
+    finally:
+        collector.shutdown()
+        sender.close()

@@ -165,15 +165,14 @@ class ReceiverLink(Protocol):
     def report_failure(self, version: int, text: str) -> None:
         """Tell the sender this version failed, with the traceback text."""
 
-    def set_busy(self, busy: bool) -> None:
-        """Mark whether the collector drives the env (the worker loop keeps off meanwhile)."""
+    def note_versions(self, ran: int | None, obs: int) -> None:
+        """Record the version the env's next step runs under (``None``: unchanged) and the one
+        its observation comes from (a batched env's group reads them for its tags)."""
 
     def is_busy(self) -> bool:
-        """Whether the collector drives the env now (as marked with ``set_busy``, possibly
-        from another process: a batched env's group marks its sub-envs)."""
-
-    def close(self) -> None:
-        """Drop the mapping."""
+        """Whether the collector drives the env now (as its owner marked it with
+        :meth:`Marks.set_busy`, possibly from another process: a batched env's group marks
+        its sub-envs)."""
 
 
 class Notices(Protocol):
@@ -200,23 +199,23 @@ class Notices(Protocol):
 
 
 class Marks(Protocol):
-    """What a batched env's level reads and marks on its envs' ends: the counters its group
-    and a step's fast path read, the versions an env's steps ran, the gate and the relay."""
+    """What binds an env to its end and what a batched env's level reads of its envs' ends:
+    the busy mark its owner sets, the counters its group reads, the gate and the relay."""
 
-    def counters(self, name: str, count: int) -> np.ndarray:
-        """A live view of counter ``name`` (``"target"``, ``"applied"``, ``"failed"``, ``"ran"``,
-        ``"obs"``) of ``count`` slots from this end's: what a batched env's group and a step's
-        fast path read without a call per read (a read-only int64 array: only the link's own
-        methods write the table)."""
+    def set_busy(self, busy: bool) -> None:
+        """Mark whether the collector drives the env (its owner's mark,
+        :meth:`~envsync.owner.Owner.marks_with`: the worker loops keep off meanwhile)."""
+
+    def read_counters(self, names: Sequence[str], count: int) -> tuple[np.ndarray, ...]:
+        """Copies of the counters ``names`` (``"target"``, ``"reached"``, ``"applied"``,
+        ``"failed"``, ``"ran"``, ``"obs"``) of ``count`` slots from this end's: what a batched
+        env's gate and group read of the envs under it (only the link's own methods write
+        the table; nothing outside it holds its arrays)."""
 
     def gated(self, *, wake_group: bool) -> End:
         """This end, for an env under a batched level: its applies are recorded as reached,
         and the batched level acknowledges them as applied once it holds them too
         (``wake_group``: wake the level's group through the slot's relay after each)."""
-
-    def note_versions(self, ran: int | None, obs: int) -> None:
-        """Record the version the env's latest step ran under (``None``: unchanged) and the one
-        its current observation comes from (a batched env reads them for its tags)."""
 
     def relayed(self) -> End:
         """This end, its loop waiting on the slot's relay instead of its wake-up."""

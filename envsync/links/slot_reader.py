@@ -52,6 +52,9 @@ class SlotReader:
         self._parent = owner if owner and owner == os.getppid() else 0
         self.table = table
         self.targets = table.counters["target"]
+        # read through a memoryview: an index gives a Python int (numpy's scalar costs ~1k
+        # instructions, and a safe point reads the target at every step)
+        self._target_cell = self.targets[worker : worker + 1].data
         self._c = table.counters
         self._slot = table.slots[worker]
         self._config = [k for k in self._slot if k[0] == "config"]
@@ -115,12 +118,14 @@ class SlotReader:
         self._routed(self.table.num_workers + self.worker, self._c["relay_to"]).release()
 
     def target(self) -> int:
-        return int(self.targets[self.worker])
+        target: int = self._target_cell[0]
+        return target
 
-    def counters(self, name: str, count: int) -> np.ndarray:
-        view = self._c[name][self.worker : self.worker + count].view()
-        view.flags.writeable = False  # the link's own methods are the only writers
-        return view
+    def read_counters(self, names: Sequence[str], count: int) -> tuple[np.ndarray, ...]:
+        """Copies of the counters ``names`` of ``count`` slots from this end's, read one after
+        the other (each is a single aligned integer per slot, written by one side only)."""
+        first, c = self.worker, self._c
+        return tuple(c[name][first : first + count].copy() for name in names)
 
     def read_header(self) -> Header:
         """The slot's header; a config name not written since the last read is the copy made
@@ -252,6 +257,3 @@ class SlotReader:
         if self._parent:
             return os.getppid() == self._parent
         return not self._owner or self._owner == os.getpid() or pid_alive(self._owner)
-
-    def close(self) -> None:
-        return None

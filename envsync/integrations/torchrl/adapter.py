@@ -76,12 +76,11 @@ class EnvHooks:
         self.obs_version = 0
         self._root: Changes = [(0, 0)]
         self._next: Changes = [(0, 0)]
-        self._settled = True
-        self._handled = 0  # the latest target the step path itself has seen
-        self._target: Any = None
+        self._target: Any = None  # the receiver's latest(), looked up once per bind
         self._step = env._step
         self._reset = env._reset
-        self.owner = Owner()
+        self.owner = Owner()  # its fast path: settled, and the latest target a step handled
+        self.owner.settled = True
         self._lock = self.owner.lock
 
     @classmethod
@@ -106,32 +105,29 @@ class EnvHooks:
             previous.close()
         self.receiver = receiver
         self.env_index = env_index
-        # read through a memoryview: an index gives a Python int (numpy's scalar costs ~1k instructions a step)
-        self._target = receiver.link.counters("target", 1).data
-        self._settled = False
-
-    def unsettle(self) -> None:
-        """Take the next step through the slow path (a version was applied outside one)."""
-        self._settled = False
+        self._target = receiver.latest
+        self.owner.unsettle()
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
         # the env's owner's lock for the whole step: no apply from the worker loop overlaps it, and
         # the fast path's test sees every version an apply made before the step began
-        with self._lock:
+        owner = self.owner
+        with owner.lock:
             frame = self.frame
             self.frame = frame + 1
             receiver = self.receiver
             # compared with the target this path handled, not the receiver's `seen`: the idle
             # worker loop's periodic wake notices (and acknowledges) targets too, even while busy
-            if receiver is None or (self._settled and self._target[0] == self._handled):
+            if receiver is None or (owner.settled and self._target() == owner.handled):
                 return self._step(tensordict)
             return self._slow_step(receiver, frame, tensordict)
 
     def _slow_step(self, receiver: EnvStateReceiver, frame: int, tensordict: TensorDictBase) -> TensorDictBase:
-        if self.owner.is_applying:  # a step of the apply itself (a re-init that rolls out)
+        owner = self.owner
+        if owner.is_applying:  # a step of the apply itself (a re-init that rolls out)
             return self._step(tensordict)
-        self._handled = self._target[0]
-        receiver.before_step()
+        owner.handled = self._target()
+        receiver.before_step()  # notes the version the step runs under
         version = receiver.version
         mark_change(self._next, frame, version)
         out = self._step(tensordict)
@@ -139,8 +135,7 @@ class EnvHooks:
             truncate(out)
         mark_change(self._root, frame + 1, version)
         self.obs_version = version
-        self._settled = receiver.version == version
-        receiver.link.note_versions(version, version)
+        owner.settled = receiver.version == version
         return out
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
@@ -148,12 +143,11 @@ class EnvHooks:
             receiver = self.receiver
             if receiver is None:
                 return self._reset(tensordict, **kwargs)
-            receiver.before_reset()
+            receiver.before_reset()  # notes the version the reset's observation comes from
             out = self._reset(tensordict, **kwargs)
             self.obs_version = receiver.version
             mark_change(self._root, self.frame, self.obs_version)
-            self._settled = False
-            receiver.link.note_versions(None, self.obs_version)
+            self.owner.unsettle()
             return out
 
     def begin(self) -> None:
@@ -162,7 +156,7 @@ class EnvHooks:
         self.frame = 0
         self._root = [(0, self.obs_version)]
         self._next = [(0, version)]
-        self._settled = version == self.obs_version
+        self.owner.settled = version == self.obs_version
 
     def tag(self, batch: TensorDictBase) -> None:
         """Write the rollout's tags into ``batch`` (in place when it has them already)."""
@@ -300,8 +294,10 @@ def serve_env(
     if where.get("gated", False):
         end = end.gated(wake_group=relay)
     place: Place = Standalone()
-    if collector is None:
-        place = SubEnv(hooks.unsettle, end.poke_relay if relay else lambda: None)
+    if collector is None:  # a sub-env: its group's owner marks it driven
+        place = SubEnv(hooks.owner.unsettle, end.poke_relay if relay else lambda: None)
+    else:
+        hooks.owner.marks_with(end.set_busy)
     receiver = EnvStateReceiver(
         link=end,
         spec=hooks.spec,

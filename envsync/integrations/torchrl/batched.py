@@ -35,6 +35,7 @@ from envsync.integrations.torchrl.adapter import EnvHooks, serve_env
 from envsync.integrations.torchrl.level import outer_env
 from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, fill_changes, mark_change, set_tag, truncate_at
 from envsync.links.base import LinkHandle
+from envsync.owner import Owner
 from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
 
@@ -133,8 +134,10 @@ class BatchedHooks:
         self.spec = spec
         self.group: Group | None = None
         self.frame = 0
-        self._depth = 0
-        self._settled = True
+        # the batched env's owner: its group's idle work and its level's applies against the
+        # collector's rollouts, and the fast path of its steps (settled, depth)
+        self.owner = Owner()
+        self.owner.settled = True
         self._root: list[list[tuple[int, int]]] = [[(0, 0)] for _ in range(self.num_envs)]
         self._next: list[list[tuple[int, int]]] = [[(0, 0)] for _ in range(self.num_envs)]
         self._step = env._step
@@ -179,28 +182,26 @@ class BatchedHooks:
         collector steps, when there is one around the batched env."""
         return outer_env(collector.env)
 
-    def unsettle(self) -> None:
-        """Read the sub-envs' versions after the next step (they changed outside a step)."""
-        self._settled = False
-
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        if self._depth:
+        owner = self.owner
+        if owner.depth:
             return self._step(tensordict)
-        self._depth = 1
+        owner.depth = 1
         try:
             out = self._step(tensordict)
         finally:
-            self._depth = 0
+            owner.depth = 0
         self._after_step()
         return out
 
     def step_and_maybe_reset(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
-        self._depth += 1
+        owner = self.owner
+        owner.depth += 1
         try:
             out = self._step_and_maybe_reset(tensordict)
         finally:
-            self._depth -= 1
-        if not self._depth:
+            owner.depth -= 1
+        if not owner.depth:
             self._after_step()
         return out
 
@@ -211,24 +212,24 @@ class BatchedHooks:
 
     def _after_reset(self) -> None:
         group = self.group
-        if not self._depth and group is not None:
+        if not self.owner.depth and group is not None:
             group.catch_up()  # the batched env's own entries, for the envs just reset
             for i, obs in enumerate(group.read()[1]):
                 mark_change(self._root[i], self.frame, obs)
-            self._settled = False
+            self.owner.unsettle()
 
     def _after_step(self) -> None:
         frame = self.frame
         self.frame = frame + 1
         group = self.group
-        if group is None or (self._settled and group.unchanged()):
+        if group is None or (self.owner.settled and group.unchanged()):
             return
         group.catch_up()  # the batched env's own entries, for the next step
         ran, obs, _, settled = group.read()
         for i in range(self.num_envs):
             mark_change(self._next[i], frame, ran[i])
             mark_change(self._root[i], frame + 1, obs[i])
-        self._settled = settled
+        self.owner.settled = settled
 
     def begin(self) -> None:
         """A rollout starts: frames count from 0; tags carry over from the leaves' state."""
@@ -239,7 +240,7 @@ class BatchedHooks:
         _, obs, applied, _ = self.group.read()
         self._root = [[(0, v)] for v in obs]
         self._next = [[(0, v)] for v in applied]
-        self._settled = False
+        self.owner.unsettle()
 
     def tag(self, batch: TensorDictBase, first_env: int) -> None:
         """Write the rollout's tags into ``batch`` (leading dim: the sub-envs)."""

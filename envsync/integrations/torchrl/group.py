@@ -13,20 +13,17 @@ import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
-import numpy as np
 from tensordict import TensorDictBase
 
-from envsync import worker_loop
 from envsync.errors import ValidationError
-from envsync.gate import GateEnd
 from envsync.integrations.torchrl.batched import MAX_ROUNDS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.level import level_receiver
 from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.integrations.torchrl.tags import tags_set_aside
 from envsync.links.base import LinkHandle
-from envsync.owner import Owner
 from envsync.protocol import ApplyAt
 from envsync.receiver import EnvStateReceiver
+from envsync.siblings import Siblings
 
 
 class EnvGroup:
@@ -48,33 +45,26 @@ class EnvGroup:
         self.num_envs = hooks.num_envs
         self.leaves = leaves
         self._collector = weakref.ref(collector)
-        self.ends = [handle.open(first_slot + i) for i in range(self.num_envs)]
-        first, count = self.ends[0], self.num_envs
-        # "reached": what each env applied (its batched level, if any, then acknowledges it)
-        self._targets, self._reached = first.counters("target", count), first.counters("reached", count)
-        self._failures = first.counters("failed", count)
-        self._ran, self._obs = first.counters("ran", count), first.counters("obs", count)
+        self.envs = Siblings(handle, first_slot, self.num_envs)
         self._seen = b""
-        self._noticed = np.zeros(count, dtype=np.int64)  # the targets acknowledged as received
-        self.gate = GateEnd(self.ends)  # the batched level's end (its receiver's, if it has one)
-        # the group's owner: its worker loop against its collector's rollouts; driving the
-        # batched env marks every env under it busy
-        self.owner = Owner(self.gate.set_busy)
+        self.gate = self.envs.gate  # the batched level's end (its receiver's, if it has one)
+        # the batched env's owner: the worker loop's idle work against the collector's rollouts;
+        # driving the batched env marks every env under it busy
+        self.owner = hooks.owner
+        self.owner.marks_with(self.gate.set_busy)
         self._lock = self.owner.lock
         self._closed = False
         self.level: EnvStateReceiver | None = None  # the batched env's own transforms' receiver, if any
 
     def unchanged(self) -> bool:
         """Whether no push reached any sub-env since the group last settled."""
-        return self._targets.tobytes() == self._seen
+        return self.envs.targets() == self._seen
 
     def read(self) -> tuple[list[int], list[int], list[int], bool]:
         """Per sub-env: the version its last step ran under, its observation's, its applied
         one; and whether every sub-env is settled (remembering the targets it settled on)."""
-        targets = self._targets.copy()
-        reached, failed = self._reached.copy(), self._failures.copy()
-        ran, obs = self._ran.copy(), self._obs.copy()
-        settled = bool(np.all(((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)))
+        targets, reached, failed, ran, obs = self.envs.versions()
+        settled = bool((((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)).all())
         settled = settled and (self.level is None or not self._level_behind())
         if settled:
             self._seen = targets.tobytes()
@@ -87,8 +77,7 @@ class EnvGroup:
 
     def pending(self) -> list[int]:
         """The sub-envs with a version not applied (nor failed) yet."""
-        t, a, f = self._targets.copy(), self._reached.copy(), self._failures.copy()
-        return [i for i in range(self.num_envs) if t[i] != a[i] and t[i] != f[i]]
+        return self.envs.pending()
 
     def busy(self) -> AbstractContextManager[None]:
         """Mark the collector as driving the batched env: the worker loop keeps off meanwhile,
@@ -111,8 +100,7 @@ class EnvGroup:
                 if self.spec.idle_resets:
                     collector.reset(index=pending)
                 elif self.leaves.in_own_loops:
-                    for i in pending:
-                        self.ends[i].poke()
+                    self.envs.poke(pending)
                 else:
                     self.leaves.apply_now(pending)
 
@@ -130,7 +118,7 @@ class EnvGroup:
         batched env's own (at a rollout's end, or with the collector idle)."""
         with self._lock:
             indices = range(self.num_envs) if only is None else only
-            asked = [i for i in indices if self.ends[i].request() is not None]
+            asked = self.envs.asked(indices)
             if asked:
                 self.leaves.serve(asked)
             if self.level is not None and self.gate.request() is not None:
@@ -153,10 +141,7 @@ class EnvGroup:
     def on_wake(self) -> None:
         """The worker loop was woken: acknowledge what reached the envs; apply and serve if idle."""
         with self._lock:
-            targets = self._targets.copy()
-            for i in np.flatnonzero(targets != self._noticed).tolist():
-                self.ends[i].ack_received(int(targets[i]))
-            self._noticed = targets
+            self.envs.notice()
             if not self.owner.driven:
                 self.apply_if_idle()
                 self.catch_up()
@@ -165,14 +150,12 @@ class EnvGroup:
     def on_error(self, text: str) -> None:
         """An error escaped :meth:`on_wake`: every env with a version pending fails it (its
         receiver keeps its own failed mark)."""
-        for i in self.pending():
-            end = self.ends[i]
-            end.report_failure(end.target(), text)
+        self.envs.fail_pending(text)
 
     def start(self) -> None:
         """Join the worker loop with every env's end: its slot's wake-up, or, when the
         sub-envs' own receivers serve them in their processes, its relay."""
-        worker_loop.serve(self, [end.relayed() if self.leaves.in_own_loops else end for end in self.ends])
+        self.envs.join(self, relayed=self.leaves.in_own_loops)
 
     def close(self) -> None:
         """Leave the worker loop."""

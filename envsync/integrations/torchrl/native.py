@@ -226,24 +226,23 @@ class NativeHooks(BatchedHooks):
         return outer_env(env)
 
     def step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        group = self.group
-        if self._depth or group is None or (self._settled and group.unchanged()):
+        group, owner = self.group, self.owner
+        if owner.depth or group is None or (owner.settled and group.unchanged()):
             out = self._step(tensordict)
-            if not self._depth:
+            if not owner.depth:
                 self.frame += 1  # what _after_step does with nothing to read
             return out
         with self.applier.batch():
             for row in self.rows:
-                row.before_step()
-        self._depth = 1
+                row.before_step()  # each row notes the version its part of the step runs under
+        owner.depth = 1
         try:
             out = self._step(tensordict)
         finally:
-            self._depth = 0
+            owner.depth = 0
         for i, row in enumerate(self.rows):
             if row.truncate_now():
                 truncate_at(out, i)
-            row.link.note_versions(row.version, row.version)
         self._after_step()
         return out
 
@@ -251,14 +250,12 @@ class NativeHooks(BatchedHooks):
         resetting = [self.rows[i] for i in _rows_reset(tensordict, self.num_envs)] if self.rows else []
         with self.applier.batch():
             for row in resetting:
-                row.before_reset()
-        self._depth += 1
+                row.before_reset()  # each row notes the version its reset's observation comes from
+        self.owner.depth += 1
         try:
             out = self._reset(tensordict, **kwargs)
         finally:
-            self._depth -= 1
-        for row in resetting:
-            row.link.note_versions(None, row.version)
+            self.owner.depth -= 1
         self._after_reset()
         return out
 
@@ -291,7 +288,8 @@ class Rows:
                 spec=hooks.spec,
                 adapter=RowAdapter(hooks.applier, index, hooks.live_env()),
                 initial_config=hooks.initial_config,
-                place=SubEnv(hooks.unsettle),
+                place=SubEnv(hooks.owner.unsettle),
+                owner=hooks.owner,  # the rows are one env object: one owner
             )
             for index in range(hooks.num_envs)
         ]

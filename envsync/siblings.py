@@ -1,0 +1,95 @@
+"""The envs under one batched env, as the process that drives it sees them on the link.
+
+A batched env's sub-envs (or a natively batched env's rows) each have a receiver and an end
+of their own; the batched env's group (:mod:`envsync.integrations.torchrl.group`) needs a
+view over all of them at once: what each was published, reached, failed, and ran its last
+step and observation under (for the tags and the fast path), which of them wait for a version
+or a reply, and a way to acknowledge receipt for them, wake their own loops and fail what
+they wait for. :class:`Siblings` is that view, so the integration never holds a link end; it
+also makes the batched level's end, the gate over the same ends (:mod:`envsync.gate`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from envsync import worker_loop
+from envsync.gate import GateEnd
+from envsync.links.base import LinkHandle
+from envsync.worker_loop import Member
+
+VERSIONS = ("target", "reached", "failed", "ran", "obs")
+"""Per env: its latest target; the version it reached (applied; its batched level, if any,
+acknowledges it *applied*); its latest failure; the version its latest step ran under; the
+one its observation comes from."""
+
+
+class Siblings:
+    """The ends of the ``count`` envs of one batched env, from link slot ``first_slot`` on.
+
+    Args:
+        handle: the link.
+        first_slot: the link slot of env 0 (the others follow).
+        count: how many envs.
+
+    Examples:
+        >>> from envsync.links.local import LocalLink
+        >>> import torch
+        >>> link = LocalLink({("config", "level"): torch.tensor(0)}, 2)
+        >>> envs = Siblings(link.handle(), 0, 2)
+        >>> link.write(1, 1, {("config", "level"): torch.tensor(3)})
+        >>> envs.pending()
+        [1]
+        >>> link.close()
+    """
+
+    def __init__(self, handle: LinkHandle, first_slot: int, count: int) -> None:
+        self._ends = [handle.open(first_slot + i) for i in range(count)]
+        self._first = self._ends[0]
+        self.count = count
+        self._noticed = np.zeros(count, dtype=np.int64)  # the targets acknowledged as received
+        self.gate = GateEnd(self._ends)
+        """The batched level's end over these envs (its receiver's, if it has one)."""
+
+    def targets(self) -> bytes:
+        """Every env's latest target, as bytes (compared to tell whether a push came)."""
+        (targets,) = self._first.read_counters(("target",), self.count)
+        return targets.tobytes()
+
+    def versions(self) -> tuple[np.ndarray, ...]:
+        """Copies of :data:`VERSIONS`, per env, read one after the other."""
+        return self._first.read_counters(VERSIONS, self.count)
+
+    def pending(self) -> list[int]:
+        """The envs with a version published that they neither reached nor failed."""
+        t, a, f = self._first.read_counters(("target", "reached", "failed"), self.count)
+        return np.flatnonzero((t != a) & (t != f)).tolist()
+
+    def notice(self) -> None:
+        """Acknowledge receipt of every target that changed since the last notice."""
+        (targets,) = self._first.read_counters(("target",), self.count)
+        for i in np.flatnonzero(targets != self._noticed).tolist():
+            self._ends[i].ack_received(int(targets[i]))
+        self._noticed = targets
+
+    def asked(self, indices: Sequence[int]) -> list[int]:
+        """The envs of ``indices`` with a request not answered yet."""
+        return [i for i in indices if self._ends[i].request() is not None]
+
+    def poke(self, indices: Sequence[int]) -> None:
+        """Wake the loops that serve these envs (in their own processes)."""
+        for i in indices:
+            self._ends[i].poke()
+
+    def fail_pending(self, text: str) -> None:
+        """Every env with a version pending fails it, with ``text``."""
+        for i in self.pending():
+            end = self._ends[i]
+            end.report_failure(end.target(), text)
+
+    def join(self, member: Member, *, relayed: bool) -> None:
+        """Serve ``member`` in this process's worker loop, woken by every env's notices (or,
+        ``relayed``, by its slot's relay: the envs' own receivers serve them elsewhere)."""
+        worker_loop.serve(member, [end.relayed() if relayed else end for end in self._ends])
