@@ -104,9 +104,10 @@ def own_done_flags(env_class: type) -> type:
     """``env_class`` (torchrl's ``MJLabEnv``) with ``terminated`` and ``truncated`` copied out
     of mjlab's buffers: torchrl 0.14.1's ``MJLabWrapper`` returns mjlab's own termination
     buffers, which the next step overwrites, so the collected batch (and GAE) would see later
-    steps' flags. (A subclass, not a transform: a ``TransformedEnv`` around the worlds gives
-    them a batched level, which holds their "applied" acknowledgements back: the known gap
-    in docs/domain_randomization.md, "Batched simulators".)"""
+    steps' flags. (A subclass, not a transform: the copy belongs to the env itself, and a
+    ``TransformedEnv`` around the worlds would add a batched level the example has no use
+    for; it would work too: a version that asks nothing of that level is applied as each
+    world resets, see docs/domain_randomization.md, "Batched simulators".)"""
 
     class OwnDoneFlags(env_class):  # type: ignore[misc, valid-type]
         def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
