@@ -3,7 +3,8 @@
 A batched env's own transforms (:mod:`envsync.levels`) have a receiver like every level, on
 an end of their own: :class:`GateEnd`, made of the (ungated) ends of the worker's envs. Its
 target is the newest version every env under it holds (:meth:`GateEnd.target`); it reads
-the worker's first slot (every env of the worker carries the batched entries); an apply it
+the worker's first slot (every env of the worker carries the batched entries; an env's own
+slot is read to tell whether its newer version asks anything of the level); an apply it
 acknowledges is every env's *reached* version acknowledged *applied*
 (:meth:`GateEnd.ack_applied`; also a newer one that asks nothing of the level), and a
 failure is reported for each env that reached the failed version: so "applied" covers
@@ -85,19 +86,20 @@ class GateEnd:
             got = int(reached[i])
             if applied[i] == got:
                 continue
-            newer_and_free = holds is not None and got == targets[i] and self._asks_nothing(i, got, version, holds)
-            if got <= version or newer_and_free:
+            latest = got == targets[i]
+            if got <= version or (holds is not None and latest and self._asks_nothing(i, got, holds, version)):
                 end.ack_applied(got)
 
-    def _asks_nothing(self, env: int, got: int, version: int, holds: Callable[[dict[str, int]], bool]) -> bool:
+    def _asks_nothing(self, env: int, got: int, holds: Callable[[dict[str, int]], bool], version: int) -> bool:
         """Whether version ``got``, env ``env``'s latest, asks nothing of the level that holds
-        ``version`` (read from the env's own slot once per pair, not at every safe point)."""
+        ``version``: read from the env's own slot's stamps, once per pair of versions that
+        asked something (not at every safe point)."""
         if self._checked.get(env) == (got, version):
             return False
-        header = self._ends[env].read_header()
-        if header.version != got:
+        target, stamps = self._ends[env].read_stamps()
+        if target != got:
             return False  # a newer push landed meanwhile: the env has not reached it yet
-        if holds(header.stamps):
+        if holds(stamps):
             return True
         self._checked[env] = (got, version)
         return False

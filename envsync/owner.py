@@ -35,8 +35,9 @@ their own sub-process. A batched env has one owner for itself (its own transform
 group's idle work, and every row of a natively batched env, whose rows are one env object:
 their receivers share it); marking it driven marks every env under it busy in its slot, and
 a sub-env in another process reads that mark before an idle apply
-(:class:`~envsync.places.SubEnv`). The owner's mark is set by whoever binds the env to its
-link end (:meth:`Owner.marks_with`).
+(:class:`~envsync.places.SubEnv`). The mark is set where another process reads it: by the
+binder of a collector's unbatched env (its link end) and by a batched env's group (every
+env under it), through :meth:`Owner.marks_with`.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class Owner:
         self.settled = False
 
     def marks_with(self, mark: Callable[[bool], None]) -> None:
-        """Mark the env busy through ``mark`` from now on (a new receiver's link end)."""
+        """Mark the env busy through ``mark`` from now on (an env bound to a link end, or a
+        batched env's group marking every env under it)."""
         self._mark = mark
 
     @property

@@ -82,7 +82,8 @@ class EnvStateReceiver(Generic[L]):
     ) -> None:
         self.link = link
         self.latest = link.target
-        """The latest version published to this env: one integer read (a step's fast path)."""
+        """``latest()``: the version this receiver's end targets now (for an env, the latest
+        one published to it: one integer read, what a step's fast path compares)."""
         self.spec = spec
         self.adapter = adapter
         self.owner = owner if owner is not None else Owner()

@@ -362,3 +362,21 @@ def test_a_closed_shared_memory_link_refuses_every_write_wake_and_wait() -> None
     ):
         with pytest.raises(RuntimeError, match="link is closed"):
             use()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_acknowledgement_of_an_older_version_never_moves_reached_back(kind: str) -> None:
+    """A batched level's gate acknowledges the version it read an env reached; the env, in its
+    own process, may have reached a newer one since: that one stays reached."""
+    link = make(kind, 1)
+    try:
+        env, gate_side = link.handle().open(0).gated(wake_group=False), link.handle().open(0)
+        for version in (1, 2):
+            link.write(0, version, {("config", "level"): torch.tensor(version)})
+        env.ack_applied(2)  # the env reached 2 ...
+        gate_side.ack_applied(1)  # ... while its level acknowledged the 1 it had read
+        status = link.status(0)
+        assert (status.reached, status.applied) == (2, 1)
+        assert gate_side.read_stamps()[0] == 2
+    finally:
+        link.close()

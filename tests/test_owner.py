@@ -159,3 +159,23 @@ def test_the_rows_of_a_natively_batched_env_and_its_level_share_the_envs_owner_a
     finally:
         collector.shutdown()
         sender.close()
+
+
+def test_a_hooked_env_deep_copies_into_another_env_with_an_owner_of_its_own() -> None:
+    """torchrl deep-copies transforms with their parent env (a probe of a batched env's own
+    transforms does): the copy's owner is a fresh one, idle, and its steps take its lock."""
+    import copy
+
+    from envsync.envs import make_drift_env
+    from envsync.integrations.torchrl.adapter import EnvHooks
+    from envsync.protocol import ApplyAt
+    from envsync.spec import ApplySpec
+
+    env = make_drift_env()
+    hooks = EnvHooks.install(env, ApplySpec(None, ApplyAt.RESET), None)
+    with hooks.owner.driving():
+        twin = copy.deepcopy(env)
+    copied = twin.__dict__["_envsync_hooks"]
+    assert copied.owner is not hooks.owner and copied.owner.state == "idle"
+    assert hooks.owner.state == "idle"
+    assert twin.rollout(3).shape == (3,)

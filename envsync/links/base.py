@@ -134,7 +134,8 @@ class LinkHandle(Protocol):
 
 class ReceiverLink(Protocol):
     """One worker's side of a link, as its receiver uses it: read what is published, load
-    it, answer requests, acknowledge, report failures, mark the env driven."""
+    it, answer requests, acknowledge, report failures, note the versions its env runs, and
+    read whether its env is driven (from another process)."""
 
     worker: int
 
@@ -211,6 +212,10 @@ class Marks(Protocol):
         ``"failed"``, ``"ran"``, ``"obs"``) of ``count`` slots from this end's: what a batched
         env's gate and group read of the envs under it (only the link's own methods write
         the table; nothing outside it holds its arrays)."""
+
+    def read_stamps(self) -> tuple[int, dict[str, int]]:
+        """The slot's target and the stamps of its env-state entries, read at once without
+        the config (a batched level's gate: does an env's version ask anything of it?)."""
 
     def gated(self, *, wake_group: bool) -> End:
         """This end, for an env under a batched level: its applies are recorded as reached,

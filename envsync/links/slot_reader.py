@@ -144,6 +144,12 @@ class SlotReader:
                 undo=int(self._c["undo"][self.worker]),
             )
 
+    def read_stamps(self) -> tuple[int, dict[str, int]]:
+        """The slot's target and, per env-state name, the version that last pushed it (what
+        :meth:`read_header` reads, without copying the config out)."""
+        with locked(self._lock, "worker %d reading stamps", self.worker):
+            return int(self.targets[self.worker]), {name: int(view) for name, view in self._stamp_views}
+
     def _copy(self, key: Key) -> Leaf:
         table = self.table
         if int(table.array(self.worker, table.source(key))) > 0:
@@ -202,7 +208,9 @@ class SlotReader:
             self._acks[0].release()
 
     def ack_applied(self, version: int) -> None:
-        self._c["reached"][self.worker] = version
+        reached = self._c["reached"]
+        if version > reached[self.worker]:  # never back: a batched level's gate acknowledges a
+            reached[self.worker] = version  # version it read, and the env may have gone on since
         if self._gated:
             # the env holds it; its batched level acknowledges "applied" once it holds it too
             self.ack_received(version)
@@ -236,8 +244,8 @@ class SlotReader:
         self._routed(self._own, self._route).release()
 
     def note_versions(self, ran: int | None, obs: int) -> None:
-        """Record the version the env's latest step ran under (``None``: unchanged) and the
-        one its current observation comes from (read by a batched env's tags)."""
+        """Record the version the env's next step runs under (``None``: unchanged) and the
+        one its observation comes from (read by a batched env's tags after the step)."""
         if ran is not None:
             self._c["ran"][self.worker] = ran
         self._c["obs"][self.worker] = obs

@@ -81,7 +81,6 @@ class EnvHooks:
         self._reset = env._reset
         self.owner = Owner()  # its fast path: settled, and the latest target a step handled
         self.owner.settled = True
-        self._lock = self.owner.lock
 
     @classmethod
     def install(cls, env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase | None) -> EnvHooks:
@@ -139,7 +138,7 @@ class EnvHooks:
         return out
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
-        with self._lock:
+        with self.owner.lock:
             receiver = self.receiver
             if receiver is None:
                 return self._reset(tensordict, **kwargs)
