@@ -66,9 +66,13 @@ class Cell:
     kind: str  # "single" | "sync" | "async", or "ray-" and one of them (see make_collector)
     env_kind: str  # "plain" | "serial" | "parallel" | "native"
     mode: str  # "reset" | "step" | "truncate"
+    level_reinit: bool = True
+    """Whether a batched env's own level runs a ``reinit`` policy (the tripwire's check) at every
+    version; without one, an env whose version asks nothing of its level is applied as soon as
+    it holds it (the gate's early acknowledgement), and the level cannot be made to fail."""
 
     def __str__(self) -> str:
-        return f"{self.kind}-{self.env_kind}-{self.mode}"
+        return f"{self.kind}-{self.env_kind}-{self.mode}" + ("" if self.level_reinit else "-bare-level")
 
     @property
     def ray(self) -> bool:
@@ -130,7 +134,7 @@ class Target(NamedTuple):
 def make_sender(cell: Cell) -> EnvStateSender:
     config = {"difficulty": 0.0, "delay": 0.0, "table": torch.zeros(TABLE)}
     # a batched env's own level checks its tripwire at every version it reaches
-    rules = {"batched.Tripwire": reinit.call("check")} if cell.env_kind != "plain" else None
+    rules = {"batched.Tripwire": reinit.call("check")} if cell.env_kind != "plain" and cell.level_reinit else None
     return EnvStateSender(config=config, apply="set_difficulty", apply_at=cell.mode, reinit=rules)
 
 
