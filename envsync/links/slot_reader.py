@@ -140,7 +140,7 @@ class SlotReader:
             return Header(
                 version=int(self.targets[self.worker]),
                 config=dict(held),
-                stamps={name: int(view) for name, view in self._stamp_views},
+                stamps=self._stamps_now(),
                 undo=int(self._c["undo"][self.worker]),
             )
 
@@ -148,7 +148,11 @@ class SlotReader:
         """The slot's target and, per env-state name, the version that last pushed it (what
         :meth:`read_header` reads, without copying the config out)."""
         with locked(self._lock, "worker %d reading stamps", self.worker):
-            return int(self.targets[self.worker]), {name: int(view) for name, view in self._stamp_views}
+            return int(self.targets[self.worker]), self._stamps_now()
+
+    def _stamps_now(self) -> dict[str, int]:
+        """Per env-state name, the version that last pushed it (the caller holds the slot lock)."""
+        return {name: int(view) for name, view in self._stamp_views}
 
     def _copy(self, key: Key) -> Leaf:
         table = self.table
