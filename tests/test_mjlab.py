@@ -452,6 +452,36 @@ def test_a_world_that_applied_its_row_at_its_own_reset_is_acknowledged_while_ano
         sender.close()
 
 
+@pytest.mark.timeout(180)
+def test_applied_means_every_world_of_the_model_holds_its_row_and_a_later_user_write_stays() -> None:
+    """A ``Collector`` of 16 worlds, idle after its first batch (the worker loop applies), 30
+    rounds: right after each ``wait="applied"`` every world's model holds its pushed mass and
+    the derived subtree mass (the write and ``recompute_constants`` ran); a mass the user
+    writes then is still there a moment later (no deferred write of that push comes after).
+    Fails on 1090c66: 15 worlds still held the previous mass, and 448 of 480 user rows were
+    overwritten."""
+    sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="step")
+    collector = Collector(sender.env_fn(lambda: make_cartpole(16)), None, frames_per_batch=32, total_frames=-1,
+                          weight_sync_schemes=sender.schemes())
+    try:
+        next(iter(collector))
+        model = sim_of(collector.env).model
+        for round_ in range(30):
+            scale = torch.linspace(0.5, 2.0, 16) + 0.01 * round_
+            sender.push(config={"mass": scale}, wait="applied")
+            assert model.body_mass[:, POLE].tolist() == pytest.approx((MASS * scale).tolist()), round_
+            subtree = model.body_subtreemass[:, CART].tolist()
+            assert subtree == pytest.approx((SUBTREE * scale).tolist()), round_  # every body scaled
+            mine = model.body_mass[...].clone()
+            mine[:, POLE] = 0.7
+            model.body_mass[...] = mine
+            time.sleep(0.01)
+            assert model.body_mass[:, POLE].tolist() == pytest.approx([0.7] * 16), round_
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
 # ---- the example ---------------------------------------------------------------------------
 
 

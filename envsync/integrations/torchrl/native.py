@@ -21,6 +21,7 @@ transforms: re-initialisation policies address them only as ``"batched.*"``.
 from __future__ import annotations
 
 import inspect
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -73,6 +74,7 @@ class RowApplier:
         self._n = num_envs
         self._call: Callable[..., Any] | None = None
         self._staged: set[int] | None = None
+        self._acks: list[tuple[End, int]] = []  # acknowledgements that wait for the batch's write
         self.by_rows = False
         self.defers = False
         bind = getattr(apply, "bind", None)
@@ -124,12 +126,23 @@ class RowApplier:
         everyone = len(rows) == self._n
         self._call({k: t.clone() if everyone else t[index] for k, t in self._table.items()}, env_ids=index)
 
+    def ack_applied(self, end: End, version: int) -> None:
+        """Acknowledge ``version`` as applied on a row's ``end`` once the simulator holds it:
+        at once, or (inside :meth:`batch`, of a deferring apply) after the batch's write and
+        its ``finish`` returned."""
+        if self._staged is None:
+            end.ack_applied(version)
+        else:
+            self._acks.append((end, version))
+
     @contextmanager
     def batch(self) -> Iterator[None]:
         """The rows' safe points of one step, reset or idle apply: a deferring apply writes
-        the rows given a config here once, at the end. A write that fails there is raised
-        to the caller (the env's step or reset): the values were checked against the
-        arrays when the apply was bound, so only a ``finish`` can fail at this point."""
+        the rows given a config here once, at the end, and only then are their versions
+        acknowledged as applied. A write that fails there is reported as each row's failure
+        of its version and raised to the caller (the env's step or reset): the values were
+        checked against the arrays when the apply was bound, so only a ``finish`` can fail
+        at this point."""
         if not self.defers or self._staged is not None:
             yield
             return
@@ -138,7 +151,16 @@ class RowApplier:
             yield
         finally:
             rows, self._staged = sorted(self._staged), None
-        self._write(rows)
+            acks, self._acks = self._acks, []
+        try:
+            self._write(rows)
+        except Exception:
+            text = traceback.format_exc()
+            for end, version in acks:
+                end.report_failure(version, text)
+            raise
+        for end, version in acks:
+            end.ack_applied(version)
 
 
 def tensors(config: FlatConfig) -> dict[str, torch.Tensor]:
@@ -196,6 +218,22 @@ class RowAdapter:
 
     def reset(self) -> None:
         raise EnvSyncError("a row of a batched env is reset through its collector, not by its receiver")
+
+
+class RowEnd:
+    """A row's link end whose "applied" acknowledgements go through the env's
+    :class:`RowApplier` (:meth:`RowApplier.ack_applied`): sent once the simulator holds the
+    row, never before a deferred write and its ``finish``. Everything else is the end's."""
+
+    def __init__(self, end: End, applier: RowApplier) -> None:
+        self._end = end
+        self._applier = applier
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._end, name)
+
+    def ack_applied(self, version: int) -> None:
+        self._applier.ack_applied(self._end, version)
 
 
 class NativeHooks(BatchedHooks):
@@ -280,7 +318,7 @@ class Rows:
 
         def end(index: int) -> End:
             opened = handle.open(first_slot + index)
-            return opened.gated(wake_group=False) if gated else opened
+            return RowEnd(opened.gated(wake_group=False) if gated else opened, hooks.applier)
 
         rows = [
             EnvStateReceiver(
