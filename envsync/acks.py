@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
+import numpy as np
+
 from envsync.core import Core
 from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
 from envsync.fleet import Attachment
@@ -35,8 +37,10 @@ def wait(core: Core, version: int, mode: Until, targets: list[int], timeout: flo
     try:
         # first block (a link returns at once when nothing is owed), then read the counters
         link: Acknowledgements | None = located[pending[0]][0].link if pending else None
+        slots: list[int] | None = None  # the slots of pending on link (made again after _progress)
         while link is not None:
-            slots = [located[e][1] for e in pending if located[e][0].link is link]
+            if slots is None:
+                slots = [located[e][1] for e in pending if located[e][0].link is link]
             woken = _block(link, slots, version, mode, deadline - time.monotonic())
             if woken and len(slots) == len(pending):
                 settled = _settled(core, link, slots, version, mode)
@@ -46,6 +50,7 @@ def wait(core: Core, version: int, mode: Until, targets: list[int], timeout: flo
                     continue  # nothing failed, nobody left: block again
             # liveness (a syscall per worker) only when no acknowledgement came in a slice
             link = _progress(core, pending, located, version, mode, check_liveness=not woken)
+            slots = None
             if link is not None and time.monotonic() >= deadline:
                 raise _timeout(core, version, pending, [], mode)
     except RuntimeError as err:  # a link closed under us
@@ -85,7 +90,7 @@ def _settled(core: Core, link: Acknowledgements, slots: list[int], version: int,
             return None
         if all_settled(link.counts(slots, applied=mode is Until.APPLIED), version):
             return True
-        return False if all(failed == NO_FAILURE for failed in link.failed()) else None
+        return False if (np.asarray(link.failed()) == NO_FAILURE).all() else None
 
 
 def _progress(

@@ -119,9 +119,8 @@ class GateEnd:
             if reached[i] == version:
                 end.report_failure(version, text)
 
-    def set_busy(self, busy: bool) -> None:
-        for end in self._ends:
-            end.set_busy(busy)
+    def set_busy(self, busy: bool, count: int = 1) -> None:
+        self._first.set_busy(busy, self._count)  # every env under the level, in one write
 
     def is_busy(self) -> bool:
         return any(end.is_busy() for end in self._ends)

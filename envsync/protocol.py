@@ -16,6 +16,8 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 NO_FAILURE = -1
 """Value of :attr:`WorkerStatus.failed` while a worker has never failed."""
 
@@ -163,24 +165,36 @@ def owes(status: WorkerStatus, version: int, until: Until) -> bool:
     return any_owing(counts_of([status], until), version)
 
 
-Counts = Iterable[tuple[int, int, int]]
-"""Per worker: its target, its acknowledgement (received or applied, whichever is waited
-for) and its latest failed version, as plain ints (how a link reads its counters)."""
+Counts = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Per worker, as int64 columns: its target, its acknowledgement (received or applied,
+whichever is waited for) and its latest failed version (how a link reads its counters: one
+vector read, whatever the number of envs)."""
+
+
+def columns(rows: Iterable[tuple[int, int, int]]) -> Counts:
+    """:data:`Counts` from ``(target, acknowledgement, failed)`` triples.
+
+    Examples:
+        >>> [c.tolist() for c in columns([(3, 2, -1), (4, 4, -1)])]
+        [[3, 4], [2, 4], [-1, -1]]
+    """
+    table = np.array(list(rows), dtype=np.int64).reshape(-1, 3)
+    return table[:, 0], table[:, 1], table[:, 2]
 
 
 def any_owing(counts: Counts, version: int) -> bool:
     """Tell whether a sender waiting for ``version`` must still wait for any of these
-    workers' ``counts`` (the rule of :func:`owes`, on plain ints: the links' ``wait_acks``).
+    workers' ``counts`` (the rule of :func:`owes`, on columns: the links' ``wait_acks``).
 
     Examples:
-        >>> any_owing([(3, 2, NO_FAILURE)], 3), any_owing([(3, 2, 3)], 3), any_owing([(2, 2, NO_FAILURE)], 5)
-        (True, False, False)
+        >>> any_owing(columns([(3, 2, NO_FAILURE)]), 3), any_owing(columns([(3, 2, 3)]), 3)
+        (True, False)
+        >>> any_owing(columns([(2, 2, NO_FAILURE)]), 5)
+        False
     """
-    for target, acked, failed in counts:
-        owed = target if target < version else version
-        if acked < owed and failed < owed:
-            return True
-    return False
+    target, acked, failed = counts
+    owed = np.minimum(target, version)
+    return bool(((acked < owed) & (failed < owed)).any())
 
 
 def all_settled(counts: Counts, version: int) -> bool:
@@ -188,19 +202,17 @@ def all_settled(counts: Counts, version: int) -> bool:
     and none has ever failed a version: the common end of a wait, with nothing to raise.
 
     Examples:
-        >>> all_settled([(3, 3, NO_FAILURE), (2, 2, NO_FAILURE)], 3), all_settled([(3, 3, 1)], 3)
+        >>> all_settled(columns([(3, 3, NO_FAILURE), (2, 2, NO_FAILURE)]), 3), all_settled(columns([(3, 3, 1)]), 3)
         (True, False)
     """
-    for target, acked, failed in counts:
-        if acked < (target if target < version else version) or failed != NO_FAILURE:
-            return False
-    return True
+    target, acked, failed = counts
+    return bool(((acked >= np.minimum(target, version)) & (failed == NO_FAILURE)).all())
 
 
 def counts_of(statuses: Iterable[WorkerStatus], until: Until) -> Counts:
     """The :data:`Counts` of status snapshots, acknowledged as ``until`` asks."""
     received = until is Until.RECEIVED
-    return ((s.target, s.received if received else s.applied, s.failed) for s in statuses)
+    return columns((s.target, s.received if received else s.applied, s.failed) for s in statuses)
 
 
 def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = None) -> int | None:

@@ -74,9 +74,27 @@ class Siblings:
             self._ends[i].ack_received(int(targets[i]))
         self._noticed = targets
 
-    def asked(self, indices: Sequence[int]) -> list[int]:
-        """The envs of ``indices`` with a request not answered yet."""
-        return [i for i in indices if self._ends[i].request() is not None]
+    def asked(self, indices: Sequence[int] | None = None) -> list[int]:
+        """The envs (of ``indices``; ``None``: all) with a request not answered yet (one
+        vector read, whatever their number)."""
+        ask, answered = self._first.read_counters(("ask", "answered"), self.count)
+        waiting = (ask != 0) & (ask != answered)
+        if indices is None:
+            return np.flatnonzero(waiting).tolist()
+        return [i for i in indices if waiting[i]]
+
+    def unsettled(self, *, pending: bool) -> np.ndarray:
+        """A mask of the envs whose safe point has something to do: a target not yet
+        acknowledged as received, a version reached that its step or observation was not
+        noted under yet, and (``pending``) a version neither reached nor failed. The others'
+        safe points would change nothing: a batched env walks only these (one vector read)."""
+        t, received, reached, failed, ran, obs = self._first.read_counters(
+            ("target", "received", "reached", "failed", "ran", "obs"), self.count
+        )
+        mask = (t != received) | (ran != reached) | (obs != reached)
+        if pending:
+            mask |= (t != reached) & (t != failed)
+        return mask
 
     def poke(self, indices: Sequence[int]) -> None:
         """Wake the loops that serve these envs (in their own processes)."""

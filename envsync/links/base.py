@@ -203,9 +203,10 @@ class Marks(Protocol):
     """What binds an env to its end and what a batched env's level reads of its envs' ends:
     the busy mark its owner sets, the counters its group reads, the gate and the relay."""
 
-    def set_busy(self, busy: bool) -> None:
+    def set_busy(self, busy: bool, count: int = 1) -> None:
         """Mark whether the collector drives the env (its owner's mark,
-        :meth:`~envsync.owner.Owner.marks_with`: the worker loops keep off meanwhile)."""
+        :meth:`~envsync.owner.Owner.marks_with`: the worker loops keep off meanwhile); with
+        ``count``, the envs of ``count`` slots from this end's (a batched env's, in one write)."""
 
     def read_counters(self, names: Sequence[str], count: int) -> tuple[np.ndarray, ...]:
         """Copies of the counters ``names`` (``"target"``, ``"reached"``, ``"applied"``,

@@ -238,8 +238,8 @@ class SlotReader:
         self._acks[0].release()
         self._acks[1].release()
 
-    def set_busy(self, busy: bool) -> None:
-        self._c["busy"][self.worker] = int(busy)
+    def set_busy(self, busy: bool, count: int = 1) -> None:
+        self._c["busy"][self.worker : self.worker + count] = int(busy)
 
     def is_busy(self) -> bool:
         return bool(self._c["busy"][self.worker])

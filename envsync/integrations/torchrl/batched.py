@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase
 from torchrl.envs import EnvBase, ParallelEnv
@@ -33,7 +34,7 @@ from envsync.configure import apply_config
 from envsync.errors import EnvSyncError, ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks, serve_env
 from envsync.integrations.torchrl.level import outer_env
-from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, fill_changes, mark_change, set_tag, truncate_at
+from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, Columns, set_tag, truncate_at
 from envsync.links.base import LinkHandle
 from envsync.owner import Owner
 from envsync.receiver import EnvStateReceiver
@@ -138,8 +139,8 @@ class BatchedHooks:
         # collector's rollouts, and the fast path of its steps (settled, depth)
         self.owner = Owner()
         self.owner.settled = True
-        self._root: list[list[tuple[int, int]]] = [[(0, 0)] for _ in range(self.num_envs)]
-        self._next: list[list[tuple[int, int]]] = [[(0, 0)] for _ in range(self.num_envs)]
+        self._root = Columns(np.zeros(self.num_envs, dtype=np.int64))
+        self._next = Columns(np.zeros(self.num_envs, dtype=np.int64))
         self._step = env._step
         self._reset = env._reset
         self._step_and_maybe_reset = env.step_and_maybe_reset
@@ -214,8 +215,7 @@ class BatchedHooks:
         group = self.group
         if not self.owner.depth and group is not None:
             group.catch_up()  # the batched env's own entries, for the envs just reset
-            for i, obs in enumerate(group.read()[1]):
-                mark_change(self._root[i], self.frame, obs)
+            self._root.mark(self.frame, group.read()[1])
             self.owner.unsettle()
 
     def _after_step(self) -> None:
@@ -226,9 +226,8 @@ class BatchedHooks:
             return
         group.catch_up()  # the batched env's own entries, for the next step
         ran, obs, _, settled = group.read()
-        for i in range(self.num_envs):
-            mark_change(self._next[i], frame, ran[i])
-            mark_change(self._root[i], frame + 1, obs[i])
+        self._next.mark(frame, ran)
+        self._root.mark(frame + 1, obs)
         self.owner.settled = settled
 
     def begin(self) -> None:
@@ -238,20 +237,19 @@ class BatchedHooks:
             return
         self.group.catch_up()  # what the worker's envs applied while idle
         _, obs, applied, _ = self.group.read()
-        self._root = [[(0, v)] for v in obs]
-        self._next = [[(0, v)] for v in applied]
+        self._root = Columns(obs)
+        self._next = Columns(applied)
         self.owner.unsettle()
 
     def tag(self, batch: TensorDictBase, first_env: int) -> None:
         """Write the rollout's tags into ``batch`` (leading dim: the sub-envs)."""
         shape = batch.batch_size
-        for key, rows in ((VERSION_KEY, self._root), (("next", VERSION_KEY), self._next)):
+        for key, columns in ((VERSION_KEY, self._root), (("next", VERSION_KEY), self._next)):
             out = batch.get(key, None)
             if out is None:
                 out = torch.empty(shape, dtype=torch.int64)
                 set_tag(batch, key, out)
-            for i, changes in enumerate(rows):
-                fill_changes(out[i], changes)
+            columns.fill(out)
         index = torch.arange(first_env, first_env + self.num_envs, dtype=torch.int64)
         index = index.view(-1, *([1] * (len(shape) - 1))).expand(shape).clone()
         for key in (INDEX_KEY, ("next", INDEX_KEY)):
@@ -272,12 +270,16 @@ class Group(Protocol):
     def unchanged(self) -> bool:
         """Whether no push reached any sub-env since the group last settled."""
 
-    def read(self) -> tuple[list[int], list[int], list[int], bool]:
-        """Per sub-env: the version its last step ran under, its observation's, its applied
-        one; and whether every sub-env is settled."""
+    def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """Per sub-env (columns): the version its last step ran under, its observation's, its
+        applied one; and whether every sub-env is settled."""
 
     def catch_up(self) -> None:
         """Load the batched env's own entries the worker's envs all applied."""
+
+    def unsettled(self, *, pending: bool) -> np.ndarray:
+        """A mask of the sub-envs whose safe point has something to do (``pending``: a
+        version to apply counts)."""
 
 
 class Leaves(Protocol):

@@ -13,6 +13,7 @@ import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
 from tensordict import TensorDictBase
 
 from envsync.errors import ValidationError
@@ -60,20 +61,25 @@ class EnvGroup:
         """Whether no push reached any sub-env since the group last settled."""
         return self.envs.targets() == self._seen
 
-    def read(self) -> tuple[list[int], list[int], list[int], bool]:
-        """Per sub-env: the version its last step ran under, its observation's, its applied
-        one; and whether every sub-env is settled (remembering the targets it settled on)."""
+    def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """Per sub-env (columns): the version its last step ran under, its observation's, its
+        applied one; and whether every sub-env is settled (remembering the targets it settled on)."""
         targets, reached, failed, ran, obs = self.envs.versions()
         settled = bool((((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)).all())
         settled = settled and (self.level is None or not self._level_behind())
         if settled:
             self._seen = targets.tobytes()
-        return ran.tolist(), obs.tolist(), reached.tolist(), settled
+        return ran, obs, reached, settled
 
     def _level_behind(self) -> bool:
         """Whether the batched level has a version to apply, or envs to acknowledge."""
         assert self.level is not None
         return self.level.pending or self.gate.unacknowledged()
+
+    def unsettled(self, *, pending: bool) -> np.ndarray:
+        """A mask of the sub-envs whose safe point has something to do
+        (:meth:`~envsync.siblings.Siblings.unsettled`)."""
+        return self.envs.unsettled(pending=pending)
 
     def pending(self) -> list[int]:
         """The sub-envs with a version not applied (nor failed) yet."""
@@ -93,7 +99,10 @@ class EnvGroup:
                 return
             # again while anything is pending: a push may land while this runs
             for _ in range(MAX_ROUNDS):
-                pending = [i for i in self.pending() if only is None or i in only]
+                pending = self.pending()
+                if only is not None:
+                    wanted = set(only)
+                    pending = [i for i in pending if i in wanted]
                 collector = self._collector()
                 if not pending or collector is None:
                     return
@@ -117,8 +126,7 @@ class EnvGroup:
         """Answer pending gathers: the sub-envs' (unless their receivers serve them) and the
         batched env's own (at a rollout's end, or with the collector idle)."""
         with self._lock:
-            indices = range(self.num_envs) if only is None else only
-            asked = self.envs.asked(indices)
+            asked = self.envs.asked(only)
             if asked:
                 self.leaves.serve(asked)
             if self.level is not None and self.gate.request() is not None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import EnvBase
@@ -270,25 +271,32 @@ class NativeHooks(BatchedHooks):
             if not owner.depth:
                 self.frame += 1  # what _after_step does with nothing to read
             return out
+        rows = self.rows
+        # only the rows whose safe point has something to do: a vector read, whatever their number
+        walk = np.flatnonzero(group.unsettled(pending=self.spec.apply_at is ApplyAt.STEP)).tolist()
         with self.applier.batch():
-            for row in self.rows:
-                row.before_step()  # each row notes the version its part of the step runs under
+            for i in walk:
+                rows[i].before_step()  # each row notes the version its part of the step runs under
         owner.depth = 1
         try:
             out = self._step(tensordict)
         finally:
             owner.depth = 0
-        for i, row in enumerate(self.rows):
-            if row.truncate_now():
-                truncate_at(out, i)
+        if self.spec.truncates:
+            for i in np.flatnonzero(group.unsettled(pending=True)).tolist():
+                if rows[i].truncate_now():
+                    truncate_at(out, i)
         self._after_step()
         return out
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
-        resetting = [self.rows[i] for i in _rows_reset(tensordict, self.num_envs)] if self.rows else []
-        with self.applier.batch():
-            for row in resetting:
-                row.before_reset()  # each row notes the version its reset's observation comes from
+        group = self.group
+        if self.rows and group is not None:
+            reset = _rows_reset(tensordict, self.num_envs)
+            walk = np.flatnonzero(reset & group.unsettled(pending=True)).tolist()
+            with self.applier.batch():
+                for i in walk:
+                    self.rows[i].before_reset()  # each row notes the version its reset's observation comes from
         self.owner.depth += 1
         try:
             out = self._reset(tensordict, **kwargs)
@@ -298,11 +306,12 @@ class NativeHooks(BatchedHooks):
         return out
 
 
-def _rows_reset(tensordict: TensorDictBase | None, num_envs: int) -> list[int]:
+def _rows_reset(tensordict: TensorDictBase | None, num_envs: int) -> np.ndarray:
+    """A mask of the rows a reset resets (its ``"_reset"`` entry; every row without one)."""
     mask = None if tensordict is None else tensordict.get("_reset", None)
     if mask is None:
-        return list(range(num_envs))
-    return torch.nonzero(mask.reshape(num_envs, -1).any(-1)).flatten().tolist()
+        return np.ones(num_envs, dtype=bool)
+    return mask.reshape(num_envs, -1).any(-1).cpu().numpy()
 
 
 class Rows:
