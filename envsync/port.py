@@ -97,6 +97,15 @@ class AttachPort:
             return 1
         return self.probe_or_fail().num_envs()
 
+    def rows_per_worker(self) -> int:
+        """How many consecutive envs of a worker are rows of one natively batched env (one
+        process, one worker loop: a link gives them one lock and one wake-up); 1 otherwise,
+        and when nothing was built in this process to tell."""
+        if self._envs_per_worker is not None or self._declared is not None:
+            return 1
+        layout = self.probe_or_fail().layout()
+        return layout.num_envs if layout.rows else 1
+
     def env_state_template(self) -> EnvStateTemplate:
         """The env-state keys a push may carry: declared, or read once from the probe env
         (which also checks the sender's settings against the env before any worker starts)."""

@@ -10,6 +10,7 @@ the write and its finish did.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,42 @@ def test_a_write_the_user_makes_after_applied_is_never_overwritten() -> None:
             collector.env.difficulty[:] = -1.0  # the user's own write, after the wait
             time.sleep(0.05)
             assert collector.env.difficulty.tolist() == [-1.0] * N, round_
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def _semaphores() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.")}
+
+
+@pytest.mark.timeout(180)
+def test_thousands_of_worlds_per_worker_share_one_lock_and_wake_up_per_worker() -> None:
+    """A ``MultiSyncCollector`` of 2 workers x 4,096 worlds: the link makes a handful of named
+    semaphores, not three per world (each is a mapping in every process that opens it, and a
+    process may hold 65,530: 2 x 32,768 worlds failed to attach with three a world); every
+    world then takes its own row of a push, and its frames say so."""
+    rows = 4096
+    before = _semaphores()
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    factories = [sender.env_fn(functools.partial(make_native_counters, rows, w * rows)) for w in range(2)]
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            factories, None, frames_per_batch=4 * rows, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
+    try:
+        made = _semaphores() - before
+        assert len(made) <= 10, len(made)  # per worker: a lock, a wake-up, a relay; two for acknowledgements
+        iterator = iter(collector)
+        next(iterator)
+        values = torch.arange(2 * rows, dtype=torch.float32)
+        version = sender.push(config=TensorDict(difficulty=values, batch_size=[2 * rows]), wait="applied")
+        batch = next(iterator)
+        tagged = batch["next", "env_version"] == version
+        assert tagged.any(-1).all()  # every world ran the version within the batch
+        observed = batch["next", "observation"][..., 0]
+        index = batch["env_index"]
+        assert torch.equal(observed[tagged], values[index[tagged]])
     finally:
         collector.shutdown()
         sender.close()

@@ -12,7 +12,7 @@ import torch
 
 from envsync.links.base import Key
 from envsync.links.slot_reader import SlotReader
-from envsync.links.slots import SlotWriter
+from envsync.links.slots import SlotWriter, per_slot
 from envsync.links.table import Table, plan
 from envsync.state import Leaf
 
@@ -24,6 +24,8 @@ class LocalLink(SlotWriter):
         leaves: one worker's starting leaves (they fix the layout).
         num_workers: how many receivers read this link.
         alive: tells whether a worker can still answer.
+        group: consecutive slots that share one lock, wake-up and relay (the rows of a
+            natively batched env, served by one worker loop).
 
     Examples:
         >>> link = LocalLink({("config", "x"): torch.zeros(2)}, 2)
@@ -35,12 +37,19 @@ class LocalLink(SlotWriter):
     """
 
     def __init__(
-        self, leaves: Mapping[Key, Leaf], num_workers: int, *, alive: Callable[[int], bool] = lambda w: True
+        self,
+        leaves: Mapping[Key, Leaf],
+        num_workers: int,
+        *,
+        alive: Callable[[int], bool] = lambda w: True,
+        group: int = 1,
     ) -> None:
         fields, size = plan(leaves, num_workers)
         table = Table(torch.zeros(size, dtype=torch.uint8), fields, num_workers)
-        locks = [threading.Lock() for _ in range(num_workers)]
-        wakes = [threading.Semaphore(0) for _ in range(2 * num_workers)]  # wake-ups, then relays
+        groups = -(-num_workers // group)  # one lock, wake-up and relay per group of slots (a native env's rows)
+        group_locks = [threading.Lock() for _ in range(groups)]
+        group_wakes = [threading.Semaphore(0) for _ in range(2 * groups)]
+        locks, wakes = per_slot(group_locks, group_wakes, num_workers, group)
         super().__init__(table, locks, wakes, (threading.Semaphore(0), threading.Semaphore(0)))
         self.initialise(leaves)
         self._alive = alive

@@ -22,14 +22,14 @@ import secrets
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from envsync.links.base import Key
 from envsync.links.slot_reader import SlotReader
-from envsync.links.slots import SlotWriter
+from envsync.links.slots import SlotWriter, per_slot
 from envsync.links.table import Field, Table, pid_alive, plan
 from envsync.state import Leaf
 
@@ -137,6 +137,10 @@ class SharedMemoryLink(SlotWriter):
         num_workers: how many workers read this link.
         ctx: the workers' multiprocessing context (locks and semaphores are made from it).
         alive: tells whether a worker's process still runs.
+        group: consecutive slots that live in one process and one worker loop (the rows of a
+            natively batched env) share one slot lock, one wake-up and one relay: no
+            semaphore per world (each named semaphore is a mapping in every process that opens
+            it, against the kernel's limit of 65,530 a process).
 
     Examples:
         >>> import multiprocessing as mp
@@ -156,6 +160,7 @@ class SharedMemoryLink(SlotWriter):
         *,
         ctx: Any,
         alive: Callable[[int], bool] = lambda worker: True,
+        group: int = 1,
     ) -> None:
         sweep_stale()
         self.num_workers = num_workers
@@ -164,10 +169,11 @@ class SharedMemoryLink(SlotWriter):
         self.path = os.path.join(SHM_DIR, f"{PREFIX}{token}")
         # locked under a name no sweep looks at, then renamed: a sweep never sees it unlocked
         hidden = os.path.join(SHM_DIR, f".{PREFIX}{token}")
-        locks = [ctx.Lock() for _ in range(num_workers)]
-        # per slot a wake-up (the sender wakes the receiver), then a relay (a receiver in a
-        # ParallelEnv's sub-process wakes its batched env's group, in the worker)
-        wakes = [ctx.Semaphore(0) for _ in range(2 * num_workers)]
+        groups = -(-num_workers // group)
+        locks = [ctx.Lock() for _ in range(groups)]
+        # per group of slots a wake-up (the sender wakes the receiver), then a relay (a receiver
+        # in a ParallelEnv's sub-process wakes its batched env's group, in the worker)
+        wakes = [ctx.Semaphore(0) for _ in range(2 * groups)]
         acks = (ctx.Semaphore(0), ctx.Semaphore(0))
         trailer = _names_trailer([*locks, *wakes, *acks])
         fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -182,13 +188,14 @@ class SharedMemoryLink(SlotWriter):
             fields=fields,
             size=size,
             num_workers=num_workers,
+            group=group,
             locks=locks,
             wakes=wakes,
             acks=acks,
             owner=os.getpid(),
         )
         handle = self._handle
-        super().__init__(handle.table(), handle.locks, handle.wakes, handle.acks)
+        super().__init__(handle.table(), *per_slot(locks, wakes, num_workers, group), handle.acks)
         self.initialise(leaves)
         self._alive = alive
 
@@ -220,16 +227,19 @@ class SharedMemoryLink(SlotWriter):
 
 @dataclass
 class SharedMemoryHandle:
-    """What a worker needs to open its end: the path, the layout, the locks and semaphores."""
+    """What a worker needs to open its end: the path, the layout, the locks and semaphores
+    (one of each per group of slots, see :class:`SharedMemoryLink`)."""
 
     path: str
     fields: list[Field]
     size: int
     num_workers: int
+    group: int
     locks: list[Any]
     wakes: list[Any]
     acks: tuple[Any, Any]
     owner: int
+    _slots: tuple[list[Any], list[Any]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def table(self) -> Table:
         """The table, mapped once per process while any of its ends lives (a natively
@@ -243,7 +253,7 @@ class SharedMemoryHandle:
     def __reduce__(self) -> tuple[Any, ...]:
         if any(_semaphore_name(s) is None for s in (*self.locks, *self.wakes, *self.acks)):
             return super().__reduce__()  # type: ignore[return-value]  # unnamed: only at process start
-        state = (self.path, self.fields, self.size, self.num_workers, self.owner)
+        state = (self.path, self.fields, self.size, self.num_workers, self.group, self.owner)
         return _rebuild_handle, (
             state,
             [_portable(s) for s in self.locks],
@@ -255,7 +265,10 @@ class SharedMemoryHandle:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
-        reader = SlotReader(self.table(), worker, self.locks[worker], self.wakes, self.acks, owner=self.owner)
+        if self._slots is None:
+            self._slots = per_slot(self.locks, self.wakes, self.num_workers, self.group)
+        locks, wakes = self._slots
+        reader = SlotReader(self.table(), worker, locks[worker], wakes, self.acks, owner=self.owner)
         return reader.claim()
 
 
@@ -272,12 +285,13 @@ def _reopen(portable: tuple[type, tuple[Any, ...]]) -> Any:
 
 
 def _rebuild_handle(state: tuple[Any, ...], locks: list[Any], wakes: list[Any], acks: list[Any]) -> SharedMemoryHandle:
-    path, fields, size, num_workers, owner = state
+    path, fields, size, num_workers, group, owner = state
     return SharedMemoryHandle(
         path=path,
         fields=fields,
         size=size,
         num_workers=num_workers,
+        group=group,
         locks=[_reopen(s) for s in locks],
         wakes=[_reopen(s) for s in wakes],
         acks=(_reopen(acks[0]), _reopen(acks[1])),

@@ -72,6 +72,27 @@ class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
         self._lock.release()
 
 
+def per_slot(locks: Sequence[Any], wakes: Sequence[Any], num_workers: int, group: int) -> tuple[list[Any], list[Any]]:
+    """Each slot's lock, and its wake-up then its relay, from those of its group (the same
+    objects for every slot of a group): the lists a slot table's writer and readers index by slot.
+
+    Examples:
+        >>> per_slot(["l0", "l1"], ["w0", "w1", "r0", "r1"], 3, 2)
+        (['l0', 'l0', 'l1'], ['w0', 'w0', 'w1', 'r0', 'r0', 'r1'])
+    """
+    groups = len(locks)
+    slot_locks = [locks[s // group] for s in range(num_workers)]
+    slot_wakes = [wakes[s // group] for s in range(num_workers)]
+    slot_relays = [wakes[groups + s // group] for s in range(num_workers)]
+    return slot_locks, slot_wakes + slot_relays
+
+
+def distinct(locks: Sequence[Any]) -> list[Any]:
+    """``locks`` without repeats, in their order (slots of one group share a lock: a
+    broadcast takes it once)."""
+    return list({id(lock): lock for lock in locks}.values())
+
+
 class _Released:
     """What a released writer holds instead of its locks and semaphores: any use of them is
     a use of a closed link."""
@@ -171,11 +192,11 @@ class SlotWriter:
             region = self.table.broadcast.get(key)
             if region is None or region.shape != value.shape:
                 raise ValueError(f"broadcast entry {key} does not fit the region")
-        locks = [self._locks[worker] for worker in workers]
+        locks = distinct([self._locks[worker] for worker in workers])
         held = 0
         try:
-            for worker in workers:
-                acquire(locks[held], "broadcasting to worker %d", worker)
+            for lock in locks:
+                acquire(lock, "broadcasting to worker %d", workers[0])
                 held += 1
             for key, value in shared.items():
                 array = self.table.broadcast_arrays[key]

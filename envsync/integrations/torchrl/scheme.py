@@ -27,6 +27,7 @@ from envsync.errors import ValidationError
 from envsync.integrations.torchrl.adapter import bind_env
 from envsync.integrations.torchrl.batched import BatchedHooks
 from envsync.integrations.torchrl.group import bind_batched
+from envsync.integrations.torchrl.native import NativeHooks
 from envsync.integrations.torchrl.routing import route_env_pushes
 from envsync.links.base import Flat, LinkHandle
 from envsync.links.local import LocalLink
@@ -47,16 +48,18 @@ def _worker_alive(collector_ref: weakref.ReferenceType[Any], worker: int) -> boo
     return worker >= len(procs) or procs[worker].is_alive()
 
 
-def worker_link(collector: Any, leaves: Flat, envs_per_worker: int = 1) -> SharedMemoryLink:
+def worker_link(collector: Any, leaves: Flat, envs_per_worker: int = 1, rows: int = 1) -> SharedMemoryLink:
     """The shared-memory link to a multi-process collector's workers, one slot per env
     (named semaphores, so a ``ParallelEnv``'s sub-processes can open it later; liveness
-    from the workers' processes, by weakref)."""
+    from the workers' processes, by weakref); ``rows``: the envs of a worker are rows of one
+    natively batched env, sharing one lock and one wake-up."""
     collector_ref = weakref.ref(collector)
     return SharedMemoryLink(
         leaves,
         collector.num_workers * envs_per_worker,
         ctx=mp.get_context("spawn"),
         alive=lambda slot: _worker_alive(collector_ref, slot // envs_per_worker),
+        group=rows,
     )
 
 
@@ -68,7 +71,8 @@ def in_process_link(collector: Collector, leaves: Flat) -> LocalLink | SharedMem
         return LocalLink(leaves, 1)
     if isinstance(found[0], ParallelEnv):
         return SharedMemoryLink(leaves, found[1].num_envs, ctx=mp.get_context("spawn"))
-    return LocalLink(leaves, found[1].num_envs)
+    rows = found[1].num_envs if isinstance(found[1], NativeHooks) else 1  # one lock and wake-up for a native env's rows
+    return LocalLink(leaves, found[1].num_envs, group=rows)
 
 
 def bind(collector: Any, handle: LinkHandle, slot: int, env_index: int, envs: int = 1) -> Any:
@@ -162,9 +166,10 @@ class EnvSyncScheme(EnvSchemeBase):
             return
 
         envs = self._envs = self._sender.port.envs_per_worker()
+        rows = self._sender.port.rows_per_worker()
 
         def make(leaves: Flat) -> SharedMemoryLink:
-            link = worker_link(context, leaves, envs)
+            link = worker_link(context, leaves, envs, rows)
             self._handle = link.handle()
             return link
 
