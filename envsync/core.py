@@ -114,9 +114,10 @@ class Core:
     # ---- publishing ----------------------------------------------------------------------------
 
     def publish(self, updates: Mapping[int, Flat], *, default: Flat | None, undo_mark: int = 0) -> int:
-        """Write each env's update under a new version, notifying each as soon as its slot is
-        written; ``default`` also changes what workers joining later start from. Then record
-        what it replaced (the undo of this push), the mirrors and the config history."""
+        """Write each env's update under a new version, then notify each (a link's slots
+        first: rows of one env share a slot lock); ``default`` also changes what workers
+        joining later start from. Then record what it replaced (the undo of this push), the
+        mirrors and the config history."""
         state = self.desired
         version = state.version + 1
         located = {index: self.fleet.locate(index) for index in updates}
@@ -167,8 +168,8 @@ def release(attachment: Attachment) -> None:
 
 
 def _write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
-    """Write one link's slots (``group``: slot -> update) under ``version``, notifying each as
-    soon as it is written; what :func:`~envsync.protocol.broadcast_part` says all share is
+    """Write one link's slots (``group``: slot -> update) under ``version``, then notify
+    each; what :func:`~envsync.protocol.broadcast_part` says all share is
     written once, to the broadcast region."""
     shared = broadcast_part(group, BROADCAST, link.num_workers, undo_mark)
     if shared:
@@ -179,4 +180,5 @@ def _write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_ma
         return
     for worker, update in group.items():
         link.write(worker, version, update, undo=undo_mark)
+    for worker in group:  # after every write: a worker woken early would wait on the slot lock its rows share
         link.notify(worker)

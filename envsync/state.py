@@ -176,8 +176,12 @@ class ConfigTemplate:
             return shared
         rows = [dict(shared) for _ in range(count)]
         for path, value in rowed.items():
-            for row, item in zip(rows, value.unbind(0), strict=True):
-                row[path] = self._fit_named(path, item)
+            # checked and copied once for every env (a column), then handed out as row views
+            like = self._flat[path]
+            column = fit("config value", path, value, like.expand(count, *like.shape), self.allow_nonfinite)
+            assert isinstance(column, torch.Tensor)  # a tensor fits as a tensor
+            for row, item in zip(rows, column.unbind(0), strict=True):
+                row[path] = item
         return rows
 
     @property

@@ -160,9 +160,13 @@ class SlotWriter:
 
     def _write_leaves(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
         table, slot = self.table, self.table.slots[worker]
+        arrays = table.arrays[worker]
         for key, value in entries.items():
+            array = arrays[key]
             if isinstance(value, np.ndarray):
                 table.array(worker, key)[...] = value
+            elif array is not None and value.device.type == "cpu" and not value.requires_grad:
+                array[...] = value.numpy()  # a small leaf: a numpy copy costs a fraction of torch's
             else:
                 slot[key].copy_(value)
             if key[0] in BROADCAST:
