@@ -9,6 +9,9 @@ loopback)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -25,6 +28,7 @@ from torchrl.collectors.distributed import RayCollector  # noqa: E402
 from envsync.links.ray import RayLink  # noqa: E402
 
 WILDCARDS = {"0.0.0.0", "::"}  # a socket listening on every interface: no traffic of its own
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_off_loopback_names_each_address_outside_127_0_0_0_8() -> None:
@@ -46,6 +50,43 @@ def test_the_cluster_fixture_refuses_an_address_off_loopback(monkeypatch: pytest
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "192.0.2.2")
     with pytest.raises(RuntimeError, match=f"192.0.2.2, off loopback: {RAY_LOOPBACK}=0"):
         ray_on_loopback(ray)
+
+
+SCRIPTS_CHOOSE = """
+import os, sys
+sys.path[:0] = ["benchmarks", "examples"]
+import bench_ray, ray_curriculum
+
+print("ray imported:", "ray" in sys.modules)
+
+def stop(*args):  # in place of the run: what main() chose before it would import Ray
+    raise SystemExit(f"{os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER')} {'ray' in sys.modules}")
+
+bench_ray._measure = ray_curriculum.run = stop
+for name, script, argv in (("bench_ray", bench_ray, ["--quick"]), ("ray_curriculum", ray_curriculum, ["--smoke"])):
+    for extra in ([], ["--address", "10.0.0.5:6379"]):
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        try:
+            script.main(argv + extra)
+        except SystemExit as chose:
+            print(f"{name} {'address' if extra else 'local'}:", chose)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_ray_benchmark_and_example_set_the_variable_for_their_own_cluster_only() -> None:
+    # without the variable in their environment; they never import Ray here (no cluster starts)
+    env = {k: v for k, v in os.environ.items() if k != RAY_LOOPBACK}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPTS_CHOOSE], capture_output=True, text=True, timeout=100, cwd=ROOT, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
+    assert lines["ray imported"] == "False"  # so main() decides before Ray reads the variable
+    for name in ("bench_ray", "ray_curriculum"):
+        assert lines[f"{name} local"] == "0 False"  # its own cluster: on loopback
+        assert lines[f"{name} address"] == "None False"  # a real cluster: Ray's default
 
 
 def sockets_off_loopback() -> list[str]:
