@@ -18,7 +18,13 @@ How a run is laid out (what keeps ``make test`` short without losing what it pro
 
 from __future__ import annotations
 
+import gc
+import ipaddress
+import multiprocessing as mp
 import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 RAY_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 """With it ``"0"`` when ``ray`` is imported (Ray reads it once, then), Ray runs a local cluster
@@ -29,15 +35,8 @@ Set, not defaulted: no test run leaves loopback, whatever the caller's environme
 test run's subprocesses (Ray's workers, ``run_to_exit``) inherit it; docs/ray.md."""
 os.environ[RAY_LOOPBACK] = "0"
 
-import gc  # noqa: E402
-import ipaddress  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-from collections.abc import Callable, Iterable, Iterator, Sequence  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
 import pytest  # noqa: E402
-from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402  (imports Ray)
 
 from envsync import EnvStateSender  # noqa: E402
 from envsync.links.shared_memory import PREFIX, SHM_DIR  # noqa: E402
