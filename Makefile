@@ -4,6 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# Every Ray cluster the targets start (the tests', make soak's, the benchmarks', the examples')
+# runs on loopback, 127.0.0.1: Ray reads this when it is imported; without it, on Linux, a local
+# cluster is announced on the machine's interface address (docs/ray.md). tests/conftest.py sets
+# it too, for a pytest run outside make.
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
 .PHONY: demo test lint typecheck unit wide soak bench docs examples-smoke test-nightly test-mjlab clean
 
 $(STAMP): pyproject.toml

@@ -21,10 +21,15 @@ and the bytes each node's relays decoded; then a restart: ``collector.shutdown()
 + a new ``RayCollector`` + its first batch.
 
     python benchmarks/bench_ray.py [--quick] [--address ADDRESS]
+
+The local cluster runs on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, set by :func:`main`
+before Ray is imported: docs/ray.md; what imports Ray, through torchrl, is imported where it is
+used); with ``--address`` Ray finds the node's address as usual.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 import time
@@ -33,15 +38,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import bench_envs
 import torch
 from bench_common import RESULTS, Report, median, parse_args, save_plot, target, timed
 from tensordict import TensorDict
 from tqdm import tqdm
 
-from envsync import EnvStateSender
+if TYPE_CHECKING:
+    from envsync import EnvStateSender
 
 NAME = "ray"
 KEY = "transforms.0.buf"
@@ -68,13 +73,20 @@ def quick(args: Args) -> Args:
 
 @contextmanager
 def cluster(address: str = "") -> Iterator[list[dict[str, Any]]]:
-    """Connect to ``address``, or start a local head + one node; yield one actor option set per
-    node (nodes ``n0`` and ``n1``)."""
+    """Connect to ``address``, or start a local head + one node on loopback; yield one actor
+    option set per node (nodes ``n0`` and ``n1``)."""
+    import bench_envs
     import ray
     from ray.cluster_utils import Cluster
 
     nodes = None
     if not address:
+        host = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(host).is_loopback:  # refused before anything listens
+            raise SystemExit(
+                f"bench_ray: a local cluster would run on {host}, not on loopback: set "
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported (docs/ray.md)"
+            )
         nodes = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 1, "object_store_memory": STORE, "resources": {"n0": 1}},
@@ -112,6 +124,10 @@ def param_bytes(policy: Any) -> int:
 
 
 def make_sender(args: Args) -> EnvStateSender:
+    import bench_envs  # imported once main() chose where Ray runs: they import Ray (through torchrl)
+
+    from envsync import EnvStateSender
+
     table = torch.zeros(args.nbytes // 4 // (args.collectors * args.workers_per_collector))
     return EnvStateSender(
         config={"difficulty": 0.0, "table": table}, apply=bench_envs.apply_difficulty, apply_at="step"
@@ -119,6 +135,7 @@ def make_sender(args: Args) -> EnvStateSender:
 
 
 def build(sender: EnvStateSender, policy: Any, args: Args, configs: list[dict[str, Any]]) -> Any:
+    import bench_envs
     from torchrl.collectors import MultiSyncCollector
     from torchrl.collectors.distributed import RayCollector
 
@@ -288,6 +305,8 @@ def _traffic(meter: Meter) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv, Args, __doc__, quick)
+    if not args.address:  # the local cluster on loopback: Ray reads it once, at its import (docs/ray.md)
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     bar = tqdm(total=args.repeats + 1 + args.restarts, desc="ray", file=sys.stderr, disable=not sys.stderr.isatty())
     times, workers, policy_bytes, meter = _measure(args, bar)
     bar.close()

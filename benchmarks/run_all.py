@@ -8,23 +8,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import bench_batched
-import bench_curriculum
-import bench_hot_path
-import bench_memory
-import bench_payload
-import bench_rebuild
-import bench_switch_latency
-import bench_sync_stats
-import bench_throughput_switch
-import bench_workload
-from bench_common import RESULTS, targets_table
+# bench_ray's local cluster on loopback (docs/ray.md): set before the benchmarks below import
+# Ray (through torchrl), which reads it once, at its import
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import bench_batched  # noqa: E402
+import bench_curriculum  # noqa: E402
+import bench_hot_path  # noqa: E402
+import bench_memory  # noqa: E402
+import bench_payload  # noqa: E402
+import bench_rebuild  # noqa: E402
+import bench_switch_latency  # noqa: E402
+import bench_sync_stats  # noqa: E402
+import bench_throughput_switch  # noqa: E402
+import bench_workload  # noqa: E402
+from bench_common import RESULTS, targets_table  # noqa: E402
 
 BENCHMARKS: list[Any] = [
     bench_switch_latency,

@@ -13,7 +13,11 @@ script checks that it is always the difficulty of the version the frame is tagge
 times each push (push -> every worker received it; batches until every worker applied it).
 
 Without ``--address`` the script starts a local cluster of two nodes (``ray.cluster_utils``:
-1 CPU and an 80 MB object store each) and shuts it down at the end.
+1 CPU and an 80 MB object store each) on loopback, 127.0.0.1, and shuts it down at the end.
+Ray reads where it runs once, when it is imported: so :func:`main` sets
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` for a local cluster before anything imports Ray (torchrl
+and ``envsync.EnvStateSender`` do; this file imports them where it uses them). With
+``--address`` it sets nothing: on a real cluster each node runs on its own address.
 
 Needs: the `ray` extra (`pip install "envsync[ray]"`); without it the script stops with that
 line.
@@ -27,29 +31,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+import ipaddress
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
-from torchrl.collectors import MultiSyncCollector
-from torchrl.collectors.distributed import RayCollector
-from torchrl.envs import RewardSum, TransformedEnv
 
-from envsync import EnvStateSender
 from envsync.envs import make_drift_env
 
-try:
-    import ray
-    from ray.cluster_utils import Cluster
-except ModuleNotFoundError:
-    raise SystemExit('examples/ray_curriculum.py needs Ray: pip install "envsync[ray]"') from None
+if TYPE_CHECKING:
+    from torchrl.envs import TransformedEnv
+
+    from envsync import EnvStateSender
+
+if importlib.util.find_spec("ray") is None:
+    raise SystemExit('examples/ray_curriculum.py needs Ray: pip install "envsync[ray]"')
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 STORE = 80 * 2**20  # bytes of object store per local node
@@ -79,14 +84,23 @@ class Args:
 
 def make_task_env() -> TransformedEnv:
     """``DriftEnv`` (observation ``[x, difficulty]``) with the episode return summed up."""
+    from torchrl.envs import RewardSum, TransformedEnv
+
     return TransformedEnv(make_drift_env(), RewardSum())
 
 
 @contextmanager
 def ray_cluster(address: str) -> Iterator[list[dict[str, Any]]]:
-    """Connect to ``address``, or start a local head + one node; yield the actors' options."""
+    """Connect to ``address``, or start a local head + one node on loopback; yield the actors'
+    options."""
+    import ray
+    from ray.cluster_utils import Cluster
+
     nodes = None
     if not address:
+        host = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(host).is_loopback:  # Ray was imported before main() set it
+            raise SystemExit(f"a local cluster would run on {host}: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 first")
         nodes = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 1, "object_store_memory": STORE, "resources": {"n0": 1}},
@@ -175,6 +189,11 @@ class Curriculum:
 
 def run(args: Args) -> tuple[Curriculum, int]:
     """Collect ``total_frames``; return the curriculum and the number of remote workers."""
+    from torchrl.collectors import MultiSyncCollector
+    from torchrl.collectors.distributed import RayCollector
+
+    from envsync import EnvStateSender
+
     with ray_cluster(args.address) as remote_configs:
         sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
         collector = RayCollector(
@@ -255,6 +274,8 @@ def parse_args(argv: Sequence[str] | None) -> Args:
 def main(argv: Sequence[str] | None = None) -> None:
     """Run the curriculum; exit non-zero if a frame's tag and its observation disagree."""
     args = parse_args(argv)
+    if not args.address:  # the local cluster on loopback: before Ray is imported (docs/ray.md)
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     curriculum, workers = run(args)
     result = summary(curriculum, workers)
     print(report(result))

@@ -11,23 +11,35 @@ How a run is laid out (what keeps ``make test`` short without losing what it pro
   can hang in the child, and from then on workers spawn;
 - tests marked ``wide`` are left out of ``make test`` (``-m "not wide"``) and run by
   ``make wide`` (CI's second step): the model-based cells outside the covering subset, every
-  Ray cell of the matrix, the load runs.
+  Ray cell of the matrix, the load runs;
+- every **Ray cluster runs on loopback** (127.0.0.1), as every test's traffic must: see
+  :data:`RAY_LOOPBACK`, set at the top of this file, before anything imports Ray.
 """
 
 from __future__ import annotations
 
 import gc
+import ipaddress
 import multiprocessing as mp
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
-from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector
+RAY_LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""With it ``"0"`` when ``ray`` is imported (Ray reads it once, then), Ray runs a local cluster
+on 127.0.0.1: ``ray.util.get_node_ip_address()`` returns it, so the nodes are announced there
+and the Ray link listens there. Without it, on Linux, Ray announces them on the machine's
+interface address (and turns a ``127.0.0.1`` given to ``ray.init(address=...)`` back into it).
+Set, not defaulted: no test run leaves loopback, whatever the caller's environment says. The
+test run's subprocesses (Ray's workers, ``run_to_exit``) inherit it; docs/ray.md."""
+os.environ[RAY_LOOPBACK] = "0"
 
-from envsync import EnvStateSender
-from envsync.links.shared_memory import PREFIX, SHM_DIR
+import pytest  # noqa: E402
+from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402  (imports Ray)
+
+from envsync import EnvStateSender  # noqa: E402
+from envsync.links.shared_memory import PREFIX, SHM_DIR  # noqa: E402
 
 KINDS = {"single": Collector, "sync": MultiSyncCollector, "async": MultiAsyncCollector}
 
@@ -70,6 +82,31 @@ def no_leaked_shared_memory() -> Any:
 RAY_STORE = 80 * 2**20  # bytes of object store per node
 
 
+def off_loopback(hosts: Iterable[str]) -> list[str]:
+    """The hosts of ``hosts`` (IP addresses, ``[v6]`` bracketed or not) outside loopback
+    (127.0.0.0/8, ::1; an IPv4-mapped IPv6 address counts as its IPv4 address)."""
+    found = []
+    for host in hosts:
+        address = ipaddress.ip_address(host.strip("[]"))
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if not address.is_loopback:
+            found.append(host)
+    return found
+
+
+def ray_on_loopback(ray: Any) -> str:
+    """The address a Ray cluster started by this process would be announced on (and the Ray
+    link would listen on); raises, so that nothing starts, if it is not on loopback."""
+    host = str(ray.util.get_node_ip_address())
+    if off_loopback([host]):
+        raise RuntimeError(
+            f"Ray would run a local cluster on {host}, off loopback: {RAY_LOOPBACK}=0 must be set "
+            "before ray is imported (tests/conftest.py sets it first; did something import ray before it?)"
+        )
+    return host
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "wide: the wider set (make wide, CI's second step), left out of make test (-m 'not wide')"
@@ -96,6 +133,10 @@ def cluster() -> Iterator[Any]:
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
+    try:
+        ray_on_loopback(ray)  # refuse before anything listens or connects
+    except RuntimeError as err:
+        pytest.fail(str(err), pytrace=False)
     mp.set_start_method("spawn", force=True)
     # the raylets' workers inherit the environment: they import this directory's modules
     path = os.environ.get("PYTHONPATH", "")

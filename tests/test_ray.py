@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import RAY_STORE
+from conftest import RAY_STORE, off_loopback
 from helpers import kill_and_wait, make_counter_env, run_to_exit
 from tensordict import TensorDict, TensorDictBase
 
@@ -520,6 +520,7 @@ from torchrl.collectors.distributed import RayCollector
 from envsync import EnvStateSender
 
 ray.init(address=sys.argv[1], log_to_driver=False)
+print("node address:", ray.util.get_node_ip_address())
 sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
 collector = RayCollector(
     [sender.env_fn(make_counter_env)], None, collector_class=Collector, frames_per_batch=20,
@@ -527,6 +528,7 @@ collector = RayCollector(
     **sender.ray_kwargs(start_method="fork"),
 )
 sender.push(config={"difficulty": 1.0}, wait="applied", timeout=60)
+print("link listens on:", sender.port.links()[0].handle().address[0])
 print("running:", envsync_threads())
 # neither the collector nor the sender is closed
 """
@@ -537,5 +539,7 @@ def test_a_program_that_never_closes_its_sender_exits_cleanly(cluster: Any) -> N
     # the link's reading thread ends before the interpreter finalises (a daemon thread
     # stopped there while it frees a tensor aborts the process: guarantee 29)
     lines = run_to_exit(RAY_EXIT_CHECK, cluster.address)
+    # it inherits this run's environment, so it too connects and listens on loopback only
+    assert off_loopback([lines["node address"], lines["link listens on"]]) == []
     assert "envsync-ray-link" in lines["running"]
     assert lines["threads at exit"] == "[]"
