@@ -240,3 +240,74 @@ class BigPolicy(torch.nn.Module):
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.head(observation[..., :1]))
+
+
+class WorldsEnv(EnvBase):
+    """A natively batched env of ``n`` worlds (``batch_size=[n]``), as cheap as a vectorised
+    step gets: world ``i`` observes ``difficulty_i + noise`` and is rewarded ``-|obs|``; its
+    episodes run ``50 + i % 17`` steps, so worlds reset at different steps (partial resets,
+    honouring the ``"_reset"`` mask). ``set_difficulty(difficulty, env_ids)`` is one indexed
+    write, the way a GPU simulator takes per-world parameters."""
+
+    def __init__(self, n: int = 1024, horizon: int = 50) -> None:
+        super().__init__(batch_size=torch.Size([n]))
+        self.difficulty = torch.zeros(n)
+        self.steps = torch.zeros(n, dtype=torch.int64)
+        self.horizons = horizon + torch.arange(n) % 17
+        self.observation_spec = Composite(observation=Unbounded((n, 1)), shape=(n,))
+        self.action_spec = Bounded(-1.0, 1.0, (n, 1))
+        self.reward_spec = Unbounded((n, 1))
+        flag = Categorical(2, (n, 1), dtype=torch.bool)
+        self.done_spec = Composite(done=flag, terminated=flag.clone(), truncated=flag.clone(), shape=(n,))
+
+    def set_difficulty(self, difficulty: torch.Tensor, env_ids: torch.Tensor) -> None:
+        self.difficulty[env_ids] = difficulty
+
+    def _observation(self) -> torch.Tensor:
+        return (self.difficulty + 0.1 * torch.randn(self.difficulty.shape)).unsqueeze(-1)
+
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDict:
+        mask = None if tensordict is None else tensordict.get("_reset", None)
+        if mask is None:
+            self.steps.zero_()
+        else:
+            self.steps[mask.reshape(-1)] = 0
+        false = torch.zeros(*self.batch_size, 1, dtype=torch.bool)
+        return TensorDict(
+            observation=self._observation(),
+            done=false,
+            terminated=false.clone(),
+            truncated=false.clone(),
+            batch_size=self.batch_size,
+        )
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDict:
+        self.steps += 1
+        observation = self._observation()
+        truncated = (self.steps >= self.horizons).unsqueeze(-1)
+        return TensorDict(
+            observation=observation,
+            reward=-observation.abs(),
+            done=truncated.clone(),
+            terminated=torch.zeros_like(truncated),
+            truncated=truncated,
+            batch_size=self.batch_size,
+        )
+
+    def _set_seed(self, seed: int | None) -> None:
+        return None
+
+
+def make_worlds_env(n: int = 1024) -> WorldsEnv:
+    return WorldsEnv(n)
+
+
+def make_mjlab_cartpole(n: int = 64) -> Any:
+    """mjlab's ``Mjlab-Cartpole-Balance`` of ``n`` worlds through torchrl's ``MJLabEnv``, on
+    Warp's CPU device (needs the mjlab venv; see docs/notes-mjlab.md)."""
+    import mjlab.tasks  # noqa: F401  (registers the tasks)
+    import warp as wp
+    from torchrl.envs import MJLabEnv
+
+    wp.config.log_level = wp.LOG_WARNING  # no line per Warp module loaded
+    return MJLabEnv("Mjlab-Cartpole-Balance", num_envs=n, device="cpu")

@@ -69,6 +69,14 @@ SECTIONS: dict[str, tuple[str, str]] = {
         "An idle push to `Collector(ParallelEnv(4))` against torchrl's own attribute dispatch, and the "
         "hot path of `SerialEnv`/`ParallelEnv` collectors.",
     ),
+    "worlds": (
+        "A natively batched env of n worlds",
+        "A `Collector` of one torchrl env of n worlds (`batch_size=[n]`, `set_difficulty(difficulty, env_ids)` one "
+        "indexed write) from 1,024 to 65,536 worlds: attach time, frames/s with envsync attached and nothing "
+        "pending, a push of one row per world to applied against the env's own indexed write, a curriculum pushing "
+        "to 10% of the worlds after every batch, `read_attributes` of every world against a direct read, and the "
+        "memory envsync adds per world; with mjlab's Cartpole (a mass factor per world) where mjlab is installed.",
+    ),
     "rebuild": ("Rebuild against attribute set", "`envsync.apply.rebuild()` against `envsync.apply.attributes()`."),
     "curriculum": (
         "Curricula against Syllabus",

@@ -41,6 +41,7 @@ ROW_KEYS = {
     "bench_throughput_switch": {"mark", "fps_before", "fps_after", "after_over_before"},
     "bench_sync_stats": {"size", "workers", "sync_ms", "floor_ms", "sync_over_floor"},
     "bench_batched": {"what"},
+    "bench_worlds": {"n", "measure", "envsync", "baseline", "unit", "ratio", "per_world", "exact", "status"},
     "bench_rebuild": {"apply", "workers", "apply_us", "push_us", "push_applied_ms"},
     "bench_ray": {"method", "median_ms", "over_env_state_push", "over_policy_update"},
     "bench_workload": {
