@@ -148,7 +148,7 @@ def test_the_rows_of_a_natively_batched_env_and_its_level_share_the_envs_owner_a
         hooks = found[1]
         owner = hooks.owner
         assert hooks.group is not None and hooks.group.owner is owner and hooks.group.level is not None
-        assert all(row.owner is owner for row in hooks.rows) and hooks.group.level.owner is owner
+        assert hooks.rows is not None and hooks.rows.owner is owner and hooks.group.level.owner is owner
         owner.settled = True
         version = sender.push(config={"difficulty": 2.0}, envs=[1], wait="applied")  # applied while idle
         assert not owner.settled  # the next step reads what changed

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from envsync.protocol import Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf
+
+if TYPE_CHECKING:
+    from envsync.links.rows_reader import RowsReader
 
 Key = tuple[str, str]
 """A leaf of a worker's desired state: ``(section, dotted name)``. Sections: ``"config"``
@@ -126,10 +129,14 @@ class SenderLink(Outbox, Acknowledgements, Protocol):
 
 
 class LinkHandle(Protocol):
-    """Opens one worker's end of a link."""
+    """Opens one worker's end of a link, or the end of the rows of one natively batched env."""
 
     def open(self, worker: int) -> End:
         """Return ``worker``'s end."""
+
+    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsReader:
+        """Return the end of the ``count`` rows of one env from slot ``first`` on (they share
+        one slot lock: a link made with ``group=count``)."""
 
 
 class ReceiverLink(Protocol):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from envsync.links.base import Key
+from envsync.links.rows_reader import RowsReader
 from envsync.links.slot_reader import SlotReader
 from envsync.links.slots import SlotWriter, per_slot
 from envsync.links.table import Table, plan
@@ -79,3 +80,10 @@ class LocalHandle:
             raise IndexError(f"worker {worker} out of range for {self._table.num_workers} workers")
         reader = SlotReader(self._table, worker, self._locks[worker], self._wakes, self._acks)
         return reader.claim()
+
+    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsReader:
+        if not (first >= 0 and first + count <= self._table.num_workers):
+            raise IndexError(f"rows {first}..{first + count} out of range for {self._table.num_workers} slots")
+        if self._locks[first] is not self._locks[first + count - 1]:
+            raise ValueError("rows opened together must share a slot lock: make the link with group=count")
+        return RowsReader(self._table, first, count, self._locks[first], self._wakes, self._acks, gated=gated)

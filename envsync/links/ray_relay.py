@@ -47,6 +47,9 @@ class RelayHandle:
     def open(self, worker: int) -> Any:
         raise RuntimeError("a Ray link is read by relays (RelayHandle.relay), not opened by workers")
 
+    def open_rows(self, first: int, count: int, *, gated: bool = False) -> Any:
+        raise RuntimeError("a Ray link is read by relays (RelayHandle.relay), not opened by workers")
+
     def relay(self, collector: int, node_link: SenderLink) -> Relay:
         """The relay of remote collector ``collector``, writing into ``node_link``."""
         return Relay(self, collector, node_link)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from envsync.links.base import Key
+from envsync.links.rows_reader import RowsReader
 from envsync.links.slot_reader import SlotReader
 from envsync.links.slots import SlotWriter, per_slot
 from envsync.links.table import Field, Table, pid_alive, plan
@@ -270,6 +271,17 @@ class SharedMemoryHandle:
         locks, wakes = self._slots
         reader = SlotReader(self.table(), worker, locks[worker], wakes, self.acks, owner=self.owner)
         return reader.claim()
+
+    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsReader:
+        """Map the file and return the end of the ``count`` rows from slot ``first`` on."""
+        if not (first >= 0 and first + count <= self.num_workers):
+            raise IndexError(f"rows {first}..{first + count} out of range for {self.num_workers} slots")
+        if self._slots is None:
+            self._slots = per_slot(self.locks, self.wakes, self.num_workers, self.group)
+        locks, wakes = self._slots
+        if locks[first] is not locks[first + count - 1]:
+            raise ValueError("rows opened together must share a slot lock: make the link with group=count")
+        return RowsReader(self.table(), first, count, locks[first], wakes, self.acks, owner=self.owner, gated=gated)
 
 
 def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:

@@ -149,6 +149,8 @@ class Table:
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
         # every worker's value of a mark at once (a push to all workers sets each in one write)
         self.columns = {k: v.numpy() for k, v in leaves.items() if k[0] in MARKS}
+        # every slot's value of a leaf at once (a natively batched env's rows read theirs together)
+        self.leaf_columns: dict[Key, torch.Tensor] = {k: v for k, v in leaves.items() if k[0] not in MARKS}
         self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
         self.arrays = [{k: numpy_view(v) for k, v in slot.items()} for slot in self.slots]
         self.broadcast: dict[Key, torch.Tensor] = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "broadcast"}
@@ -159,6 +161,10 @@ class Table:
         """The mark of a leaf that tells where its worker reads it: 0 its slot, else (the
         version that wrote it) the broadcast region."""
         return ("source", key[1]) if key[0] == "env_state" else ("config_source", key[1])
+
+    def columns_of(self, key: Key) -> np.ndarray:
+        """Every slot's value of an int64 leaf (a stamp) at once, as a numpy view."""
+        return self.leaf_columns[key].numpy()
 
     def array(self, worker: int, key: Key) -> np.ndarray:
         """The numpy view of a leaf whose dtype numpy has (every stamp and mark)."""

@@ -66,6 +66,8 @@ class NodeScheme(EnvSchemeBase):
             checkpoint's, in fleet order from ``offset``): the envs start from them, before
             the relay runs.
         envs: how many envs each remote worker drives (a batched env's sub-envs).
+        group: how many of a worker's envs are rows of one natively batched env (they share
+            a slot lock and a wake-up on the node's link).
     """
 
     def __init__(
@@ -77,11 +79,13 @@ class NodeScheme(EnvSchemeBase):
         *,
         rows: list[Flat] | None = None,
         envs: int = 1,
+        group: int = 1,
     ) -> None:
         super().__init__()
         self._leaves = leaves
         self._rows = rows
         self._envs = envs
+        self._group = group
         self._version = version
         self._offset = offset
         self._start_method = start_method
@@ -112,7 +116,7 @@ class NodeScheme(EnvSchemeBase):
             self._write_version(link, first)
             self._receiver = bind(context, link.handle(), 0, first, self._envs)
         else:
-            link = worker_link(context, self._leaves, self._envs)
+            link = worker_link(context, self._leaves, self._envs, self._group)
             self._write_version(link, first)
             self._handle = link.handle()
         self.link = link
@@ -317,7 +321,9 @@ def make_ray_kwargs(
     envs = sender.port.envs_per_worker()
     offset = sender.port.next_env_index()  # the RayCollector attaches there (RayEnvScheme)
     leaves, rows = sender.port.start_state()
-    inner["env"] = NodeScheme(leaves, sender.version, offset, start_method, rows=rows, envs=envs)
+    inner["env"] = NodeScheme(
+        leaves, sender.version, offset, start_method, rows=rows, envs=envs, group=sender.port.rows_per_worker()
+    )
     inner.setdefault("policy", PolicySyncScheme())
     kwargs["weight_sync_schemes"] = inner
     schemes: dict[str, WeightSyncScheme] = {

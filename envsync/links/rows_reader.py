@@ -1,0 +1,221 @@
+"""The rows of a natively batched env on the slot table (:mod:`envsync.links.table`): one
+end for the ``count`` consecutive slots of one env object, read and acknowledged as columns.
+
+A row is a slot like any other for the sender (its fleet index, its config, its counters);
+the rows of one env share the slot lock and the wake-up (:func:`~envsync.links.slots.per_slot`),
+so reading every pending row is one lock taken, and an acknowledgement of k rows is one
+vector write and one release. Requests (gathers) stay per row: the rare path reads them
+through a one-slot :class:`~envsync.links.slot_reader.SlotReader`, opened on demand.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from envsync.links.slot_reader import SlotReader
+from envsync.links.slots import locked, write_text
+from envsync.links.table import Table
+from envsync.protocol import Reply, Request
+
+
+@dataclass(frozen=True)
+class RowsHeader:
+    """What a read of rows returns (``k`` rows, in the order asked).
+
+    Args:
+        versions: each row's target version.
+        config: per config name, the rows' values (a tensor of ``k`` rows).
+        stamps: per env-state name, the version that last pushed it to each row.
+        undo: each row's undo mark (a version whose env-state changes it must undo; 0: none).
+        entries: per env-state name a row must load, the values of those rows (the rows
+            ``masks`` selects).
+        masks: per name of ``entries``, which of the ``k`` rows load it.
+    """
+
+    versions: np.ndarray
+    config: dict[str, torch.Tensor]
+    stamps: dict[str, np.ndarray]
+    undo: np.ndarray
+    entries: dict[str, torch.Tensor]
+    masks: dict[str, np.ndarray]
+
+
+class RowsReader:
+    """The end of the ``count`` rows of one env, from slot ``first`` on.
+
+    Args:
+        table: the slot table.
+        first: the slot of row 0.
+        count: the rows.
+        lock: the rows' slot lock (one for all of them).
+        wakes: every slot's wake-up, then every slot's relay (as a slot reader's).
+        acks: the acknowledgement semaphores ``(received, applied)``.
+        owner: the sender's pid (a row's slot reader checks it).
+        gated: the rows are under a batched level: an apply is recorded as *reached*, and
+            the level acknowledges it *applied* (:mod:`envsync.gate`).
+
+    Examples:
+        >>> from envsync.links.local import LocalLink
+        >>> link = LocalLink({("config", "x"): torch.zeros(())}, 3, group=3)
+        >>> rows = link.handle().open_rows(0, 3)
+        >>> link.write(1, 4, {("config", "x"): torch.tensor(2.0)})
+        >>> rows.targets().tolist()
+        [0, 4, 0]
+        >>> header = rows.read(np.array([1]), np.array([0]), [])
+        >>> header.versions.tolist(), header.config["x"].tolist()
+        ([4], [2.0])
+        >>> rows.ack_applied(np.array([1]), header.versions)
+        >>> link.status(1).applied
+        4
+    """
+
+    def __init__(
+        self,
+        table: Table,
+        first: int,
+        count: int,
+        lock: Any,
+        wakes: Sequence[Any],
+        acks: Any,
+        *,
+        owner: int = 0,
+        gated: bool = False,
+    ) -> None:
+        self.table = table
+        self.first = first
+        self.count = count
+        self._lock = lock
+        self._wakes = wakes
+        self._acks = acks
+        self._owner = owner
+        self._gated = gated
+        self._span = slice(first, first + count)
+        c = table.counters
+        self._c = c
+        self._target = c["target"][self._span]  # a view: one vector read per safe point
+        columns = table.leaf_columns
+        self._config = [
+            (key[1], columns[key], table.columns[table.source(key)]) for key in columns if key[0] == "config"
+        ]
+        self._state = {
+            key[1]: (columns[key], table.columns[table.source(key)]) for key in columns if key[0] == "env_state"
+        }
+        self._stamps = [(key[1], table.columns_of(key)) for key in columns if key[0] == "stamp"]
+        self._readers: dict[int, SlotReader] = {}
+        c["pid"][self._span] = os.getpid()
+
+    def targets(self) -> np.ndarray:
+        """A copy of every row's latest target."""
+        return self._target.copy()
+
+    @property
+    def state_names(self) -> list[str]:
+        """The env-state names a push may carry."""
+        return list(self._state)
+
+    def read(self, rows: np.ndarray, since: np.ndarray, names: Sequence[str]) -> RowsHeader:
+        """The versions, config, stamps and undo marks of ``rows`` (indices of rows), and of
+        each env-state name of ``names`` the values of the rows that a push after their
+        version ``since`` (and up to their target) stamped, all under the rows' slot lock:
+        one consistent copy."""
+        slots = rows + self.first
+        with locked(self._lock, "rows %d.. reading", self.first):
+            versions = self._c["target"][slots].copy()
+            config = {
+                name: _rows_of(column, source, slots, self.table.broadcast[("config", name)])
+                for name, column, source in self._config
+            }
+            stamps = {name: column[slots].copy() for name, column in self._stamps}
+            undo = self._c["undo"][slots].copy()
+            entries, masks = {}, {}
+            for name in names:
+                stamp = stamps.get(name)
+                if stamp is None:
+                    continue
+                mask = (since < stamp) & (stamp <= versions)
+                if mask.any():
+                    column, source = self._state[name]
+                    masks[name] = mask
+                    entries[name] = _rows_of(column, source, slots[mask], self.table.broadcast[("env_state", name)])
+        return RowsHeader(versions, config, stamps, undo, entries, masks)
+
+    def ack_received(self, rows: np.ndarray, versions: np.ndarray) -> None:
+        """Tell the sender these rows saw these versions (armed for their next safe point)."""
+        slots = rows + self.first
+        received = self._c["received"]
+        newer = versions > received[slots]
+        if newer.any():
+            received[slots[newer]] = versions[newer]  # the counters first: a sender woken reads them
+            self._acks[0].release()
+
+    def ack_applied(self, rows: np.ndarray, versions: np.ndarray) -> None:
+        """Tell the sender these rows run these versions (gated: they reached them; their
+        batched level acknowledges them applied once it holds them too)."""
+        slots = rows + self.first
+        reached = self._c["reached"]
+        reached[slots] = np.maximum(reached[slots], versions)  # never back, as a slot reader's
+        if not self._gated:
+            self._c["applied"][slots] = versions
+            self._acks[1].release()
+        self.ack_received(rows, versions)
+
+    def report_failure(self, rows: np.ndarray, versions: np.ndarray, text: str) -> None:
+        """Tell the sender these rows failed these versions, with the traceback text."""
+        slots = rows + self.first
+        for slot in slots.tolist():
+            write_text(self.table.error, self._c["error_len"], slot, text)
+        self._c["failed"][slots] = versions
+        self._acks[0].release()
+        self._acks[1].release()
+
+    def note_versions(self, rows: np.ndarray, ran: np.ndarray | None, obs: np.ndarray) -> None:
+        """Record the version each row's next step runs under (``None``: unchanged) and the
+        one its observation comes from (the batched env's tags read them)."""
+        slots = rows + self.first
+        if ran is not None:
+            self._c["ran"][slots] = ran
+        self._c["obs"][slots] = obs
+
+    def is_busy(self) -> bool:
+        """Whether the collector drives the env now (its group marks every row)."""
+        return bool(self._c["busy"][self.first])
+
+    def asked(self) -> np.ndarray:
+        """The rows with a request not answered yet (one vector read)."""
+        ask, answered = self._c["ask"][self._span], self._c["answered"][self._span]
+        return np.flatnonzero((ask != 0) & (ask != answered))
+
+    def request(self, row: int) -> Request | None:
+        """Row ``row``'s request not answered yet, or ``None``."""
+        return self._reader(row).request()
+
+    def reply(self, row: int, reply: Reply) -> None:
+        """Answer row ``row``'s request with ``reply``."""
+        self._reader(row).reply(reply)
+
+    def _reader(self, row: int) -> SlotReader:
+        reader = self._readers.get(row)
+        if reader is None:
+            reader = self._readers[row] = SlotReader(
+                self.table, self.first + row, self._lock, self._wakes, self._acks, owner=self._owner
+            )
+        return reader
+
+
+def _rows_of(column: torch.Tensor, source: np.ndarray, slots: np.ndarray, broadcast: torch.Tensor) -> torch.Tensor:
+    """The values of a leaf for ``slots``: each from its slot, or from the broadcast region
+    where its source mark says a push to every worker wrote it there."""
+    index = torch.from_numpy(slots)
+    values = column.index_select(0, index)
+    shared = source[slots] > 0
+    if shared.any():
+        values[torch.from_numpy(shared)] = broadcast
+    return values
+
+
