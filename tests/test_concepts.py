@@ -19,7 +19,7 @@ LAYERS: dict[str, set[str]] = {
     "links": {"links"},
     "core": {"core", "records", "desired", "books", "fleet", "history"},
     "sender": {"sender", "sender_reads", "acks", "gather", "checkpoint", "restore", "updates", "port", "probe"},
-    "receiver": {"receiver", "env_adapter", "places", "gate", "siblings", "worker_loop", "owner"},
+    "receiver": {"receiver", "rows", "env_adapter", "places", "gate", "siblings", "worker_loop", "owner"},
     "integrations": {"integrations", "curriculum", "envs", "demo", "cli", "__main__", "apply", "__init__"},
 }
 SIDES = ("sender", "receiver")  # one level: neither imports the other

@@ -110,8 +110,8 @@ def sockets_off_loopback() -> list[str]:
 
 @pytest.mark.timeout(180)
 def test_the_cluster_and_the_ray_link_are_on_loopback(cluster: Any) -> None:
-    nodes = ray.nodes()
-    assert len(nodes) >= 2 and all(n["Alive"] for n in nodes)
+    nodes = ray.nodes()  # a test before this one may have removed a node (listed, not alive)
+    assert sum(n["Alive"] for n in nodes) >= 2
     addresses = [n["NodeManagerAddress"] for n in nodes]
     assert off_loopback(addresses) == [], f"nodes announced off loopback: {addresses}"
     assert off_loopback([cluster.address.rsplit(":", 1)[0], ray.util.get_node_ip_address()]) == []

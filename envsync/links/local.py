@@ -14,7 +14,7 @@ from envsync.links.base import Key
 from envsync.links.rows_reader import RowsReader
 from envsync.links.slot_reader import SlotReader
 from envsync.links.slots import SlotWriter, per_slot
-from envsync.links.table import Table, plan
+from envsync.links.table import Field, Table, plan
 from envsync.state import Leaf
 
 
@@ -46,7 +46,7 @@ class LocalLink(SlotWriter):
         group: int = 1,
     ) -> None:
         fields, size = plan(leaves, num_workers)
-        table = Table(torch.zeros(size, dtype=torch.uint8), fields, num_workers)
+        table = Table(_zeroed(size, fields), fields, num_workers)
         groups = -(-num_workers // group)  # one lock, wake-up and relay per group of slots (a native env's rows)
         group_locks = [threading.Lock() for _ in range(groups)]
         group_wakes = [threading.Semaphore(0) for _ in range(2 * groups)]
@@ -64,6 +64,17 @@ class LocalLink(SlotWriter):
 
     def close(self) -> None:
         return None
+
+
+def _zeroed(size: int, fields: list[Field]) -> torch.Tensor:
+    """The block, zeroed except the error, request and reply areas (read only up to the
+    lengths their counters give): left unwritten, their pages cost no memory until a failure,
+    a request or a reply lands in them (they are most of a slot's bytes)."""
+    raw = torch.empty(size, dtype=torch.uint8)
+    for field in fields:
+        if field.key not in (("error",), ("request",), ("reply",)):
+            raw[field.offset : field.offset + field.nbytes].zero_()
+    return raw
 
 
 class LocalHandle:

@@ -56,7 +56,7 @@ class SlotReader:
         # instructions, and a safe point reads the target at every step)
         self._target_cell = self.targets[worker : worker + 1].data
         self._c = table.counters
-        self._slot = table.slots[worker]
+        self._slot = table.slot(worker)
         self._config = [k for k in self._slot if k[0] == "config"]
         self._stamps = [k for k in self._slot if k[0] == "stamp"]
         # what a header reads, looked up once: per config name its write count's view, per
@@ -159,7 +159,7 @@ class SlotReader:
         if int(table.array(self.worker, table.source(key))) > 0:
             view, tensor = table.broadcast_arrays[key], table.broadcast[key]
         else:
-            view, tensor = table.arrays[self.worker][key], self._slot[key]
+            view, tensor = table.numpy_row(self.worker, key), self._slot[key]
         return self._arrays.copy(view) if view is not None else tensor.clone()
 
     def load_entries(self, version: int, names: list[str], load: Callable[[str, torch.Tensor], None]) -> bool:

@@ -135,9 +135,8 @@ class SlotWriter:
     def initialise(self, leaves: Mapping[Key, Leaf]) -> None:
         """Give every worker the same starting leaves at version 0 (before any worker reads)."""
         self.table.counters["failed"][:] = NO_FAILURE
-        for slot in self.table.slots:
-            for key, value in leaves.items():
-                slot[key].copy_(tensor_of(value))
+        for key, value in leaves.items():
+            self.table.leaf_columns[key][:] = tensor_of(value)  # every slot at once
 
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         self._check(worker, entries)
@@ -146,11 +145,11 @@ class SlotWriter:
 
     def _check(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
         """Every leaf is checked before any byte moves: a write never stops half-way."""
-        slot = self.table.slots[worker]
+        columns = self.table.leaf_columns
         for key, value in entries.items():
-            view = slot.get(key)
-            if view is None or view.shape != value.shape:
-                held = None if view is None else tuple(view.shape)
+            column = columns.get(key)
+            if column is None or column.shape[1:] != value.shape:
+                held = None if column is None else tuple(column.shape[1:])
                 raise ValueError(f"leaf {key} of shape {tuple(value.shape)} does not fit the slot's {held}")
 
     def _write(self, worker: int, version: int, entries: Mapping[Key, Leaf], undo: int) -> None:
@@ -159,16 +158,15 @@ class SlotWriter:
         self.table.counters["target"][worker] = version
 
     def _write_leaves(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
-        table, slot = self.table, self.table.slots[worker]
-        arrays = table.arrays[worker]
+        table = self.table
         for key, value in entries.items():
-            array = arrays[key]
+            column = table.numpy_columns[key]
             if isinstance(value, np.ndarray):
                 table.array(worker, key)[...] = value
-            elif array is not None and value.device.type == "cpu" and not value.requires_grad:
-                array[...] = value.numpy()  # a small leaf: a numpy copy costs a fraction of torch's
+            elif column is not None and value.device.type == "cpu" and not value.requires_grad:
+                column[worker] = value.numpy()  # a small leaf: a numpy copy costs a fraction of torch's
             else:
-                slot[key].copy_(value)
+                table.leaf_columns[key][worker].copy_(value)
             if key[0] in BROADCAST:
                 self._written(worker, key, 0)  # this worker's own value, not the broadcast
 
@@ -223,7 +221,7 @@ class SlotWriter:
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
-        slot = self.table.slots[worker]
+        slot = self.table.slot(worker)
         with locked(self._locks[worker], "reading back worker %d", worker):
             out = {key: view.clone() for key, view in slot.items()}
             for key, region in self.table.broadcast.items():

@@ -132,9 +132,10 @@ def reply_bytes(leaves: Mapping[Key, Leaf]) -> int:
 
 
 class Table:
-    """Typed views of the block: numpy counters, the error buffer, and per worker a dict of
-    leaf views made once (indexing per push would cost more than the copy), as tensors
-    (``slots``) and as numpy arrays (``arrays``; ``None`` where numpy lacks the dtype): small
+    """Typed views of the block: numpy counters, the error buffer, and every leaf as a column
+    of all slots (``leaf_columns``, tensors; ``numpy_columns``, ``None`` where numpy lacks the
+    dtype). A slot's views are made when asked for (:meth:`slot`, :meth:`array`), never one
+    set per slot up front: a natively batched env of 65,536 worlds has as many slots. Small
     leaves and marks move through numpy, which costs far less than a torch call when the
     caches are cold."""
 
@@ -147,12 +148,11 @@ class Table:
         self.error = arrays[("error",)].numpy()
         self.areas = {area: arrays[(area,)].numpy() for area in ("request", "reply")}
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}
-        # every worker's value of a mark at once (a push to all workers sets each in one write)
-        self.columns = {k: v.numpy() for k, v in leaves.items() if k[0] in MARKS}
-        # every slot's value of a leaf at once (a natively batched env's rows read theirs together)
-        self.leaf_columns: dict[Key, torch.Tensor] = {k: v for k, v in leaves.items() if k[0] not in MARKS}
-        self.slots: list[dict[Key, torch.Tensor]] = [{k: v[w] for k, v in leaves.items()} for w in range(num_workers)]
-        self.arrays = [{k: numpy_view(v) for k, v in slot.items()} for slot in self.slots]
+        # every slot's value of a leaf at once (a push to all workers sets a mark in one write;
+        # a natively batched env's rows read theirs together)
+        self.leaf_columns: dict[Key, torch.Tensor] = leaves
+        self.numpy_columns = {k: numpy_view(v) for k, v in leaves.items()}
+        self.columns = {k: v for k, v in self.numpy_columns.items() if k[0] in MARKS and v is not None}
         self.broadcast: dict[Key, torch.Tensor] = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "broadcast"}
         self.broadcast_arrays = {k: numpy_view(v) for k, v in self.broadcast.items()}
 
@@ -162,13 +162,22 @@ class Table:
         version that wrote it) the broadcast region."""
         return ("source", key[1]) if key[0] == "env_state" else ("config_source", key[1])
 
+    def slot(self, worker: int) -> dict[Key, torch.Tensor]:
+        """Views of every leaf of ``worker``'s slot (made now: a one-slot end keeps them)."""
+        return {k: v[worker] for k, v in self.leaf_columns.items()}
+
     def columns_of(self, key: Key) -> np.ndarray:
         """Every slot's value of an int64 leaf (a stamp) at once, as a numpy view."""
         return self.leaf_columns[key].numpy()
 
+    def numpy_row(self, worker: int, key: Key) -> np.ndarray | None:
+        """The numpy view of ``worker``'s value of a leaf (``None`` where numpy lacks its dtype)."""
+        column = self.numpy_columns[key]
+        return None if column is None else column[worker, ...]
+
     def array(self, worker: int, key: Key) -> np.ndarray:
         """The numpy view of a leaf whose dtype numpy has (every stamp and mark)."""
-        view = self.arrays[worker][key]
+        view = self.numpy_row(worker, key)
         if view is None:
             raise TypeError(f"leaf {key} has a dtype numpy lacks")
         return view
