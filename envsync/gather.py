@@ -153,29 +153,33 @@ def ask(core: Core, targets: list[int], kind: Kind, payload: dict[str, Any], tim
 def _await_replies(core: Core, targets: list[int], request: int, timeout: float) -> dict[int, Reply]:
     """Wait until every env of ``targets`` replied to ``request``; raise the first failure.
 
-    Each wake-up reads the pending envs in order and, once some replied, stops at the
-    first that has not (envs answer in about their order: the rows of a batched env in one
-    pass), so a gather of n envs costs reads about linear in n, not a pass over every
-    pending env per reply; a failure is seen at the latest when the envs before it replied.
-    Liveness (a syscall per env) is checked only when a slice brought nothing."""
+    A wake-up reads the pending envs in order and stops at the first that has not replied
+    (envs answer in about their order: the rows of a batched env in one pass), so a gather
+    of n envs costs reads about linear in n, not a pass over every pending env per reply.
+    The first pass, and one after a slice that brought nothing, read every pending env and
+    check its liveness (a syscall per env): a failure or a death behind a slow env is seen
+    within a slice."""
     deadline = time.monotonic() + timeout
     pending = list(targets)
     replies: dict[int, Reply] = {}
     check_liveness = True
+    attached: list[Any] = []
     while True:
         with core.lock:
             core.prune()
-            live = set(core.fleet.indices())
-            dead = [w for w in pending if w not in live or (check_liveness and not _alive(core, w))]
-            if dead:
-                raise AckTimeout(request, pending, dead=dead, until="gathered")
+            if check_liveness or core.fleet.attachments != attached:  # a collector left: its envs are gone
+                attached = list(core.fleet.attachments)
+                live = set(core.fleet.indices())
+                dead = [w for w in pending if w not in live or (check_liveness and not _alive(core, w))]
+                if dead:
+                    raise AckTimeout(request, pending, dead=dead, until="gathered")
             came, waiting = 0, []
             for at, index in enumerate(pending):
                 attachment, slot = core.fleet.locate(index)
                 reply = attachment.link.reply(slot, request)
                 if reply is None:
                     waiting.append(index)
-                    if came:  # the rest come after this one: read them at the next wake-up
+                    if not check_liveness:  # the rest come after this one: read them at the next wake-up
                         waiting += pending[at + 1 :]
                         break
                     continue

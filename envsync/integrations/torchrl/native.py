@@ -200,16 +200,21 @@ class NativeHooks(BatchedHooks):
         return out
 
     def reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
-        group, rows = self.group, self.rows
-        if rows is not None and group is not None:
+        group, rows, owner = self.group, self.rows, self.owner
+        # settled and no push since: the reset applies nothing and its tags stay (most resets
+        # of thousands of worlds, some of which end an episode at nearly every step)
+        quiet = group is None or rows is None or owner.depth > 0 or (owner.settled and group.unchanged())
+        if not quiet:
+            assert rows is not None and group is not None
             reset = _rows_reset(tensordict, self.num_envs)
             rows.before_reset(np.flatnonzero(reset & group.unsettled(pending=True)))
-        self.owner.depth += 1
+        owner.depth += 1
         try:
             out = self._reset(tensordict, **kwargs)
         finally:
-            self.owner.depth -= 1
-        self._after_reset()
+            owner.depth -= 1
+        if not quiet or group is None:
+            self._after_reset()
         return out
 
 
