@@ -175,10 +175,8 @@ def _write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_ma
     if shared:
         own = {w: {k: v for k, v in u.items() if k not in shared} for w, u in group.items()}
         link.broadcast(version, shared, own)
-        for worker in group:
-            link.notify(worker)
+        link.notify(list(group))
         return
     for worker, update in group.items():
         link.write(worker, version, update, undo=undo_mark)
-    for worker in group:  # after every write: a worker woken early would wait on the slot lock its rows share
-        link.notify(worker)
+    link.notify(list(group))  # after every write: a worker woken early would wait on the slot lock its rows share

@@ -186,13 +186,15 @@ class Fleet:
 
 
 def _chosen(requested: Sequence[int], live: list[int], what: str, plural: str) -> list[int]:
-    chosen: list[int] = []
+    """``requested`` without repeats, each checked against ``live`` (sets: a curriculum names
+    hundreds of envs among thousands at every push)."""
+    known = set(live)
+    chosen: dict[int, None] = {}
     for index in requested:
-        if not isinstance(index, int) or isinstance(index, bool) or index not in live:
+        if not isinstance(index, int) or isinstance(index, bool) or index not in known:
             raise ValidationError(f"{what} {index!r} does not exist; {plural} are {_ranges(live)}")
-        if index not in chosen:
-            chosen.append(index)
-    return chosen
+        chosen[index] = None
+    return list(chosen)
 
 
 def _ranges(indices: list[int]) -> str:

@@ -143,10 +143,13 @@ def ask(core: Core, targets: list[int], kind: Kind, payload: dict[str, Any], tim
         core.check_open()
         core.prune()
         request = Request(core.next_request(), kind, payload)
+        asked: dict[int, tuple[Any, list[int]]] = {}
         for index in targets:
             attachment, slot = core.fleet.locate(index)
             attachment.link.send_request(slot, request)
-            attachment.link.notify(slot)
+            asked.setdefault(id(attachment), (attachment.link, []))[1].append(slot)
+        for link, slots in asked.values():
+            link.notify(slots)  # each loop woken once, after every request is in
     return {index: reply.result for index, reply in _await_replies(core, targets, request.id, timeout).items()}
 
 

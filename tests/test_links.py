@@ -81,7 +81,7 @@ def test_acks_and_failure_text_travel_back(kind: str) -> None:
         assert (link.status(0).received, link.status(0).applied) == (3, 2)
         end.report_failure(4, "Traceback: boom é")
         assert link.status(0).failed == 4 and link.error_text(0) == "Traceback: boom é"
-        link.notify(0)
+        link.notify([0])
         assert end.wait_notice(1.0) and not end.wait_notice(0.01)
     finally:
         link.close()
@@ -356,7 +356,7 @@ def test_a_closed_shared_memory_link_refuses_every_write_wake_and_wait() -> None
     link.close()
     for use in (
         lambda: link.write(0, 1, {("config", "level"): torch.tensor(2)}),
-        lambda: link.notify(0),
+        lambda: link.notify([0]),
         lambda: link.wait_acks(0.01, applied=True),
         lambda: link.handle(),
     ):

@@ -73,8 +73,9 @@ class Outbox(Protocol):
         """Like ``write`` to each worker of ``entries``, with the config and env-state values
         ``shared`` (the same for all of them) written once for all."""
 
-    def notify(self, worker: int) -> None:
-        """Wake the worker loop that serves the worker: an idle worker applies at once (per
+    def notify(self, workers: Sequence[int]) -> None:
+        """Wake the worker loops that serve these workers, each loop once (the rows of a
+        natively batched env share one): an idle worker applies at once (per
         the apply mode), a busy one acknowledges receipt at once (its next safe point applies). Waking busy
         workers too halves "received" with 10-20 workers on 2 cores: a woken thread is
         scheduled sooner than a busy main thread's next step."""

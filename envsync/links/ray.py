@@ -158,7 +158,7 @@ class RayLink:
         for worker, own in entries.items():
             self.write(worker, version, {**own, **shared})
 
-    def notify(self, worker: int) -> None:
+    def notify(self, workers: Sequence[int]) -> None:
         return None  # the relay notifies the node's workers when it writes them
 
     def flush(self, version: int) -> None:

@@ -133,7 +133,7 @@ class Relay:
         for worker in mine:
             version, undo, entries = rows[worker]
             self.link.write(worker - self.first, version, entries, undo=undo)
-            self.link.notify(worker - self.first)
+            self.link.notify([worker - self.first])
         if mine:
             self.link.flush(rows[mine[-1]][0])
         self.traffic.add(share_id(seq, self.node, ref), sum(leaf_bytes(rows[w][2]) for w in mine))
@@ -153,7 +153,7 @@ class Relay:
             if 0 <= local < self.count:
                 self._asked[local] = request.id  # before the worker can answer
                 self.link.send_request(local, request)
-                self.link.notify(local)
+                self.link.notify([local])
 
     def _down(self) -> None:
         assert self._channel is not None

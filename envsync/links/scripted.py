@@ -21,7 +21,7 @@ Examples:
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -95,6 +95,7 @@ class ScriptedLink(LocalLink):
         self.script = script
         self.ends = [self.handle().open(w) for w in range(num_workers)]
 
-    def notify(self, worker: int) -> None:
-        self.script(self.ends[worker])
+    def notify(self, workers: Sequence[int]) -> None:
+        for worker in workers:
+            self.script(self.ends[worker])
 

@@ -270,10 +270,16 @@ class SlotWriter:
             data = bytes(self.table.areas["reply"][worker, :length])
         return reply_of(unseal(data))
 
-    def notify(self, worker: int) -> None:
-        # the semaphore of the loop that serves the worker's slot (see SlotReader.route_to)
-        route = int(self._wake_to[worker])
-        self._wakes[route - 1 if route else worker].release()
+    def notify(self, workers: Sequence[int]) -> None:
+        # the semaphore of the loop that serves each worker's slot (see SlotReader.route_to),
+        # released once however many of the workers it serves (a native env's rows share one)
+        wakes, released = self._wakes, set()
+        for worker in workers:
+            route = int(self._wake_to[worker])
+            wake = wakes[route - 1 if route else worker]
+            if id(wake) not in released:
+                released.add(id(wake))
+                wake.release()
 
     def status(self, worker: int) -> WorkerStatus:
         return self.table.status(worker)
