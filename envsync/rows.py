@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from envsync.levels import is_batched
-from envsync.links.rows_reader import RowsHeader, RowsReader
+from envsync.links.base import RowsHeader, RowsLink
 from envsync.owner import Owner
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
 from envsync.spec import ApplySpec
@@ -66,7 +66,7 @@ class RowsReceiver:
         'RowsReceiver'
     """
 
-    def __init__(self, *, link: RowsReader, spec: ApplySpec, env: RowsEnv, owner: Owner) -> None:
+    def __init__(self, *, link: RowsLink, spec: ApplySpec, env: RowsEnv, owner: Owner) -> None:
         n = link.count
         self.link = link
         self.spec = spec

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from envsync.protocol import Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf
-
-if TYPE_CHECKING:
-    from envsync.links.rows_reader import RowsReader
 
 Key = tuple[str, str]
 """A leaf of a worker's desired state: ``(section, dotted name)``. Sections: ``"config"``
@@ -54,6 +51,28 @@ class Header:
     config: dict[str, Leaf]
     stamps: dict[str, int]
     undo: int
+
+
+@dataclass(frozen=True)
+class RowsHeader:
+    """What a read of rows returns (``k`` rows, in the order asked).
+
+    Args:
+        versions: each row's target version.
+        config: per config name, the rows' values (a tensor of ``k`` rows).
+        stamps: per env-state name, the version that last pushed it to each row.
+        undo: each row's undo mark (a version whose env-state changes it must undo; 0: none).
+        entries: per env-state name a row must load, the values of those rows (the rows
+            ``masks`` selects).
+        masks: per name of ``entries``, which of the ``k`` rows load it.
+    """
+
+    versions: np.ndarray
+    config: dict[str, torch.Tensor]
+    stamps: dict[str, np.ndarray]
+    undo: np.ndarray
+    entries: dict[str, torch.Tensor]
+    masks: dict[str, np.ndarray]
 
 
 BROADCAST = ("config", "env_state")
@@ -135,15 +154,14 @@ class LinkHandle(Protocol):
     def open(self, worker: int) -> End:
         """Return ``worker``'s end."""
 
-    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsReader:
+    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsLink:
         """Return the end of the ``count`` rows of one env from slot ``first`` on (they share
         one slot lock: a link made with ``group=count``)."""
 
 
-class ReceiverLink(Protocol):
-    """One worker's side of a link, as its receiver uses it: read what is published, load
-    it, answer requests, acknowledge, report failures, note the versions its env runs, and
-    read whether its env is driven (from another process)."""
+class Inbox(Protocol):
+    """What a receiver reads on its end: what is published, its env state, requests; and
+    its answers to them."""
 
     worker: int
 
@@ -165,6 +183,10 @@ class ReceiverLink(Protocol):
         """Answer with ``reply`` (a result, or the worker's traceback) and wake the sender (see
         :func:`envsync.receiver.answer`, through which every worker-side answer goes)."""
 
+class Reports(Protocol):
+    """What a receiver tells the sender on its end: acknowledgements, failures, the
+    versions its env runs; and whether its env is driven (from another process)."""
+
     def ack_received(self, version: int) -> None:
         """Tell the sender this version is seen and armed."""
 
@@ -182,6 +204,12 @@ class ReceiverLink(Protocol):
         """Whether the collector drives the env now (as its owner marked it with
         :meth:`Marks.set_busy`, possibly from another process: a batched env's group marks
         its sub-envs)."""
+
+
+class ReceiverLink(Inbox, Reports, Protocol):
+    """One worker's side of a link, as its receiver uses it: read what is published, load
+    it, answer requests, acknowledge, report failures, note the versions its env runs, and
+    read whether its env is driven (from another process)."""
 
 
 class Notices(Protocol):
@@ -240,3 +268,54 @@ class Marks(Protocol):
 
 class End(ReceiverLink, Notices, Marks, Protocol):
     """An opened end: its receiver's, its loop's and its batched level's sides in one object."""
+
+
+class RowsEnd(Protocol):
+    """The end of the rows of one natively batched env, as its receiver
+    (:class:`~envsync.rows.RowsReceiver`) reads and acknowledges them: columns of rows, one
+    lock and one release for all of them."""
+
+    count: int
+
+    @property
+    def state_names(self) -> list[str]:
+        """The env-state names a push may carry."""
+
+    def targets(self) -> np.ndarray:
+        """A copy of every row's latest target version."""
+
+    def read(self, rows: np.ndarray, since: np.ndarray, names: Sequence[str]) -> RowsHeader:
+        """The header of ``rows`` (indices), with the values of the env-state ``names`` that a
+        push after each row's version ``since`` stamped, read at once under the rows' lock."""
+
+    def ack_received(self, rows: np.ndarray, versions: np.ndarray) -> None:
+        """Tell the sender these rows saw these versions."""
+
+    def ack_applied(self, rows: np.ndarray, versions: np.ndarray) -> None:
+        """Tell the sender these rows run these versions (reached, under a batched level)."""
+
+    def report_failure(self, rows: np.ndarray, versions: np.ndarray, text: str) -> None:
+        """Tell the sender these rows failed these versions, with the traceback text."""
+
+    def note_versions(self, rows: np.ndarray, ran: np.ndarray | None, obs: np.ndarray) -> None:
+        """Record the version each row's next step runs under and its observation's."""
+
+    def is_busy(self) -> bool:
+        """Whether the collector drives the env now."""
+
+
+class RowsRequests(Protocol):
+    """The rows' gathers: which rows were asked, each row's request, its reply."""
+
+    def asked(self) -> np.ndarray:
+        """The rows with a request not answered yet."""
+
+    def request(self, row: int) -> Request | None:
+        """Row ``row``'s request not answered yet, or ``None``."""
+
+    def reply(self, row: int, reply: Reply) -> None:
+        """Answer row ``row``'s request."""
+
+
+class RowsLink(RowsEnd, RowsRequests, Protocol):
+    """An opened rows end: reads and acknowledgements, and gathers."""

@@ -12,38 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from envsync.links.base import RowsHeader
 from envsync.links.slot_reader import SlotReader
 from envsync.links.slots import locked, write_text
 from envsync.links.table import Table
 from envsync.protocol import Reply, Request
-
-
-@dataclass(frozen=True)
-class RowsHeader:
-    """What a read of rows returns (``k`` rows, in the order asked).
-
-    Args:
-        versions: each row's target version.
-        config: per config name, the rows' values (a tensor of ``k`` rows).
-        stamps: per env-state name, the version that last pushed it to each row.
-        undo: each row's undo mark (a version whose env-state changes it must undo; 0: none).
-        entries: per env-state name a row must load, the values of those rows (the rows
-            ``masks`` selects).
-        masks: per name of ``entries``, which of the ``k`` rows load it.
-    """
-
-    versions: np.ndarray
-    config: dict[str, torch.Tensor]
-    stamps: dict[str, np.ndarray]
-    undo: np.ndarray
-    entries: dict[str, torch.Tensor]
-    masks: dict[str, np.ndarray]
 
 
 class RowsReader:
