@@ -51,8 +51,17 @@ def _died(ping: Any) -> bool:
 
 def _reported_dead(actor: Any) -> bool:
     """Whether Ray has reported ``actor`` dead to this process (its local view; unknown, or
-    Ray no longer connected here, is not dead). A reach into Ray's handle, confined here:
-    Ray Data reads the view the same way; the public ``ray.util.state`` asks the GCS."""
+    Ray no longer connected here, is not dead).
+
+    A reach into Ray's handle (``ActorHandle._get_local_state``), confined here, because
+    Ray 2.60 has no public API for it: the public ``ray.util.state.get_actor`` asks the
+    dashboard's state server over HTTP, which runs only where the dashboard does (a
+    ``ray[default]`` install: the ``ray`` that ``envsync[ray]`` installs has no aiohttp, so
+    no dashboard) and costs a round trip per check, while a push must see a death within 2 s
+    of Ray reporting it and checks every remote collector each time; ``ray.get`` of a ping
+    (:func:`_answers`) is public but waits for a live actor's next free slot. Ray Data reads
+    the local view the same way. If the method goes, the ``AttributeError`` reads as "not
+    known dead" and the relays' own reports and the ping still tell."""
     try:
         return bool(actor._get_local_state() == _DEAD)
     except (AttributeError, ray.exceptions.RayError):
