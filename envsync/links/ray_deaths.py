@@ -59,8 +59,8 @@ def _reported_dead(actor: Any) -> bool:
     ``ray[default]`` install: the ``ray`` that ``envsync[ray]`` installs has no aiohttp, so
     no dashboard) and costs a round trip per check, while a push must see a death within 2 s
     of Ray reporting it and checks every remote collector each time; ``ray.get`` of a ping
-    (:func:`_pong`, read by :func:`_died`) is public but waits for a live actor's next free slot. Ray Data reads
-    the local view the same way. If the method goes, the ``AttributeError`` reads as "not
+    (:func:`_pong`, read by :func:`_died`) is public but waits for a live actor's next free
+    slot. Ray Data reads the local view the same way. If the method goes, the ``AttributeError`` reads as "not
     known dead" and the relays' own reports and the ping still tell."""
     try:
         return bool(actor._get_local_state() == _DEAD)
