@@ -15,9 +15,10 @@ those over).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from envsync.links.base import End, Header
@@ -28,10 +29,12 @@ class GateEnd:
     """The batched level's end over ``ends``, the worker's envs' ends (see the module).
 
     Args:
-        ends: the ends of every env under the level, the first one's slot read.
+        ends: the ends of every env under the level (a sequence that may open them when
+            indexed: the gate reads their counters as columns and touches one end only to
+            acknowledge or fail that env), the first one's slot read.
     """
 
-    def __init__(self, ends: list[End]) -> None:
+    def __init__(self, ends: Sequence[End]) -> None:
         self._ends = ends
         self._first = first = ends[0]
         self.worker = first.worker
@@ -82,13 +85,15 @@ class GateEnd:
         not only once every sibling that waits for its own reset has reached it too.
         """
         reached, applied, targets = self._first.read_counters(("reached", "applied", "target"), self._count)
-        for i, end in enumerate(self._ends):
+        owed = applied != reached  # one vector read: only these envs are looked at, one by one
+        for i in np.flatnonzero(owed & (reached <= version)).tolist():
+            self._ends[i].ack_applied(int(reached[i]))
+        if holds is None:
+            return
+        for i in np.flatnonzero(owed & (reached > version) & (reached == targets)).tolist():
             got = int(reached[i])
-            if applied[i] == got:
-                continue
-            latest = got == targets[i]
-            if got <= version or (holds is not None and latest and self._asks_nothing(i, got, holds, version)):
-                end.ack_applied(got)
+            if self._asks_nothing(i, got, holds, version):
+                self._ends[i].ack_applied(got)
 
     def _asks_nothing(self, env: int, got: int, holds: Callable[[dict[str, int]], bool], version: int) -> bool:
         """Whether version ``got``, env ``env``'s latest, asks nothing of the level that holds
@@ -115,15 +120,15 @@ class GateEnd:
         stays unacknowledged until the level holds a version again (the rollback's)."""
         (reached,) = self._first.read_counters(("reached",), self._count)
         text = f"the batched env's own transforms failed to apply version {version}:\n{text}"
-        for i, end in enumerate(self._ends):
-            if reached[i] == version:
-                end.report_failure(version, text)
+        for i in np.flatnonzero(reached == version).tolist():
+            self._ends[i].report_failure(version, text)
 
     def set_busy(self, busy: bool, count: int = 1) -> None:
         self._first.set_busy(busy, self._count)  # every env under the level, in one write
 
     def is_busy(self) -> bool:
-        return any(end.is_busy() for end in self._ends)
+        (busy,) = self._first.read_counters(("busy",), self._count)
+        return bool(busy.any())
 
     def note_versions(self, ran: int | None, obs: int) -> None:
         return None  # the envs under the level note what their steps run

@@ -17,13 +17,36 @@ import numpy as np
 
 from envsync import worker_loop
 from envsync.gate import GateEnd
-from envsync.links.base import LinkHandle
+from envsync.links.base import End, LinkHandle
 from envsync.worker_loop import Member
 
 VERSIONS = ("target", "reached", "failed", "ran", "obs")
 """Per env: its latest target; the version it reached (applied; its batched level, if any,
 acknowledges it *applied*); its latest failure; the version its latest step ran under; the
 one its observation comes from."""
+
+
+class Ends(Sequence[End]):
+    """The ends of ``count`` envs from link slot ``first`` on, each opened when first asked
+    for (a natively batched env of thousands of worlds opens the few it touches)."""
+
+    def __init__(self, handle: LinkHandle, first: int, count: int) -> None:
+        self._handle = handle
+        self._first = first
+        self._count = count
+        self._opened: dict[int, End] = {}
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> End:  # type: ignore[override]
+        if not -self._count <= index < self._count:
+            raise IndexError(index)
+        index %= self._count
+        end = self._opened.get(index)
+        if end is None:
+            end = self._opened[index] = self._handle.open(self._first + index, claim=False)
+        return end
 
 
 class Siblings:
@@ -45,10 +68,12 @@ class Siblings:
         >>> link.close()
     """
 
-    def __init__(self, handle: LinkHandle, first_slot: int, count: int) -> None:
-        self._ends = [handle.open(first_slot + i) for i in range(count)]
+    def __init__(self, handle: LinkHandle, first_slot: int, count: int, *, rows: bool = False) -> None:
+        self._ends = Ends(handle, first_slot, count)
         self._first = self._ends[0]
         self.count = count
+        # the rows of a native env: acknowledged as columns, and they share one wake-up
+        self._rows = handle.open_rows(first_slot, count, claim=False) if rows else None
         self._noticed = np.zeros(count, dtype=np.int64)  # the targets acknowledged as received
         self.gate = GateEnd(self._ends)
         """The batched level's end over these envs (its receiver's, if it has one)."""
@@ -70,8 +95,12 @@ class Siblings:
     def notice(self) -> None:
         """Acknowledge receipt of every target that changed since the last notice."""
         (targets,) = self._first.read_counters(("target",), self.count)
-        for i in np.flatnonzero(targets != self._noticed).tolist():
-            self._ends[i].ack_received(int(targets[i]))
+        changed = np.flatnonzero(targets != self._noticed)
+        if self._rows is not None:
+            self._rows.ack_received(changed, targets[changed])
+        else:
+            for i in changed.tolist():
+                self._ends[i].ack_received(int(targets[i]))
         self._noticed = targets
 
     def asked(self, indices: Sequence[int] | None = None) -> list[int]:
@@ -103,11 +132,18 @@ class Siblings:
 
     def fail_pending(self, text: str) -> None:
         """Every env with a version pending fails it, with ``text``."""
-        for i in self.pending():
+        pending = np.asarray(self.pending(), dtype=np.int64)
+        if self._rows is not None:
+            self._rows.report_failure(pending, self._rows.targets()[pending], text)
+            return
+        for i in pending.tolist():
             end = self._ends[i]
             end.report_failure(end.target(), text)
 
     def join(self, member: Member, *, relayed: bool) -> None:
         """Serve ``member`` in this process's worker loop, woken by every env's notices (or,
         ``relayed``, by its slot's relay: the envs' own receivers serve them elsewhere)."""
+        if self._rows is not None and self._rows.one_wake:  # the first row's end waits for every row
+            worker_loop.serve(member, [self._first])
+            return
         worker_loop.serve(member, [end.relayed() if relayed else end for end in self._ends])

@@ -151,12 +151,13 @@ class SenderLink(Outbox, Acknowledgements, Protocol):
 class LinkHandle(Protocol):
     """Opens one worker's end of a link, or the end of the rows of one natively batched env."""
 
-    def open(self, worker: int) -> End:
-        """Return ``worker``'s end."""
+    def open(self, worker: int, *, claim: bool = True) -> End:
+        """Return ``worker``'s end; ``claim``: this process serves the slot (the sender
+        checks its liveness), not only looks at it (a batched env's group)."""
 
-    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsLink:
-        """Return the end of the ``count`` rows of one env from slot ``first`` on (they share
-        one slot lock: a link made with ``group=count``)."""
+    def open_rows(self, first: int, count: int, *, gated: bool = False, claim: bool = True) -> RowsLink:
+        """Return the end of the ``count`` rows of one env from slot ``first`` on (one slot
+        lock and one wake-up for all on a link made with ``group=count``)."""
 
 
 class Inbox(Protocol):
@@ -276,6 +277,7 @@ class RowsEnd(Protocol):
     lock and one release for all of them."""
 
     count: int
+    one_wake: bool
 
     @property
     def state_names(self) -> list[str]:

@@ -86,15 +86,14 @@ class LocalHandle:
         self._wakes = wakes
         self._acks = acks
 
-    def open(self, worker: int) -> SlotReader:
+    def open(self, worker: int, *, claim: bool = True) -> SlotReader:
         if not 0 <= worker < self._table.num_workers:
             raise IndexError(f"worker {worker} out of range for {self._table.num_workers} workers")
         reader = SlotReader(self._table, worker, self._locks[worker], self._wakes, self._acks)
-        return reader.claim()
+        return reader.claim() if claim else reader
 
-    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsReader:
+    def open_rows(self, first: int, count: int, *, gated: bool = False, claim: bool = True) -> RowsReader:
         if not (first >= 0 and first + count <= self._table.num_workers):
             raise IndexError(f"rows {first}..{first + count} out of range for {self._table.num_workers} slots")
-        if self._locks[first] is not self._locks[first + count - 1]:
-            raise ValueError("rows opened together must share a slot lock: make the link with group=count")
-        return RowsReader(self._table, first, count, self._locks[first], self._wakes, self._acks, gated=gated)
+        locks = self._locks[first : first + count]
+        return RowsReader(self._table, first, count, locks, self._wakes, self._acks, gated=gated, claim=claim)

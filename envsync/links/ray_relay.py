@@ -44,10 +44,10 @@ class RelayHandle:
     workers: list[int]
     nodes: list[int]
 
-    def open(self, worker: int) -> Any:
+    def open(self, worker: int, *, claim: bool = True) -> Any:
         raise RuntimeError("a Ray link is read by relays (RelayHandle.relay), not opened by workers")
 
-    def open_rows(self, first: int, count: int, *, gated: bool = False) -> Any:
+    def open_rows(self, first: int, count: int, *, gated: bool = False, claim: bool = True) -> Any:
         raise RuntimeError("a Ray link is read by relays (RelayHandle.relay), not opened by workers")
 
     def relay(self, collector: int, node_link: SenderLink) -> Relay:

@@ -3,7 +3,8 @@ end for the ``count`` consecutive slots of one env object, read and acknowledged
 
 A row is a slot like any other for the sender (its fleet index, its config, its counters);
 the rows of one env share the slot lock and the wake-up (:func:`~envsync.links.slots.per_slot`),
-so reading every pending row is one lock taken, and an acknowledgement of k rows is one
+so reading every pending row is one lock taken (on a link made without ``group=``, each row's
+lock in turn), and an acknowledgement of k rows is one
 vector write and one release. Requests (gathers) stay per row: the rare path reads them
 through a one-slot :class:`~envsync.links.slot_reader.SlotReader`, opened on demand.
 """
@@ -11,7 +12,8 @@ through a one-slot :class:`~envsync.links.slot_reader.SlotReader`, opened on dem
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,7 @@ import torch
 
 from envsync.links.base import RowsHeader
 from envsync.links.slot_reader import SlotReader
-from envsync.links.slots import locked, write_text
+from envsync.links.slots import acquire, distinct, write_text
 from envsync.links.table import Table
 from envsync.protocol import Reply, Request
 
@@ -31,12 +33,14 @@ class RowsReader:
         table: the slot table.
         first: the slot of row 0.
         count: the rows.
-        lock: the rows' slot lock (one for all of them).
+        locks: the rows' slot locks (one object for all of them on a link made with
+            ``group=count``; else each is taken, in order, for a read).
         wakes: every slot's wake-up, then every slot's relay (as a slot reader's).
         acks: the acknowledgement semaphores ``(received, applied)``.
         owner: the sender's pid (a row's slot reader checks it).
         gated: the rows are under a batched level: an apply is recorded as *reached*, and
             the level acknowledges it *applied* (:mod:`envsync.gate`).
+        claim: this process serves the rows (not only looks at them).
 
     Examples:
         >>> from envsync.links.local import LocalLink
@@ -58,18 +62,22 @@ class RowsReader:
         table: Table,
         first: int,
         count: int,
-        lock: Any,
+        locks: Sequence[Any],
         wakes: Sequence[Any],
         acks: Any,
         *,
         owner: int = 0,
         gated: bool = False,
+        claim: bool = True,
     ) -> None:
         self.table = table
         self.first = first
         self.count = count
-        self._lock = lock
+        self._locks = locks
+        self._distinct = distinct(locks)
         self._wakes = wakes
+        self.one_wake = len(distinct(wakes[first : first + count])) == 1
+        """Whether one wake-up serves every row (a link made with ``group=count``)."""
         self._acks = acks
         self._owner = owner
         self._gated = gated
@@ -86,7 +94,8 @@ class RowsReader:
         }
         self._stamps = [(key[1], table.columns_of(key)) for key in columns if key[0] == "stamp"]
         self._readers: dict[int, SlotReader] = {}
-        c["pid"][self._span] = os.getpid()
+        if claim:  # this process serves the rows (what the sender's liveness check reads)
+            c["pid"][self._span] = os.getpid()
 
     def targets(self) -> np.ndarray:
         """A copy of every row's latest target."""
@@ -103,7 +112,7 @@ class RowsReader:
         version ``since`` (and up to their target) stamped, all under the rows' slot lock:
         one consistent copy."""
         slots = rows + self.first
-        with locked(self._lock, "rows %d.. reading", self.first):
+        with _all_locked(self._distinct, self.first):
             versions = self._c["target"][slots].copy()
             config = {
                 name: _rows_of(column, source, slots, self.table.broadcast[("config", name)])
@@ -181,9 +190,23 @@ class RowsReader:
         reader = self._readers.get(row)
         if reader is None:
             reader = self._readers[row] = SlotReader(
-                self.table, self.first + row, self._lock, self._wakes, self._acks, owner=self._owner
+                self.table, self.first + row, self._locks[row], self._wakes, self._acks, owner=self._owner
             )
         return reader
+
+
+@contextmanager
+def _all_locked(locks: Sequence[Any], first: int) -> Iterator[None]:
+    """Hold every lock of ``locks`` (in order, as a broadcast takes them: no deadlock)."""
+    held = 0
+    try:
+        for lock in locks:
+            acquire(lock, "rows %d.. reading", first)
+            held += 1
+        yield
+    finally:
+        for lock in locks[:held]:
+            lock.release()
 
 
 def _rows_of(column: torch.Tensor, source: np.ndarray, slots: np.ndarray, broadcast: torch.Tensor) -> torch.Tensor:

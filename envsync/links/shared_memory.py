@@ -262,7 +262,7 @@ class SharedMemoryHandle:
             [_portable(s) for s in self.acks],
         )
 
-    def open(self, worker: int) -> SlotReader:
+    def open(self, worker: int, *, claim: bool = True) -> SlotReader:
         """Map the file and return ``worker``'s end."""
         if not 0 <= worker < self.num_workers:
             raise IndexError(f"worker {worker} out of range for {self.num_workers} workers")
@@ -270,18 +270,19 @@ class SharedMemoryHandle:
             self._slots = per_slot(self.locks, self.wakes, self.num_workers, self.group)
         locks, wakes = self._slots
         reader = SlotReader(self.table(), worker, locks[worker], wakes, self.acks, owner=self.owner)
-        return reader.claim()
+        return reader.claim() if claim else reader
 
-    def open_rows(self, first: int, count: int, *, gated: bool = False) -> RowsReader:
+    def open_rows(self, first: int, count: int, *, gated: bool = False, claim: bool = True) -> RowsReader:
         """Map the file and return the end of the ``count`` rows from slot ``first`` on."""
         if not (first >= 0 and first + count <= self.num_workers):
             raise IndexError(f"rows {first}..{first + count} out of range for {self.num_workers} slots")
         if self._slots is None:
             self._slots = per_slot(self.locks, self.wakes, self.num_workers, self.group)
         locks, wakes = self._slots
-        if locks[first] is not locks[first + count - 1]:
-            raise ValueError("rows opened together must share a slot lock: make the link with group=count")
-        return RowsReader(self.table(), first, count, locks[first], wakes, self.acks, owner=self.owner, gated=gated)
+        rows = locks[first : first + count]
+        return RowsReader(
+            self.table(), first, count, rows, wakes, self.acks, owner=self.owner, gated=gated, claim=claim
+        )
 
 
 def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:

@@ -289,6 +289,10 @@ class Leaves(Protocol):
     """Whether the envs' own receivers are in their processes' worker loops (apply while idle,
     answer gathers): the group then only pokes them, and is woken through the slots' relays for what they hand it."""
 
+    rows: bool
+    """Whether the envs are rows of one natively batched env (one process, one slot lock and
+    one wake-up for all: the group acknowledges them as columns)."""
+
     def bind(self, handle: LinkHandle, first_slot: int, first_env: int, *, gated: bool) -> bool:
         """Bind env ``i`` to link slot ``first_slot + i`` as fleet env ``first_env + i``
         (``gated``: under a batched level, which acknowledges their versions as applied);
@@ -318,6 +322,7 @@ class SubEnvs:
     def __init__(self, batched: BatchedEnvBase) -> None:
         self._batched = weakref.ref(batched)
         self.in_own_loops = isinstance(batched, ParallelEnv)
+        self.rows = False
 
     def _live(self) -> BatchedEnvBase:
         batched = self._batched()

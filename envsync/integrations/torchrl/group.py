@@ -46,7 +46,7 @@ class EnvGroup:
         self.num_envs = hooks.num_envs
         self.leaves = leaves
         self._collector = weakref.ref(collector)
-        self.envs = Siblings(handle, first_slot, self.num_envs)
+        self.envs = Siblings(handle, first_slot, self.num_envs, rows=leaves.rows)
         self._seen = b""
         self.gate = self.envs.gate  # the batched level's end (its receiver's, if it has one)
         # the batched env's owner: the worker loop's idle work against the collector's rollouts;

@@ -230,6 +230,7 @@ class Rows:
     """The rows of a natively batched env, with their receiver in this process."""
 
     in_own_loops = False
+    rows = True
 
     def __init__(self, hooks: NativeHooks) -> None:
         self._hooks = hooks
