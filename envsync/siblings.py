@@ -78,10 +78,10 @@ class Siblings:
         self.gate = GateEnd(self._ends)
         """The batched level's end over these envs (its receiver's, if it has one)."""
 
-    def targets(self) -> bytes:
-        """Every env's latest target, as bytes (compared to tell whether a push came)."""
+    def targets(self) -> np.ndarray:
+        """A copy of every env's latest target (compared to tell whether a push came)."""
         (targets,) = self._first.read_counters(("target",), self.count)
-        return targets.tobytes()
+        return targets
 
     def versions(self) -> tuple[np.ndarray, ...]:
         """Copies of :data:`VERSIONS`, per env, read one after the other."""

@@ -29,7 +29,7 @@ def test_siblings_read_copies_acknowledge_each_target_once_and_fail_only_what_wa
         envs.notice()
         assert [link.status(w).received for w in range(4)] == [0, 0, 1, 2]
         envs.notice()  # nothing new: nothing acknowledged again
-        assert envs.targets() == before
+        assert envs.targets().tolist() == before.tolist()
 
         end = link.handle().open(2)  # env 1's own receiver applies its version
         end.ack_applied(1)
@@ -41,5 +41,24 @@ def test_siblings_read_copies_acknowledge_each_target_once_and_fail_only_what_wa
         assert [link.status(w).failed for w in (1, 2, 3)] == [NO_FAILURE, NO_FAILURE, 2]
         assert "group stopped" in link.error_text(3)
         assert envs.pending() == []
+    finally:
+        link.close()
+
+
+def test_the_rows_of_a_native_env_are_acknowledged_and_failed_as_columns_without_opening_their_ends() -> None:
+    """Siblings over the rows of one natively batched env (a link made with ``group=``): a
+    notice acknowledges every changed row's receipt in one write, failing the pending rows
+    is one write too, and no row's own end is opened (nor claimed) for either."""
+    link = LocalLink({LEVEL: torch.tensor(0)}, 6, group=3)
+    try:
+        envs = Siblings(link.handle(), 3, 3, rows=True)  # the second worker's rows
+        for slot, version in ((3, 1), (5, 2)):
+            link.write(slot, version, {LEVEL: torch.tensor(version)})
+        envs.notice()
+        assert [link.status(w).received for w in range(6)] == [0, 0, 0, 1, 0, 2]
+        envs.fail_pending("the group stopped")
+        assert [link.status(w).failed for w in (3, 4, 5)] == [1, NO_FAILURE, 2]
+        assert "the group stopped" in link.error_text(5)
+        assert link.table.counters["pid"][3:].tolist() == [0, 0, 0]  # looked at, not claimed
     finally:
         link.close()

@@ -47,7 +47,7 @@ class EnvGroup:
         self.leaves = leaves
         self._collector = weakref.ref(collector)
         self.envs = Siblings(handle, first_slot, self.num_envs, rows=leaves.rows)
-        self._seen = b""
+        self._seen = np.zeros(0, dtype=np.int64)
         self.gate = self.envs.gate  # the batched level's end (its receiver's, if it has one)
         # the batched env's owner: the worker loop's idle work against the collector's rollouts;
         # driving the batched env marks every env under it busy
@@ -59,7 +59,7 @@ class EnvGroup:
 
     def unchanged(self) -> bool:
         """Whether no push reached any sub-env since the group last settled."""
-        return self.envs.targets() == self._seen
+        return np.array_equal(self.envs.targets(), self._seen)
 
     def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """Per sub-env (columns): the version its last step ran under, its observation's, its
@@ -68,7 +68,7 @@ class EnvGroup:
         settled = bool((((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)).all())
         settled = settled and (self.level is None or not self._level_behind())
         if settled:
-            self._seen = targets.tobytes()
+            self._seen = targets
         return ran, obs, reached, settled
 
     def _level_behind(self) -> bool:
