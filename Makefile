@@ -46,7 +46,7 @@ test: lint typecheck unit docs
 # subset: every cell once), the Ray cells of the matrix for MultiSync/MultiAsync collectors, the
 # load runs at a quarter of make soak's sizes, the short push soak with spawned workers, and the
 # slowest benchmark smoke runs (bench_ray, bench_push_instructions, bench_switch_latency,
-# bench_curriculum_instructions).
+# bench_curriculum_instructions, bench_worlds).
 wide: $(STAMP)
 	$(BIN)/python -m pytest -q -rfE --durations=25 -m wide
 

@@ -59,7 +59,7 @@ ROW_KEYS = {
 }
 # Syllabus (syllabus-rl) is a peer under comparison, not part of what these smoke runs check
 EXTRA_ARGS = {"bench_curriculum": ["--systems", "envsync"]}
-WIDE = {"bench_push_instructions", "bench_switch_latency", "bench_curriculum_instructions"}
+WIDE = {"bench_push_instructions", "bench_switch_latency", "bench_curriculum_instructions", "bench_worlds"}
 """The slowest smoke runs (several seconds each): make wide runs them, make test the others."""
 QUICK_RUNS = [
     pytest.param(m, marks=[pytest.mark.timeout(80), *([pytest.mark.wide] if m in WIDE else [])])
