@@ -70,7 +70,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
         "hot path of `SerialEnv`/`ParallelEnv` collectors.",
     ),
     "worlds": (
-        "A natively batched env of n worlds",
+        "Worlds by the thousand",
         "A `Collector` of one torchrl env of n worlds (`batch_size=[n]`, `set_difficulty(difficulty, env_ids)` one "
         "indexed write) from 1,024 to 65,536 worlds: attach time, frames/s with envsync attached and nothing "
         "pending, a push of one row per world to applied against the env's own indexed write, a curriculum pushing "

@@ -46,9 +46,10 @@ class ReadBack:
         batched env counts)."""
         with self._core.lock:
             self._core.prune()
-            out = []
-            for attachment in self._core.fleet.attachments:
-                out += [attachment.link.status(e).applied for e in range(attachment.link.num_workers)]
+            out: list[int] = []
+            for attachment in self._core.fleet.attachments:  # a column per link, not a status per env
+                link = attachment.link
+                out += link.counts(range(link.num_workers), applied=True)[1].tolist()
             return out
 
     def gather(
