@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import make_native_counters, start_method
+from helpers import NativeCounterEnv, make_native_counters, start_method
 from tensordict import TensorDict
 from torchrl.collectors import Collector, MultiSyncCollector
 
 import envsync
-from envsync import EnvStateSender
+from envsync import EnvStateSender, WorkerApplyError
 
 N = 6
 ROUNDS = 12
@@ -120,6 +120,72 @@ def test_thousands_of_worlds_per_worker_share_one_lock_and_wake_up_per_worker() 
         observed = batch["next", "observation"][..., 0]
         index = batch["env_index"]
         assert torch.equal(observed[tagged], values[index[tagged]])
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+class CountingCounters(NativeCounterEnv):
+    """A natively batched env that counts the calls of its config method and the rows each
+    got, and refuses a negative difficulty after writing the rows it got (a half-done apply)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.calls: list[list[int]] = []
+
+    def set_difficulty(self, difficulty: torch.Tensor, env_ids: torch.Tensor) -> None:
+        self.calls.append(env_ids.tolist())
+        self.difficulty[env_ids] = difficulty.to(torch.float32)
+        if bool((difficulty < 0).any()):
+            raise ValueError("a negative difficulty")
+
+
+@pytest.mark.timeout(120)
+def test_every_row_a_safe_point_changes_is_given_its_config_in_one_call() -> None:
+    n = 512
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(lambda: CountingCounters(n)), None, frames_per_batch=2 * n, total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    try:
+        next(iter(collector))
+        env = collector.env
+        env.calls.clear()
+        chosen = list(range(0, n, 3))
+        values = torch.arange(len(chosen), dtype=torch.float32)
+        sender.push(config=TensorDict(difficulty=values, batch_size=[len(chosen)]), envs=chosen, wait="applied")
+        assert env.calls == [chosen]  # one call, every changed row, none other
+        assert env.difficulty[chosen].tolist() == values.tolist()
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_call_that_fails_gives_every_row_of_it_its_previous_config_back_and_the_push_raises() -> None:
+    n = 64
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(lambda: CountingCounters(n)), None, frames_per_batch=2 * n, total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        env = collector.env
+        good = torch.full((n,), 2.0)
+        v1 = sender.push(config=TensorDict(difficulty=good, batch_size=[n]), wait="applied")
+        bad = good.clone() + 1.0
+        bad[7] = -1.0  # one row fails the whole call
+        with pytest.raises(WorkerApplyError) as raised:
+            sender.push(config=TensorDict(difficulty=bad, batch_size=[n]), wait="applied")
+        assert "a negative difficulty" in raised.value.remote_traceback
+        assert env.difficulty.tolist() == good.tolist()  # every row of the call is back on its previous config
+        assert set(sender.env_versions()) == {raised.value.version + 1}  # the rollback, holding v1's config
+        batch = next(iterator)
+        assert batch["next", "observation"][..., 0].eq(2.0).all()
+        assert sender.config_at(0, v1)["difficulty"].item() == 2.0
     finally:
         collector.shutdown()
         sender.close()
