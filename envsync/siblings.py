@@ -83,6 +83,10 @@ class Siblings:
         (targets,) = self._first.read_counters(("target",), self.count)
         return targets
 
+    def pushed(self) -> int:
+        """The latest version written to any slot of the link (one integer read)."""
+        return self._first.pushed()
+
     def versions(self) -> tuple[np.ndarray, ...]:
         """Copies of :data:`VERSIONS`, per env, read one after the other."""
         return self._first.read_counters(VERSIONS, self.count)

@@ -251,6 +251,10 @@ class Marks(Protocol):
         env's gate and group read of the envs under it (only the link's own methods write
         the table; nothing outside it holds its arrays)."""
 
+    def pushed(self) -> int:
+        """The latest version written to any slot of the link: it moves with every push, so
+        a batched env that saw it unmoved knows no push reached its envs (one integer read)."""
+
     def read_stamps(self) -> tuple[int, dict[str, int]]:
         """The slot's target and the stamps of its env-state entries, read at once without
         the config (a batched level's gate: does an env's version ask anything of it?)."""

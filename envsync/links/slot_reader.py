@@ -144,6 +144,10 @@ class SlotReader:
                 undo=int(self._c["undo"][self.worker]),
             )
 
+    def pushed(self) -> int:
+        """The latest version written to any slot of the link (one integer read)."""
+        return int(self.table.pushed[0])
+
     def read_stamps(self) -> tuple[int, dict[str, int]]:
         """The slot's target and, per env-state name, the version that last pushed it (what
         :meth:`read_header` reads, without copying the config out)."""

@@ -156,6 +156,7 @@ class SlotWriter:
         self._write_leaves(worker, entries)
         self.table.counters["undo"][worker] = undo
         self.table.counters["target"][worker] = version
+        self.table.pushed[0] = version  # after the target: a reader that sees it sees the target
 
     def _write_leaves(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
         table = self.table
@@ -215,6 +216,7 @@ class SlotWriter:
                 self._written(rows, key, version)
             self.table.counters["undo"][rows] = 0
             self.table.counters["target"][rows] = version
+            self.table.pushed[0] = version
         finally:
             for lock in locks[:held]:
                 lock.release()

@@ -89,8 +89,8 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int
         >>> [f.key for f in fields][-3:], size % 64
         ([('leaf', 'writes', 'x'), ('leaf', 'config_source', 'x'), ('broadcast', 'config', 'x')], 0)
     """
-    fields = []
-    offset = 0
+    fields = [Field(("pushed",), torch.int64, (1,), 0)]  # the latest version written to any slot
+    offset = ALIGN
     for name in COUNTERS:
         fields.append(Field((name,), torch.int64, (num_workers,), offset))
         offset = align(offset + 8 * num_workers)
@@ -145,6 +145,9 @@ class Table:
         self.num_workers = num_workers
         arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
+        self.pushed = arrays[("pushed",)].numpy()
+        """The latest version written to any slot (one integer: whether anything was pushed
+        to a worker's envs since it last looked costs one read, whatever their number)."""
         self.error = arrays[("error",)].numpy()
         self.areas = {area: arrays[(area,)].numpy() for area in ("request", "reply")}
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}

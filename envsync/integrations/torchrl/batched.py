@@ -236,10 +236,11 @@ class BatchedHooks:
         if self.group is None:
             return
         self.group.catch_up()  # what the worker's envs applied while idle
-        _, obs, applied, _ = self.group.read()
+        _, obs, applied, settled = self.group.read()
         self._root = Columns(obs)
         self._next = Columns(applied)
-        self.owner.unsettle()
+        # settled, with no push since: the rollout's steps take the fast path from the first
+        self.owner.settled = settled
 
     def tag(self, batch: TensorDictBase, first_env: int) -> None:
         """Write the rollout's tags into ``batch`` (leading dim: the sub-envs)."""

@@ -48,6 +48,7 @@ class EnvGroup:
         self._collector = weakref.ref(collector)
         self.envs = Siblings(handle, first_slot, self.num_envs, rows=leaves.rows)
         self._seen = np.zeros(0, dtype=np.int64)
+        self._pushed = -1  # the link's pushed mark when the group last settled
         self.gate = self.envs.gate  # the batched level's end (its receiver's, if it has one)
         # the batched env's owner: the worker loop's idle work against the collector's rollouts;
         # driving the batched env marks every env under it busy
@@ -58,17 +59,26 @@ class EnvGroup:
         self.level: EnvStateReceiver | None = None  # the batched env's own transforms' receiver, if any
 
     def unchanged(self) -> bool:
-        """Whether no push reached any sub-env since the group last settled."""
-        return np.array_equal(self.envs.targets(), self._seen)
+        """Whether no push reached any sub-env since the group last settled: one integer read
+        while nothing was pushed to the link (the fast path of every step), the targets read
+        once after a push (which may have gone to another worker's envs)."""
+        pushed = self.envs.pushed()
+        if pushed == self._pushed:
+            return True
+        if not np.array_equal(self.envs.targets(), self._seen):
+            return False
+        self._pushed = pushed
+        return True
 
     def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """Per sub-env (columns): the version its last step ran under, its observation's, its
         applied one; and whether every sub-env is settled (remembering the targets it settled on)."""
+        pushed = self.envs.pushed()  # before the targets: a push landing between is seen next time
         targets, reached, failed, ran, obs = self.envs.versions()
         settled = bool((((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)).all())
         settled = settled and (self.level is None or not self._level_behind())
         if settled:
-            self._seen = targets
+            self._seen, self._pushed = targets, pushed
         return ran, obs, reached, settled
 
     def _level_behind(self) -> bool:
