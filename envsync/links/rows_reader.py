@@ -4,9 +4,9 @@ end for the ``count`` consecutive slots of one env object, read and acknowledged
 A row is a slot like any other for the sender (its fleet index, its config, its counters);
 the rows of one env share the slot lock and the wake-up (:func:`~envsync.links.slots.per_slot`),
 so reading every pending row is one lock taken (on a link made without ``group=``, each row's
-lock in turn), and an acknowledgement of k rows is one
-vector write and one release. Requests (gathers) stay per row: the rare path reads them
-through a one-slot :class:`~envsync.links.slot_reader.SlotReader`, opened on demand.
+lock in turn), and an acknowledgement of k rows is one vector write and one release.
+Requests (gathers) stay per row, read and answered as a slot reader does
+(:func:`~envsync.links.slot_reader.read_request`, :func:`~envsync.links.slot_reader.write_reply`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from envsync.links.base import RowsHeader
-from envsync.links.slot_reader import SlotReader
+from envsync.links.slot_reader import read_request, write_reply
 from envsync.links.slots import acquire, distinct, write_text
 from envsync.links.table import Table
 from envsync.protocol import Reply, Request
@@ -37,7 +37,6 @@ class RowsReader:
             ``group=count``; else each is taken, in order, for a read).
         wakes: every slot's wake-up, then every slot's relay (as a slot reader's).
         acks: the acknowledgement semaphores ``(received, applied)``.
-        owner: the sender's pid (a row's slot reader checks it).
         gated: the rows are under a batched level: an apply is recorded as *reached*, and
             the level acknowledges it *applied* (:mod:`envsync.gate`).
         claim: this process serves the rows (not only looks at them).
@@ -66,7 +65,6 @@ class RowsReader:
         wakes: Sequence[Any],
         acks: Any,
         *,
-        owner: int = 0,
         gated: bool = False,
         claim: bool = True,
     ) -> None:
@@ -79,7 +77,6 @@ class RowsReader:
         self.one_wake = len(distinct(wakes[first : first + count])) == 1
         """Whether one wake-up serves every row (a link made with ``group=count``)."""
         self._acks = acks
-        self._owner = owner
         self._gated = gated
         self._span = slice(first, first + count)
         c = table.counters
@@ -93,7 +90,7 @@ class RowsReader:
             key[1]: (columns[key], table.columns[table.source(key)]) for key in columns if key[0] == "env_state"
         }
         self._stamps = [(key[1], table.columns_of(key)) for key in columns if key[0] == "stamp"]
-        self._readers: dict[int, SlotReader] = {}
+        self._request: Request | None = None  # the latest request read, decoded once
         if claim:  # this process serves the rows (what the sender's liveness check reads)
             c["pid"][self._span] = os.getpid()
 
@@ -179,20 +176,14 @@ class RowsReader:
         return np.flatnonzero((ask != 0) & (ask != answered))
 
     def request(self, row: int) -> Request | None:
-        """Row ``row``'s request not answered yet, or ``None``."""
-        return self._reader(row).request()
+        """Row ``row``'s request not answered yet, or ``None`` (the request a gather sends to
+        every row is decoded once, not once per row)."""
+        self._request = read_request(self.table, self.first + row, self._locks[row], self._request)
+        return self._request
 
     def reply(self, row: int, reply: Reply) -> None:
         """Answer row ``row``'s request with ``reply``."""
-        self._reader(row).reply(reply)
-
-    def _reader(self, row: int) -> SlotReader:
-        reader = self._readers.get(row)
-        if reader is None:
-            reader = self._readers[row] = SlotReader(
-                self.table, self.first + row, self._locks[row], self._wakes, self._acks, owner=self._owner
-            )
-        return reader
+        write_reply(self.table, self.first + row, self._locks[row], self._acks, reply)
 
 
 @contextmanager

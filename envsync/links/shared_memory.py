@@ -280,9 +280,7 @@ class SharedMemoryHandle:
             self._slots = per_slot(self.locks, self.wakes, self.num_workers, self.group)
         locks, wakes = self._slots
         rows = locks[first : first + count]
-        return RowsReader(
-            self.table(), first, count, rows, wakes, self.acks, owner=self.owner, gated=gated, claim=claim
-        )
+        return RowsReader(self.table(), first, count, rows, wakes, self.acks, gated=gated, claim=claim)
 
 
 def _portable(sync: Any) -> tuple[type, tuple[Any, ...]]:

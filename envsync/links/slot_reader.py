@@ -22,6 +22,39 @@ from envsync.protocol import Reply, Request
 from envsync.state import Leaf
 
 
+def read_request(table: Table, slot: int, lock: Any, held: Request | None) -> Request | None:
+    """The request ``slot`` has not answered yet, or ``None``; ``held``, the request last
+    read (of this slot, or of another slot the same request went to), is not decoded again."""
+    c = table.counters
+    ask = int(c["ask"][slot])
+    if ask == 0 or ask == int(c["answered"][slot]):
+        return None
+    if held is not None and held.id == ask:
+        return held
+    with locked(lock, "worker %d reading a request", slot):
+        length = int(c["ask_len"][slot])
+        data = bytes(table.areas["request"][slot, :length])
+    return request_of(unseal(data))
+
+
+def write_reply(table: Table, slot: int, lock: Any, acks: Any, reply: Reply) -> None:
+    """Answer ``slot``'s request with ``reply`` and wake the sender; a reply larger than the
+    slot's reply area is sent as a failure that says so."""
+    area = table.areas["reply"]
+    if reply.error is not None:  # a traceback's end, as a failure's
+        tail = reply.error.encode("utf-8", "replace")[-ERROR_BYTES:]
+        reply = reply._replace(error=tail.decode("utf-8", "replace"))
+    data = seal(plain(reply))
+    if len(data) > area.shape[1]:
+        text = f"the reply to request {reply.id} is {len(data)} bytes; a slot's reply area holds {area.shape[1]}"
+        data = seal(plain(Reply(reply.id, {}, text)))
+    with locked(lock, "worker %d replying", slot):
+        area[slot, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        table.counters["reply_len"][slot] = len(data)
+        table.counters["answered"][slot] = reply.id
+    acks[1].release()
+
+
 class SlotReader:
     """One worker's operations on a table (both links use it).
 
@@ -179,35 +212,12 @@ class SlotReader:
     def request(self) -> Request | None:
         """The request this slot has not answered yet, or ``None`` (two integer reads while
         none is pending: this is read at every safe point)."""
-        c, worker = self._c, self.worker
-        ask = int(c["ask"][worker])
-        if ask == 0 or ask == int(c["answered"][worker]):
-            return None
-        held = self._request
-        if held is not None and held.id == ask:
-            return held
-        with locked(self._lock, "worker %d reading a request", worker):
-            length = int(c["ask_len"][worker])
-            data = bytes(self.table.areas["request"][worker, :length])
-        self._request = request_of(unseal(data))
+        self._request = read_request(self.table, self.worker, self._lock, self._request)
         return self._request
 
     def reply(self, reply: Reply) -> None:
-        """Answer with ``reply`` and wake the sender; a reply larger than the slot's reply
-        area is sent as a failure that says so."""
-        area = self.table.areas["reply"]
-        if reply.error is not None:  # a traceback's end, as a failure's
-            tail = reply.error.encode("utf-8", "replace")[-ERROR_BYTES:]
-            reply = reply._replace(error=tail.decode("utf-8", "replace"))
-        data = seal(plain(reply))
-        if len(data) > area.shape[1]:
-            text = f"the reply to request {reply.id} is {len(data)} bytes; a slot's reply area holds {area.shape[1]}"
-            data = seal(plain(Reply(reply.id, {}, text)))
-        with locked(self._lock, "worker %d replying", self.worker):
-            area[self.worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-            self._c["reply_len"][self.worker] = len(data)
-            self._c["answered"][self.worker] = reply.id
-        self._acks[1].release()
+        """Answer with ``reply`` and wake the sender (see :func:`write_reply`)."""
+        write_reply(self.table, self.worker, self._lock, self._acks, reply)
 
     def ack_received(self, version: int) -> None:
         received = self._c["received"]
