@@ -104,8 +104,11 @@ def read_attributes(
     one row per env, a path's parts as nested keys."""
     targets = _targets(core, "read_attributes", workers, envs)
     replies = ask(core, targets, Kind.ATTRIBUTES, {"paths": paths}, timeout)
-    rows = [TensorDict({tuple(p.split(".")): replies[index][p] for p in paths}) for index in targets]
-    return TensorDict.stack(rows) if rows else TensorDict()
+    if not targets:
+        return TensorDict()
+    # one column per path, not a TensorDict per env stacked (thousands of worlds)
+    columns = {tuple(p.split(".")): torch.stack([torch.as_tensor(replies[i][p]) for i in targets]) for p in paths}
+    return TensorDict(columns, batch_size=[len(targets)])
 
 
 def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Sequence[int] | None) -> list[int]:

@@ -31,7 +31,7 @@ import torch
 from envsync.levels import is_batched
 from envsync.links.base import RowsHeader, RowsLink
 from envsync.owner import Owner
-from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
+from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply, Request
 from envsync.spec import ApplySpec
 
 
@@ -48,8 +48,8 @@ class RowsEnv(Protocol):
     def state_rows(self) -> dict[str, torch.Tensor]:
         """The env's per-row state entries (live tensors, leading dim: the rows)."""
 
-    def read_attributes(self, paths: list[str], row: int) -> dict[str, torch.Tensor]:
-        """What row ``row`` holds at attribute paths."""
+    def read_attributes(self, paths: list[str], rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """What ``rows`` hold at attribute paths (per path, one row per index of ``rows``)."""
 
 
 class RowsReceiver:
@@ -239,24 +239,30 @@ class RowsReceiver:
 
     def serve(self, rows: Sequence[int] | None = None) -> None:
         """Answer the rows' pending gathers (their env state, what they hold at attribute
-        paths); a request for the batched env's own entries is its level's (the group's)."""
+        paths): the rows asked the same request are read together, once; a request for the
+        batched env's own entries is its level's (the group's)."""
         asked = self.link.asked()
         if rows is not None:
             asked = np.intersect1d(asked, np.asarray(rows, dtype=np.int64))
+        requests: dict[int, tuple[Request, list[int]]] = {}
         for row in asked.tolist():
             request = self.link.request(row)
-            if request is None or request.kind is Kind.BATCHED_STATE:
-                continue
+            if request is not None and request.kind is not Kind.BATCHED_STATE:
+                requests.setdefault(request.id, (request, []))[1].append(row)
+        for request, which in requests.values():
+            index = np.asarray(which, dtype=np.int64)
             try:
-                result = self._answer(row, request.kind, request.payload)
-                reply = Reply(request.id, result)
+                columns = self._answer(index, request.kind, request.payload)
+                replies = [Reply(request.id, {k: v[j] for k, v in columns.items()}) for j in range(index.size)]
             except Exception:
-                reply = Reply(request.id, {}, traceback.format_exc())
-            self.link.reply(row, reply)
+                replies = [Reply(request.id, {}, traceback.format_exc())] * index.size
+            for row, reply in zip(which, replies, strict=True):
+                self.link.reply(row, reply)
 
-    def _answer(self, row: int, kind: Kind, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _answer(self, rows: np.ndarray, kind: Kind, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
         if kind is Kind.ATTRIBUTES:
-            return self.env.read_attributes(list(payload["paths"]), row)
+            return self.env.read_attributes(list(payload["paths"]), rows)
         names = payload["names"]
         live = self.env.state_rows() if names else {}
-        return {name: live[name][row] for name in names}
+        index = torch.from_numpy(rows)
+        return {name: live[name].index_select(0, index) for name in names}

@@ -126,6 +126,7 @@ class SlotWriter:
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         self._flushes = 0
+        self._sealed: tuple[int, np.ndarray] = (0, np.zeros(0, dtype=np.uint8))  # the latest request, sealed
 
     def release(self) -> None:
         """Drop this writer's references to the locks and semaphores (each is freed with its
@@ -250,7 +251,10 @@ class SlotWriter:
     def send_request(self, worker: int, request: Request) -> None:
         """Put ``request`` in ``worker``'s request area (handled at the worker's next safe
         point, or at once while idle; :meth:`notify` wakes it)."""
-        data = seal(plain(request))
+        sealed = self._sealed
+        if sealed[0] != request.id:  # a request goes to many slots (every env of a gather): sealed once
+            sealed = self._sealed = (request.id, np.frombuffer(seal(plain(request)), dtype=np.uint8))
+        data = sealed[1]
         area = self.table.areas["request"]
         if len(data) > area.shape[1]:
             raise ValidationError(
@@ -258,7 +262,7 @@ class SlotWriter:
                 f"({area.shape[1]} bytes): ask for fewer names or paths at a time"
             )
         with locked(self._locks[worker], "asking worker %d", worker):
-            area[worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+            area[worker, : len(data)] = data
             self.table.counters["ask_len"][worker] = len(data)
             self.table.counters["ask"][worker] = request.id
 

@@ -143,13 +143,16 @@ class NativeRows:
         n = self._n
         return {k: v for k, v in env_state_dict(self._live(), keep_vars=True).items() if v.ndim and v.shape[0] == n}
 
-    def read_attributes(self, paths: list[str], row: int) -> dict[str, torch.Tensor]:
-        """Row ``row``'s part of what the env holds at ``paths``: its row of a per-row
-        array, a value shared by every row as it is."""
-        env, out = self._live(), {}
+    def read_attributes(self, paths: list[str], rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """The rows' part of what the env holds at ``paths`` (one row per index of ``rows``):
+        their rows of a per-row array, a value shared by every row as it is, for each."""
+        env, out, index = self._live(), {}, torch.from_numpy(rows)
         for path in paths:
             value = held_at(env, path)
-            out[path] = value[row].clone() if value.ndim and value.shape[0] == self._n else value
+            if value.ndim and value.shape[0] == self._n:
+                out[path] = value.index_select(0, index.to(value.device))
+            else:
+                out[path] = value.unsqueeze(0).expand(len(rows), *value.shape)
         return out
 
 
