@@ -251,11 +251,10 @@ class BatchedHooks:
                 out = torch.empty(shape, dtype=torch.int64)
                 set_tag(batch, key, out)
             columns.fill(out)
-        index = torch.arange(first_env, first_env + self.num_envs, dtype=torch.int64)
-        index = index.view(-1, *([1] * (len(shape) - 1))).expand(shape).clone()
-        for key in (INDEX_KEY, ("next", INDEX_KEY)):
+        for key in (INDEX_KEY, ("next", INDEX_KEY)):  # the same every rollout: written once into the buffer
             if batch.get(key, None) is None:
-                set_tag(batch, key, index if key == INDEX_KEY else index.clone())
+                index = torch.arange(first_env, first_env + self.num_envs, dtype=torch.int64)
+                set_tag(batch, key, index.view(-1, *([1] * (len(shape) - 1))).expand(shape).clone())
 
     @staticmethod
     def truncate_last(batch: TensorDictBase, rows: list[int]) -> None:

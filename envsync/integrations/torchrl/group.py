@@ -147,9 +147,10 @@ class EnvGroup:
         """After a rollout: a truncating version applies here only for the sub-envs whose
         last frame this rollout truncated (one that arrives later is the worker loop's: a
         fresh episode); then pending gathers are answered."""
-        if truncating or not self.spec.truncates:
-            self.apply_if_idle(truncating if self.spec.truncates else None)
-        self.catch_up()
+        if not (self.owner.settled and self.unchanged()):  # settled with no push since: nothing to apply
+            if truncating or not self.spec.truncates:
+                self.apply_if_idle(truncating if self.spec.truncates else None)
+            self.catch_up()
         self.serve()
 
     def truncating(self) -> list[int]:
