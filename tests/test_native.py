@@ -95,11 +95,11 @@ def _semaphores() -> set[str]:
 
 @pytest.mark.timeout(180)
 def test_thousands_of_worlds_per_worker_share_one_lock_and_wake_up_per_worker() -> None:
-    """A ``MultiSyncCollector`` of 2 workers x 4,096 worlds: the link makes a handful of named
+    """A ``MultiSyncCollector`` of 2 workers x 2,048 worlds: the link makes a handful of named
     semaphores, not three per world (each is a mapping in every process that opens it, and a
     process may hold 65,530: 2 x 32,768 worlds failed to attach with three a world); every
     world then takes its own row of a push, and its frames say so."""
-    rows = 4096
+    rows = 2048
     before = _semaphores()
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     factories = [sender.env_fn(functools.partial(make_native_counters, rows, w * rows)) for w in range(2)]
