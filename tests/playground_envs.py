@@ -2,10 +2,9 @@
 made to show its physics: every observation carries a ``"physics"`` entry computed by the step
 (or reset) that produced it, from the model that world ran:
 
-0. the pole's mass as the dynamics used it: ``cinert`` of the pole, which the step computes
-   from ``body_mass``;
-1. the slider's diagonal of the joint-space inertia matrix ``M`` (cart + pole mass), which
-   the step's composite-rigid-body pass computes from the masses;
+0. the hinge's diagonal of the joint-space inertia matrix ``M`` (the pole's inertia about its
+   hinge), which the step's composite-rigid-body pass computes from the pole's mass and inertia;
+1. the slider's diagonal of ``M`` (cart + pole mass), computed by the same pass;
 2. the cart's subtree mass, a constant MuJoCo derives from the masses (right per world only
    if ``mj_setConst`` ran for that world);
 3. the slider's ``dof_invweight0`` (another derived constant: ``1 / (cart + pole mass)`` at
@@ -50,9 +49,10 @@ def falling_cartpole_class() -> type:
     class FallingCartpole(dm_control_suite.cartpole.Balance):  # type: ignore[misc, name-defined]
         def _get_obs(self, data: Any, info: Any) -> Any:
             model = self.mjx_model  # this world's, inside PlaygroundWorlds' step and reset
+            inertia = mjx.full_m(model, data)
             physics = jp.stack([
-                data.cinert[POLE, 9],
-                mjx.full_m(model, data)[0, 0],
+                inertia[1, 1],
+                inertia[0, 0],
                 model.body_subtreemass[CART],
                 model.dof_invweight0[0],
                 model.geom_friction[:, 0].sum(),

@@ -39,12 +39,18 @@ from envsync.envs import start_method  # noqa: E402
 FRAMES = 10_000
 
 
-def built_invweight() -> float:
-    """The slider's ``dof_invweight0`` as MuJoCo compiles the Cartpole."""
+def built_constants() -> tuple[float, float]:
+    """The hinge's diagonal of the joint-space inertia matrix and the slider's
+    ``dof_invweight0``, as MuJoCo (on the CPU) computes them for the Cartpole as built."""
+    import mujoco
     from mujoco_playground import registry
 
     model = registry.load("CartpoleBalance", config_overrides={"impl": "jax"}).mj_model
-    return float(np.float32(model.dof_invweight0[0]))
+    data = mujoco.MjData(model)
+    mujoco.mj_forward(model, data)
+    inertia = np.zeros((model.nv, model.nv))
+    mujoco.mj_fullM(model, data, inertia)
+    return float(inertia[1, 1]), float(model.dof_invweight0[0])
 
 
 @contextmanager
@@ -113,7 +119,8 @@ def test_one_worlds_mass_reaches_that_world_only_and_it_runs_the_model_compiled_
     assert np.array_equal(qpos[0], qpos[2]) and np.array_equal(qpos[0], qpos[3])
     assert not np.allclose(qpos[0], qpos[1], atol=1e-4)
     physics = out["next", "physics"]  # computed by the step from each world's masses
-    assert physics[:, 0].tolist() == pytest.approx([MASS, 2 * MASS, MASS, MASS], rel=1e-5)
+    hinge, _ = built_constants()
+    assert physics[:, 0].tolist() == pytest.approx([hinge, 2 * hinge, hinge, hinge], rel=1e-5)
     assert physics[:, 1].tolist() == pytest.approx([SUBTREE, 2 * SUBTREE, SUBTREE, SUBTREE], rel=1e-5)
     env.close()
 
@@ -217,18 +224,21 @@ def test_a_name_or_a_factor_that_does_not_fit_is_refused_at_attach(config: dict[
 # ---- every frame names the physics its world ran, in collectors ------------------------------
 
 
-def check_frames(batch: TensorDictBase, factors: dict[tuple[int, int], float], invweight: float) -> tuple[int, int]:
+def check_frames(
+    batch: TensorDictBase, factors: dict[tuple[int, int], float], built: tuple[float, float]
+) -> tuple[int, int]:
     """(mis-tagged, checked) frames: what each frame's step computed from its world's model
-    (the pole's mass in ``cinert``, the slider's inertia ``M[0, 0]``, the derived subtree mass
-    and ``dof_invweight0``) against the factor its (env_index, env_version) names, at the
-    root (the observation's own step or reset) and under "next"."""
+    (the joint-space inertia's diagonal ``M[1, 1]``, ``M[0, 0]``; the derived subtree mass and
+    ``dof_invweight0``) against the factor its (env_index, env_version) names, at the root
+    (the observation's own step or reset) and under "next"."""
     flat = batch.reshape(-1)
+    hinge, invweight = built
     wrong = 0
     for prefix in ((), ("next",)):
         keys = zip(flat[(*prefix, "env_index")].tolist(), flat[(*prefix, "env_version")].tolist(), strict=True)
         f = torch.tensor([factors[key] for key in keys])
         seen = flat[(*prefix, "physics")]
-        want = torch.stack([MASS * f, SUBTREE * f, SUBTREE * f, invweight / f], dim=-1)
+        want = torch.stack([hinge * f, SUBTREE * f, SUBTREE * f, invweight / f], dim=-1)
         wrong += int((~torch.isclose(seen[:, :4], want.float(), rtol=1e-5).all(-1)).sum())
     return wrong, flat.shape[0]
 
@@ -255,12 +265,12 @@ def drive(collector: Any, sender: EnvStateSender, mode: str) -> tuple[int, int, 
     """Push a random mass factor per world after every batch (waiting until applied, except in
     ``"reset"`` mode); return (mis-tagged frames, frames checked, versions seen, trajectories)."""
     factors = {(env, 0): 1.0 for env in range(sender.num_envs or 0)}
-    invweight = built_invweight()
+    built = built_constants()
     wrong = checked = 0
     trajectories, versions = Trajectories(), set()
     generator = torch.Generator().manual_seed(0)
     for batch in collector:
-        bad, count = check_frames(batch, factors, invweight)
+        bad, count = check_frames(batch, factors, built)
         wrong, checked = wrong + bad, checked + count
         trajectories.add(batch)
         versions |= set(batch["next", "env_version"].flatten().tolist())
