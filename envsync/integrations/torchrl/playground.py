@@ -123,7 +123,6 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         env = registry.load(env_name, config_overrides={"impl": impl, **dict(config_overrides or {})})
         return cls(env, batch_size=[num_worlds], **kwargs)
 
-
     def _init_env(self) -> None:
         super()._init_env()
         if len(self.batch_size) != 1:
@@ -199,7 +198,6 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         self.traces["write"] += 1
         return {f: _select(masks[f], rows[f], fields[f]) for f in fields}
 
-
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs: Any) -> TensorDictBase:
         import jax
 
@@ -249,7 +247,6 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         if self._obs_keys is None:
             return {"observation": _ndarray_to_tensor(state.obs).to(self.device)}
         return {key: _ndarray_to_tensor(state.obs[key]).to(self.device) for key in self._obs_keys}
-
 
     def set_physics(self, env_ids: torch.Tensor, **factors: Any) -> None:
         """Give worlds ``env_ids`` the model as built times ``factors`` (each a name of the
