@@ -311,3 +311,11 @@ def make_mjlab_cartpole(n: int = 64) -> Any:
 
     wp.config.log_level = wp.LOG_WARNING  # no line per Warp module loaded
     return MJLabEnv("Mjlab-Cartpole-Balance", num_envs=n, device="cpu")
+
+
+def make_playground_cartpole(n: int = 64) -> Any:
+    """MuJoCo Playground's ``CartpoleBalance`` of ``n`` worlds as envsync's ``PlaygroundWorlds``
+    (MJX's JAX backend on the CPU; needs the playground venv)."""
+    from envsync.integrations.torchrl.playground import PlaygroundWorlds
+
+    return PlaygroundWorlds.from_name("CartpoleBalance", n, device="cpu")

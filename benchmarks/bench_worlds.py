@@ -34,6 +34,13 @@ row per (n, measure):
    ``envsync.apply.scales({"mass": ["sim.model.body_mass", "sim.model.body_inertia"]},
    finish=envsync.apply.recompute_constants())`` against mjlab's own write of the same rows
    (both fields at the rows, per-world memory) + ``sim.recompute_constants(set_const)``.
+8. **playground push** (only where ``mujoco_playground`` imports: the playground venv's
+   python): MuJoCo Playground's Cartpole as envsync's ``PlaygroundWorlds`` (MJX, JAX on the
+   CPU) of ``--playground-worlds`` worlds, ``push(wait="applied")`` of one mass factor per
+   world (``apply="set_physics"``) against the env's own ``set_physics`` of the same rows
+   (the masked write and ``mj_setConst`` per world), the masked write alone (a friction
+   push: no constants), and the rebuild a Playground user does today (randomise, wrap for
+   training, jit, first reset and step with compilation); see ``worlds_playground.py``.
 
 The current envsync is slow at large n, so each n has a time budget (``--budget`` s): an n
 whose attach or first push takes longer skips its remaining measures (their rows say so), a
@@ -44,6 +51,7 @@ default): with two on 2 shared cores the cheap step's frames/s moved by up to 10
 
     python benchmarks/bench_worlds.py [--quick] [--worlds 1024 4096] [--budget 60]
     .venv-mjlab/bin/python benchmarks/bench_worlds.py --mjlab-only   # measure 7 alone
+    .venv-playground/bin/python benchmarks/bench_worlds.py --playground-only   # measure 8 alone
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ from envsync import AckTimeout, EnvStateSender
 NAME = "worlds"
 MEASURES = ("attach", "idle", "push", "curriculum", "read", "memory")
 MJLAB = "mjlab push"
+PLAYGROUND = "playground push"
+SIMULATORS = (MJLAB, PLAYGROUND)
 SHM = "/dev/shm"
 KB = 1024
 READ_TARGET_WORLDS = 65536
@@ -92,6 +102,9 @@ class Args:
     mjlab_worlds: list[int] = field(default_factory=lambda: [1024, 4096])
     mjlab_pushes: int = 10
     mjlab_only: bool = False  # measure 7 alone
+    playground_worlds: list[int] = field(default_factory=lambda: [1024, 4096])
+    playground_pushes: int = 10
+    playground_only: bool = False  # measure 8 alone
     threads: int = 1  # torch intra-op threads (0: torch's default); see the notes
     seed: int = 0
     start_method: str = "fork"
@@ -110,6 +123,8 @@ def quick(args: Args) -> Args:
         window_s=0.2,
         mjlab_worlds=[64],
         mjlab_pushes=3,
+        playground_worlds=[64],
+        playground_pushes=3,
     )
 
 
@@ -664,6 +679,36 @@ def _mjlab(n: int, args: Args, generator: torch.Generator) -> dict[str, Any]:
     )
 
 
+def _playground(n: int, args: Args, generator: torch.Generator) -> dict[str, Any]:
+    """Measure 8: a per-world mass push to Playground's Cartpole (``worlds_playground.py``)."""
+    from worlds_playground import measure
+
+    try:
+        got = measure(n, args.playground_pushes, generator)
+    except Exception as error:
+        return _row(n, PLAYGROUND, unit="ms", status=_error(error))
+    pushed, floor = got["push_s"], got["write_s"]
+    return _row(
+        n,
+        PLAYGROUND,
+        envsync=pushed * 1e3,
+        baseline=floor * 1e3,
+        unit="ms",
+        ratio=_ratio(pushed, floor),
+        per_world=(pushed - floor) / n * 1e6,
+        per_world_unit="µs",
+        exact=got["exact"],
+        samples=got["samples"],
+        detail="Cartpole mass scales, push(wait='applied') vs the masked write alone; apply "
+        f"{got['apply_s'] * 1e3:.1f} ms, rebuild {got['rebuild_s']:.1f} s; attach {got['attach_s']:.1f} s",
+        apply_ms=got["apply_s"] * 1e3,
+        rebuild_s=got["rebuild_s"],
+        rebuild_ratio=_ratio(got["rebuild_s"], pushed),
+        traces_added=got["traces_added"],
+        raw=got["raw"],
+    )
+
+
 # ---- the report ----------------------------------------------------------------------------
 
 COLUMNS = [
@@ -702,6 +747,18 @@ MJLAB_COLUMNS = [
 ]
 
 
+PLAYGROUND_COLUMNS = [
+    ("worlds", "worlds"),
+    ("push_ms", "push -> applied ms"),
+    ("apply_ms", "set_physics ms (write + mj_setConst)"),
+    ("write_ms", "masked write alone ms"),
+    ("rebuild_s", "rebuild + recompile s"),
+    ("rebuild_ratio", "rebuild / push"),
+    ("traces_added", "traces added by the pushes"),
+    ("exact", "model holds the rows"),
+]
+
+
 def _short(row: dict[str, Any]) -> str:
     status = str(row["status"])
     return "over budget" if "over budget" in status else status.split(":")[0] + ("" if ":" not in status else "*")
@@ -721,8 +778,8 @@ def _cell(row: dict[str, Any] | None, key: str, paired: str | None = None) -> An
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per n of the native measures: the short table for docs/performance.md."""
     out = []
-    for n in dict.fromkeys(r["n"] for r in rows if r["measure"] != MJLAB):
-        by = {r["measure"]: r for r in rows if r["n"] == n and r["measure"] != MJLAB}
+    for n in dict.fromkeys(r["n"] for r in rows if r["measure"] not in SIMULATORS):
+        by = {r["measure"]: r for r in rows if r["n"] == n and r["measure"] not in SIMULATORS}
         memory = by.get("memory")
         out.append(
             {
@@ -754,12 +811,30 @@ def mjlab_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def playground_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "worlds": r["n"],
+            "push_ms": _cell(r, "envsync"),
+            "apply_ms": _cell(r, "apply_ms"),
+            "write_ms": _cell(r, "baseline"),
+            "rebuild_s": _cell(r, "rebuild_s"),
+            "rebuild_ratio": _cell(r, "rebuild_ratio"),
+            "traces_added": _cell(r, "traces_added"),
+            "exact": r["exact"],
+        }
+        for r in rows
+        if r["measure"] == PLAYGROUND
+    ]
+
+
 @dataclass
 class WorldsReport(Report):
     """:class:`Report` with the short per-n tables first."""
 
     short: list[dict[str, Any]] = field(default_factory=list)
     mjlab: list[dict[str, Any]] = field(default_factory=list)
+    playground: list[dict[str, Any]] = field(default_factory=list)
 
     def markdown(self) -> str:
         head, _, rest = super().markdown().partition("\n")
@@ -769,6 +844,9 @@ class WorldsReport(Report):
         if self.mjlab:
             parts += ["", "mjlab's Cartpole, a mass factor per world (medians):", ""]
             parts += [markdown_table(self.mjlab, MJLAB_COLUMNS)]
+        if self.playground:
+            parts += ["", "MuJoCo Playground's Cartpole (MJX, JAX on the CPU), a mass factor per world (medians):", ""]
+            parts += [markdown_table(self.playground, PLAYGROUND_COLUMNS)]
         return "\n".join(parts) + "\n" + rest
 
 
@@ -781,8 +859,8 @@ def _targets(rows: list[dict[str, Any]], args: Args) -> list[dict[str, Any]]:
         return target(name, value, goal, higher_is_better=higher, unit=unit)
 
     out = []
-    for n in dict.fromkeys(r["n"] for r in rows if r["measure"] != MJLAB):
-        by = {r["measure"]: r for r in rows if r["n"] == n and r["measure"] != MJLAB}
+    for n in dict.fromkeys(r["n"] for r in rows if r["measure"] not in SIMULATORS):
+        by = {r["measure"]: r for r in rows if r["n"] == n and r["measure"] not in SIMULATORS}
         memory = by.get("memory")
         config = memory.get("config_bytes_per_world", 4.0) if memory else 4.0
         out += [
@@ -858,12 +936,30 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
         ("read", "baseline", "direct read"),
         (MJLAB, "envsync", "mjlab: push -> applied"),
         (MJLAB, "baseline", "mjlab: write + recompute"),
+        (PLAYGROUND, "envsync", "playground: push -> applied"),
+        (PLAYGROUND, "baseline", "playground: masked write"),
     ]
     if draw(ms_ax, lines):
         ms_ax.set_yscale("log")
     ms_ax.set(xlabel="worlds", ylabel="median ms", title="one push / read of every world")
     fig.suptitle("A natively batched env of n worlds")
     return save_plot(fig, out, NAME)
+
+
+def _playgrounds(args: Args, generator: torch.Generator, notes: list[str]) -> list[dict[str, Any]]:
+    """Measure 8 at each n of ``--playground-worlds``, where Playground imports."""
+    if args.mjlab_only:
+        return []
+    if importlib.util.find_spec("mujoco_playground") is None:
+        message = "mujoco_playground is not installed here: measure 8 skipped; run with the playground venv's python"
+        print(f"[{NAME}] {message}", flush=True)
+        notes.append(message)
+        return []
+    rows = []
+    for n in args.playground_worlds:
+        print(f"[{NAME}] playground n={n}", flush=True)
+        rows.append(_playground(n, args, generator))
+    return rows
 
 
 def run(args: Args) -> dict[str, Any]:
@@ -882,13 +978,16 @@ def _run(args: Args) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     notes = []
     start = time.perf_counter()
-    if not args.mjlab_only:
+    native = not (args.mjlab_only or args.playground_only)
+    if native:
         _warm_up(args)
         for n in args.worlds:
             began = time.perf_counter()
             rows += _one_n(n, args, generator)
             print(f"[{NAME}] n={n}: {time.perf_counter() - began:.1f} s", flush=True)
-    if importlib.util.find_spec("mjlab") is None:
+    if args.playground_only:
+        pass
+    elif importlib.util.find_spec("mjlab") is None:
         message = "mjlab is not installed here: measure 7 (mjlab's Cartpole) skipped; run with the mjlab venv's python"
         print(f"[{NAME}] {message}", flush=True)
         notes.append(message)
@@ -896,8 +995,9 @@ def _run(args: Args) -> dict[str, Any]:
         for n in args.mjlab_worlds:
             print(f"[{NAME}] mjlab n={n}", flush=True)
             rows.append(_mjlab(n, args, generator))
+    rows += _playgrounds(args, generator, notes)
     wait = args.curriculum_wait
-    if not args.mjlab_only:
+    if native:
         notes += [
             f"one process: a torchrl Collector of WorldsEnv(n), frames_per_batch = n x {args.steps_per_batch}, "
             "random policy; envsync attached with apply='set_difficulty', apply_at='step'; cells that say 'over "
@@ -927,6 +1027,16 @@ def _run(args: Args) -> dict[str, Any]:
             "alternate, the first push not counted; 'same model' compares both fields of the two models after "
             "each push"
         )
+    if any(r["measure"] == PLAYGROUND for r in rows):
+        notes.append(
+            "playground: CartpoleBalance as envsync's PlaygroundWorlds (MJX impl='jax', XLA on the CPU), a Collector "
+            "of "
+            "one step a batch, apply='set_physics', apply_at='step'; a second env of n worlds in this process takes "
+            "env.set_physics(ids, mass=rows) (masked write of body_mass and body_inertia + mj_setConst per world) and "
+            "env.set_physics(ids, friction=rows) (the masked write alone); push, apply and write alternate, the "
+            "first not counted; rebuild: randomisation_fn -> wrap_for_brax_training -> jit reset and step -> first "
+            "reset and step (one run per n); 'traces added': JAX traces of both envs over the pushes"
+        )
     notes.append(f"the run took {time.perf_counter() - start:.0f} s")
     report = WorldsReport(
         name=NAME,
@@ -938,6 +1048,7 @@ def _run(args: Args) -> dict[str, Any]:
         notes=notes,
         short=summary_rows(rows),
         mjlab=mjlab_rows(rows),
+        playground=playground_rows(rows),
     )
     return report.write(args.out)
 

@@ -161,6 +161,20 @@ def test_mjlab_adr_without_mjlab_exits_non_zero_saying_how_to_install_it(
     assert not (tmp_path / "mjlab_adr.json").exists()
 
 
+def test_playground_adr_without_playground_exits_non_zero_saying_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The main venv has no MuJoCo Playground (jax, mujoco-mjx): the example says where it runs.
+    Its smoke run is tests/test_playground.py's, in the playground venv."""
+    monkeypatch.setitem(sys.modules, "mujoco_playground", None)  # `import mujoco_playground` raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        load("playground_adr").main(["--smoke", "--out", str(tmp_path)])
+    message = str(exit_info.value.code)
+    assert message.startswith("MuJoCo Playground is missing") and "make .venv-playground/.installed" in message
+    assert ".venv-playground/bin/python examples/playground_adr.py" in message
+    assert not (tmp_path / "playground_adr.json").exists()
+
+
 @pytest.mark.timeout(180)
 def test_physics_dr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("mujoco")
