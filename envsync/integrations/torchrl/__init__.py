@@ -29,6 +29,11 @@ protected members, each for one reason:
   transform the way its ``TransformedEnv`` does; no public call updates a single transform.
 * ``VecNorm._td`` (:mod:`.vecnorm`): whether a v1 ``VecNorm`` holds statistics yet; its
   public readers warn and ``loc``/``scale`` raise in that case.
+* ``MujocoPlaygroundWrapper._env`` / ``_init_env`` / ``_make_specs`` and Playground's
+  ``MjxEnv._mjx_model`` (:mod:`.playground`): the wrapper's override points and the
+  Playground env it holds, and the model a Playground env steps with, swapped per world
+  inside the vmapped step as Playground's own ``BraxDomainRandomizationVmapWrapper`` does
+  (Playground has no public way to step one env with another model).
 * ``WeightSyncScheme._init_on_sender_impl`` / ``_init_on_receiver_impl`` (:mod:`.scheme`):
   the override points torchrl's scheme API defines for subclasses (called through ``super()``);
   ``Collector._maybe_fallback_update``: the single ``Collector``'s own policy update, which a

@@ -229,7 +229,7 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         source: dict[str, Any] = {**self._extract_obs(state), "done": done, "terminated": done.clone()}
         if reward:
             source["reward"] = _ndarray_to_tensor(state.reward).to(self.device).view(shape)
-        return TensorDict._new_unsafe(source=source, batch_size=self.batch_size, device=self.device)
+        return TensorDict(source, batch_size=self.batch_size, device=self.device)
 
     def _make_specs(self, env: Any) -> None:
         # read once: Playground's observation_size traces the env's reset at every read, and
