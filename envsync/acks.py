@@ -10,13 +10,13 @@ worker, so only when no acknowledgement came).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from envsync.core import Core
 from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
-from envsync.fleet import Attachment
+from envsync.fleet import Attachment, Part
 from envsync.links.base import Acknowledgements
 from envsync.protocol import NO_FAILURE, Until, all_settled, any_owing, is_done
 
@@ -24,23 +24,28 @@ _ACK_SLICE = 0.05
 """Longest blocking wait for an acknowledgement before liveness is checked again."""
 
 
-def wait(core: Core, version: int, mode: Until, targets: list[int], timeout: float, *, pruned: bool = False) -> None:
+def wait(
+    core: Core, version: int, mode: Until, targets: Sequence[int] | np.ndarray, timeout: float, *, pruned: bool = False
+) -> None:
     """Block until every env of ``targets`` (validated fleet indices) is done with
     ``version`` (see :func:`~envsync.protocol.is_done`); raise what the workers report
     (``pruned``: a push that has just pruned the fleet waits)."""
+    chosen = np.asarray(targets, dtype=np.int64)
     with core.lock:
         if not pruned:
             core.prune()
-        pending = list(targets)
-        located = {w: core.fleet.locate(w) for w in pending}
+        parts = core.fleet.split(chosen)
+    pending = chosen.tolist()
+    located: dict[int, tuple[Attachment, int]] | None = None  # made when an env is looked at alone
     deadline = time.monotonic() + timeout
     try:
         # first block (a link returns at once when nothing is owed), then read the counters
-        link: Acknowledgements | None = located[pending[0]][0].link if pending else None
-        slots: list[int] | None = None  # the slots of pending on link (made again after _progress)
+        link: Acknowledgements | None = parts[0].attachment.link if parts else None
+        slots: np.ndarray | None = parts[0].slots if len(parts) == 1 else None
         while link is not None:
             if slots is None:
-                slots = [located[e][1] for e in pending if located[e][0].link is link]
+                located = located if located is not None else _located(parts)
+                slots = np.array([located[e][1] for e in pending if located[e][0].link is link], dtype=np.int64)
             woken = _block(link, slots, version, mode, deadline - time.monotonic())
             if woken and len(slots) == len(pending):
                 settled = _settled(core, link, slots, version, mode)
@@ -49,6 +54,7 @@ def wait(core: Core, version: int, mode: Until, targets: list[int], timeout: flo
                 if settled is False and time.monotonic() < deadline:
                     continue  # nothing failed, nobody left: block again
             # liveness (a syscall per worker) only when no acknowledgement came in a slice
+            located = located if located is not None else _located(parts)
             link = _progress(core, pending, located, version, mode, check_liveness=not woken)
             slots = None
             if link is not None and time.monotonic() >= deadline:
@@ -59,11 +65,20 @@ def wait(core: Core, version: int, mode: Until, targets: list[int], timeout: flo
         raise
 
 
+def _located(parts: list[Part]) -> dict[int, tuple[Attachment, int]]:
+    """Each env's attachment and slot (envs looked at one by one: failures, deaths)."""
+    out = {}
+    for part in parts:
+        for slot in part.slots.tolist():
+            out[part.attachment.offset + slot] = (part.attachment, slot)
+    return out
+
+
 def _closed(version: int) -> EnvSyncError:
     return EnvSyncError(f"the sender was closed while waiting for version {version}")
 
 
-def _block(link: Acknowledgements, slots: list[int], version: int, mode: Until, remaining: float) -> bool:
+def _block(link: Acknowledgements, slots: np.ndarray, version: int, mode: Until, remaining: float) -> bool:
     """Block on ``link`` until ``slots`` acknowledged ``version`` (at most a slice); return
     whether an acknowledgement came. A link closed meanwhile counts as one: the counters
     read next tell what happened."""
@@ -79,7 +94,7 @@ def _block(link: Acknowledgements, slots: list[int], version: int, mode: Until, 
         return True
 
 
-def _settled(core: Core, link: Acknowledgements, slots: list[int], version: int, mode: Until) -> bool | None:
+def _settled(core: Core, link: Acknowledgements, slots: np.ndarray, version: int, mode: Until) -> bool | None:
     """The common ends of a wake-up, in one or two reads of the link: ``True`` when every
     slot waited for has acknowledged ``version`` and none ever failed; ``False`` when some
     still owe it but no slot of the link ever failed (nothing to raise: block again);
@@ -185,9 +200,7 @@ def raise_failures(core: Core) -> None:
     """Raise the first failure of any env not raised yet; if it is of the latest push, roll
     that push back."""
     for attachment in core.fleet.attachments:
-        for slot, latest in enumerate(attachment.link.failed()):
-            if latest == NO_FAILURE:
-                continue
+        for slot in np.flatnonzero(np.asarray(attachment.link.failed()) != NO_FAILURE).tolist():
             index = attachment.offset + slot
             failed = core.failures.to_raise(index, attachment.link.status(slot))
             if failed is not None:

@@ -14,16 +14,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from envsync import desired
 from envsync.books import StatsBooks
-from envsync.desired import Undo
+from envsync.desired import Undo, Update
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment, Fleet
 from envsync.history import ConfigHistory
-from envsync.links.base import BROADCAST, Flat, SenderLink
-from envsync.protocol import broadcast_part
+from envsync.links.base import Flat, SenderLink
 from envsync.records import DesiredState, Failures
 from envsync.state import Leaf
 
@@ -85,12 +85,22 @@ class Core:
     def mirror(self, index: int) -> Flat:
         """The desired state last published to env ``index``."""
         attachment, slot = self.fleet.locate(index)
-        return attachment.mirrors[slot]
+        return attachment.mirror.row(slot)
 
     def applied(self, index: int) -> int:
         """The version env ``index`` runs now."""
         attachment, slot = self.fleet.locate(index)
         return attachment.link.status(slot).applied
+
+    def applied_array(self, envs: np.ndarray) -> np.ndarray:
+        """The version each of ``envs`` runs now, in one read per link (an index no live
+        collector holds reads as the newest version there can be)."""
+        out = np.full(len(envs), np.iinfo(np.int64).max, dtype=np.int64)
+        for attachment in self.fleet.attachments:
+            inside = (envs >= attachment.offset) & (envs < attachment.offset + attachment.link.num_workers)
+            if inside.any():
+                out[inside] = attachment.link.counts(envs[inside] - attachment.offset, applied=True)[1]
+        return out
 
     def head(self, index: int) -> int:
         """The first env of the worker that drives env ``index`` (where a batched env's own
@@ -113,34 +123,38 @@ class Core:
 
     # ---- publishing ----------------------------------------------------------------------------
 
-    def publish(self, updates: Mapping[int, Flat], *, default: Flat | None, undo_mark: int = 0) -> int:
-        """Write each env's update under a new version, then notify each (a link's slots
-        first: rows of one env share a slot lock); ``default`` also changes what workers
-        joining later start from. Then record what it replaced (the undo of this push), the
-        mirrors and the config history."""
+    def publish(self, updates: Sequence[Update], *, default: Flat | None, undo_mark: int = 0) -> int:
+        """Write each update under a new version, to each attachment's slots at once, then
+        notify them; ``default`` also changes what workers joining later start from. What
+        each replaced is kept (the undo of this push), the mirrors and the config history
+        follow."""
         state = self.desired
         version = state.version + 1
-        located = {index: self.fleet.locate(index) for index in updates}
-        groups: dict[int, tuple[Attachment, dict[int, Flat]]] = {}
-        for index, (attachment, slot) in located.items():
-            groups.setdefault(id(attachment), (attachment, {}))[1][slot] = updates[index]
-        for attachment, group in groups.values():
-            _write_group(attachment.link, version, group, undo_mark)
-            attachment.link.flush(version)
         undo = Undo(version)
+        links: dict[int, SenderLink] = {}
+        for update in updates:
+            for part in self.fleet.split(update.targets):
+                rows = update if part.positions is None else update.take(part.positions)
+                attachment, slots = part.attachment, part.slots
+                mirror = attachment.mirror
+                undo.parts.append(Update(rows.targets, *mirror.gather(slots, rows.keys())))
+                attachment.link.write_rows(slots, version, rows.shared, rows.rows, undo=undo_mark)
+                attachment.link.notify(slots)
+                mirror.set(slots, rows.shared, rows.rows)
+                links[id(attachment.link)] = attachment.link
+                shared, columns = mirror.gather(slots, mirror.config_keys())
+                self.history.record_rows(
+                    version,
+                    rows.targets,
+                    {k[1]: v for k, v in shared.items()},
+                    {k[1]: v for k, v in columns.items()},
+                    self.applied_array,
+                )
+        for link in links.values():
+            link.flush(version)
         if default is not None:
             undo.default = {k: state.default.get(k) for k in default}  # type: ignore[misc]
             state.set_default(default)
-        # a mirror is never changed in place: envs that held one mirror and get one update
-        # (a fleet-wide push) share the new mirror, its undo and its history entry
-        made: dict[tuple[int, int], tuple[Flat, Flat, Flat]] = {}
-        for index, (attachment, slot) in located.items():
-            old, update = attachment.mirrors[slot], updates[index]
-            pair = made.get((id(old), id(update)))
-            if pair is None:  # the old mirror is kept in the pair: its id stays its own
-                pair = made[id(old), id(update)] = ({**old, **update}, desired.replaced(old, update), old)
-            attachment.mirrors[slot], undo.workers[index] = pair[0], pair[1]
-        self.history.record(version, {i: a.mirrors[s] for i, (a, s) in located.items()}, self.applied)
         state.version = version
         state.undo = undo
         return version
@@ -153,9 +167,13 @@ class Core:
         undo = state.undo
         if undo is None or undo.version != failed or failed != state.version:
             return None
-        live = set(self.fleet.indices())
+        live = self.fleet.index_array()
         reload = torch.tensor(state.version + 1, dtype=torch.int64)
-        updates = {w: desired.restamped(u, reload) for w, u in undo.workers.items() if w in live}
+        updates = []
+        for part in undo.parts:
+            kept = np.isin(part.targets, live)
+            if kept.any():
+                updates.append(desired.restamped(part if kept.all() else part.take(np.flatnonzero(kept)), reload))
         version = self.publish(updates, default=undo.default, undo_mark=failed)
         state.undo = None
         return version
@@ -165,18 +183,3 @@ def release(attachment: Attachment) -> None:
     """End an attachment: its integration's clean-up, then its link."""
     attachment.on_close()
     attachment.link.close()
-
-
-def _write_group(link: SenderLink, version: int, group: dict[int, Flat], undo_mark: int) -> None:
-    """Write one link's slots (``group``: slot -> update) under ``version``, then notify
-    each; what :func:`~envsync.protocol.broadcast_part` says all share is
-    written once, to the broadcast region."""
-    shared = broadcast_part(group, BROADCAST, link.num_workers, undo_mark)
-    if shared:
-        own = {w: {k: v for k, v in u.items() if k not in shared} for w, u in group.items()}
-        link.broadcast(version, shared, own)
-        link.notify(list(group))
-        return
-    for worker, update in group.items():
-        link.write(worker, version, update, undo=undo_mark)
-    link.notify(list(group))  # after every write: a worker woken early would wait on the slot lock its rows share

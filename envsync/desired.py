@@ -1,17 +1,20 @@
 """The sender's records of desired state, as flat leaves (:data:`~envsync.links.base.Key`):
-the default (what a worker joining later starts from), what each attached worker was last
-sent, and what the latest push replaced (so a failed push can be rolled back).
+the default (what a worker joining later starts from), a push's :class:`Update` (columns:
+values shared by every targeted env, and one row per env), and what the latest push
+replaced (:class:`Undo`, so a failed push can be rolled back). What each attached env was
+last sent is its attachment's :class:`~envsync.mirror.Mirror`.
 
-Leaves are kept by reference: every push brings fresh tensors (the templates' ``fit``
+Shared leaves are kept by reference: every push brings fresh tensors (the templates' ``fit``
 copies what the caller gave) and the sender never writes into a tensor it has published,
-so an old reference keeps its old value.
+so an old reference keeps its old value; rows are copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from envsync.links.base import Flat, Key
@@ -51,22 +54,82 @@ def pushed_env_state(flat: Mapping[Key, Leaf]) -> dict[str, torch.Tensor]:
     return {k[1]: tensor_of(v) for k, v in flat.items() if k[0] == "env_state" and int(flat[("stamp", k[1])]) > 0}
 
 
-def replaced(current: Mapping[Key, Leaf], update: Iterable[Key]) -> Flat:
-    """The entries of ``current`` that ``update`` is about to replace (references)."""
-    return {key: current[key] for key in update}
-
-
-def restamped(entries: Flat, stamp: torch.Tensor) -> Flat:
+def restamped(update: Update, stamp: torch.Tensor) -> Update:
     """Previous values to publish again: entries pushed before get the new ``stamp``, so
     every worker loads them again; never-pushed ones keep stamp 0 (the workers that loaded
     the failed version put their own live values back, see the undo mark)."""
-    return {k: (stamp if k[0] == "stamp" and int(v) > 0 else v) for k, v in entries.items()}
+
+    def again(value: Leaf) -> torch.Tensor:
+        old = tensor_of(value)
+        return torch.where(old > 0, stamp, old)
+
+    shared = {k: (again(v) if k[0] == "stamp" else v) for k, v in update.shared.items()}
+    rows = {k: (again(v) if k[0] == "stamp" else v) for k, v in update.rows.items()}
+    return Update(update.targets, shared, rows)
+
+
+@dataclass
+class Update:
+    """New desired leaves for the envs ``targets``, as columns: a push's whole update, or
+    what it replaced (its undo). No Python object per env: a push to 65,536 worlds is a
+    few tensors.
+
+    Args:
+        targets: the fleet indices of the envs (distinct), int64.
+        shared: leaves with the same value for every target.
+        rows: leaves with one row per target (leading dim ``len(targets)``).
+
+    Examples:
+        >>> update = Update(np.array([3, 5]), {("config", "x"): torch.tensor(1.0)},
+        ...                 {("config", "y"): torch.tensor([0.5, 0.7])})
+        >>> sorted(update.keys()), float(update.row(1)["config", "y"])
+        ([('config', 'x'), ('config', 'y')], 0.7)
+    """
+
+    targets: np.ndarray
+    shared: Flat = field(default_factory=dict)
+    rows: dict[Key, torch.Tensor] = field(default_factory=dict)
+
+    def keys(self) -> list[Key]:
+        """Every leaf the update sets."""
+        return [*self.shared, *self.rows]
+
+    def row(self, position: int) -> Flat:
+        """The leaves of the ``position``-th target (views of the rows)."""
+        return {**self.shared, **{k: v[position] for k, v in self.rows.items()}}
+
+    def take(self, positions: np.ndarray) -> Update:
+        """The update of the targets at ``positions`` only."""
+        index = torch.from_numpy(positions)
+        return Update(self.targets[positions], self.shared, {k: v[index] for k, v in self.rows.items()})
+
+    @classmethod
+    def stacked(cls, targets: Sequence[int], flats: Sequence[Flat]) -> list[Update]:
+        """Updates from one flat update per target: targets with the same keys become one
+        update, a leaf the same object for all of them shared, any other stacked in rows."""
+        groups: dict[tuple[Key, ...], list[int]] = {}
+        for position, flat in enumerate(flats):
+            groups.setdefault(tuple(flat), []).append(position)
+        out = []
+        for keys, positions in groups.items():
+            chosen = [flats[p] for p in positions]
+            shared: Flat = {}
+            rows: dict[Key, torch.Tensor] = {}
+            for key in keys:
+                first = chosen[0][key]
+                if all(flat[key] is first for flat in chosen):
+                    shared[key] = first
+                else:
+                    rows[key] = torch.stack([tensor_of(flat[key]) for flat in chosen])
+            out.append(cls(np.asarray([targets[p] for p in positions], dtype=np.int64), shared, rows))
+        return out
 
 
 @dataclass
 class Undo:
-    """What the latest push replaced: per targeted fleet index, and in the default state."""
+    """What the latest push replaced: in its targets' desired state, and in the default."""
 
     version: int
-    workers: dict[int, Flat] = field(default_factory=dict)
+    parts: list[Update] = field(default_factory=list)
+    """Per part of the push, the values its targets held before (the same keys)."""
     default: Flat | None = None

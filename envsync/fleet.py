@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from envsync.errors import ValidationError
 from envsync.links.base import Flat, SenderLink
+from envsync.mirror import Mirror
 
 
 @dataclass(eq=False)
@@ -32,8 +35,8 @@ class Attachment:
         outside: an env outside any collector (``attach_env``): it receives every version,
             but ``sync_stats`` does not count its observations and checkpoints keep no row
             for it.
-        mirrors: per slot, the desired state the sender published to it (set by :meth:`Fleet.add`);
-            a mirror is replaced, never changed in place, so slots may share one.
+        mirror: the desired state the sender published to each slot, as columns (set by
+            :meth:`Fleet.add`).
     """
 
     link: SenderLink
@@ -45,12 +48,27 @@ class Attachment:
     offset: int = 0
     worker_offset: int = 0
     index: int = 0
-    mirrors: list[Flat] = field(default_factory=list)
+    mirror: Mirror = field(default_factory=lambda: Mirror({}, 0))
 
     @property
     def num_workers(self) -> int:
         """How many workers the attached collector(s) have (the link has a slot per env)."""
         return self.link.num_workers // self.envs_per_worker
+
+
+@dataclass(frozen=True)
+class Part:
+    """The targets of a push (or a wait) that one attachment holds.
+
+    Args:
+        attachment: the attachment.
+        positions: where they sit among the targets (``None``: all of them, in order).
+        slots: their slots on the attachment's link.
+    """
+
+    attachment: Attachment
+    positions: np.ndarray | None
+    slots: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -108,8 +126,7 @@ class Fleet:
         attachment.offset = self._next_offset
         attachment.worker_offset = self._next_worker
         attachment.index = self._next_collector
-        # one mirror for all until a push changes some (mirrors are replaced, never changed)
-        attachment.mirrors = [dict(start)] * attachment.link.num_workers
+        attachment.mirror = Mirror(start, attachment.link.num_workers)
         self._next_offset += attachment.link.num_workers
         self._next_worker += attachment.num_workers
         self._next_collector += len(attachment.collectors or [attachment.num_workers])
@@ -137,6 +154,32 @@ class Fleet:
     def workers(self) -> list[int]:
         """The fleet indices of every live worker, in order."""
         return [a.worker_offset + w for a in self.attachments for w in range(a.num_workers)]
+
+    def index_array(self) -> np.ndarray:
+        """:meth:`indices` as an int64 array (made without a Python int per env)."""
+        spans = [np.arange(a.offset, a.offset + a.link.num_workers, dtype=np.int64) for a in self.attachments]
+        return np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
+
+    def split(self, targets: np.ndarray) -> list[Part]:
+        """``targets`` (fleet env indices) by attachment: a few vector ops per attachment.
+
+        Raises:
+            KeyError: an index no live attachment holds.
+        """
+        parts = []
+        found = 0
+        for attachment in self.attachments:
+            inside = (targets >= attachment.offset) & (targets < attachment.offset + attachment.link.num_workers)
+            count = int(inside.sum())
+            if not count:
+                continue
+            positions = None if count == len(targets) else np.flatnonzero(inside)
+            chosen = targets if positions is None else targets[positions]
+            parts.append(Part(attachment, positions, chosen - attachment.offset))
+            found += count
+        if found != len(targets):
+            raise KeyError(sorted(set(targets.tolist()) - set(self.indices())))
+        return parts
 
     def locate(self, index: int) -> tuple[Attachment, int]:
         """The attachment and local slot of env ``index``."""

@@ -2,37 +2,61 @@
 
 A frame names its env (``env_index``) and the version its env applied (``env_version``);
 together they name the config that produced it, but only while the sender remembers what it
-published. :class:`ConfigHistory` keeps, per env, the config of every version published to
-it, and forgets versions no frame can still carry: an env's frames carry its applied version
-or newer ones, and frames already collected (a batch in flight, a batch the user holds) carry
-older ones, so past the version in effect at the env's applied version the history keeps only
-the ``keep`` newest entries of each env, and of those only as many as fit in ``keep_bytes``
-(a large config pushed often would otherwise hold ``keep`` payloads).
+published. :class:`ConfigHistory` keeps one *record* per publication: its version, the envs
+it reached and their whole config from then on, as columns (a leaf the same for all of
+them kept once). Each env's records are chained newest first (per env, the record and row
+of its latest entry; per record and row, the one before), so a record costs a few vector
+ops whatever the number of envs, and a look-up walks from the env's newest entry back to
+the version asked for (frames are read soon after they are made: a few steps).
 
-Leaves are kept by reference, as the sender keeps them (:mod:`envsync.desired`): a published
-tensor is never written again, so a reference keeps its value. An entry is never changed
-either: envs recorded alike by one call (a fleet-wide push) share it.
+It forgets versions no frame can still carry: an env's frames carry its applied version or
+newer ones, and frames already collected (a batch in flight, a batch the user holds) carry
+older ones, so past the entry in effect at the env's applied version the history keeps only
+the ``keep`` newest entries of each env, and of those only as many as fit in ``keep_bytes``
+(a large config pushed often would otherwise hold ``keep`` payloads). Every ``SLACK``
+records (or ``keep_bytes`` recorded) it walks every record once, newest first, with a
+counter per env, and drops the records no env needs.
+
+Leaves are never written after they are recorded: shared ones are the sender's own (never
+changed once published, see :mod:`envsync.desired`), rows are copies.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+import numpy as np
+import torch
 from tensordict import TensorDict
 
 from envsync.desired import section
 from envsync.errors import ValidationError
 from envsync.links.base import Flat
-from envsync.state import Leaf, nest
+from envsync.state import Leaf, nest, tensor_of
 
 SLACK = 16
-"""Entries past ``keep`` that an env may gather before it is pruned (a prune reads the env's
-applied version: once per ``SLACK`` records, not at every push)."""
+"""Records between two prunes (a prune reads every env's applied version once)."""
+
+Applied = Callable[[np.ndarray], np.ndarray]
+"""The version each of these envs (fleet indices) applied."""
 
 
-_NONE: dict[str, Leaf] = {}
-"""The entry before an env's first (never changed)."""
+@dataclass
+class _Record:
+    version: int
+    targets: np.ndarray
+    shared: dict[str, Leaf]
+    rows: dict[str, torch.Tensor]
+    before: np.ndarray  # per row, the number of the env's previous record (-1: none)
+    before_row: np.ndarray  # and its row there
+    alive: np.ndarray  # per row, still kept
+
+    def config(self, row: int) -> dict[str, Leaf]:
+        return {**self.shared, **{k: v[row] for k, v in self.rows.items()}}
+
+    def row_bytes(self) -> int:
+        return sum(int(v[0].nbytes) for v in self.rows.values()) if len(self.targets) else 0
 
 
 def _nbytes(leaf: Leaf) -> int:
@@ -45,9 +69,9 @@ class ConfigHistory:
     Args:
         keep: how many entries older than the one in effect at an env's applied version are
             kept for frames already collected (batches in flight or held by the user).
-        keep_bytes: the most bytes those older entries may hold together (leaves they share
-            with a newer entry are counted with that one); the newest of them is kept whatever
-            its size.
+        keep_bytes: the most bytes those older entries of an env may hold together (a leaf
+            that a newer entry holds too is counted with that one); the newest of them is
+            kept whatever its size.
 
     Examples:
         >>> import numpy as np
@@ -67,61 +91,116 @@ class ConfigHistory:
             raise ValidationError(f"keep_bytes must be a non-negative int, got {keep_bytes!r}")
         self.keep = keep
         self.keep_bytes = keep_bytes
-        self._versions: dict[int, list[int]] = {}
-        self._configs: dict[int, list[dict[str, Leaf]]] = {}
-        self._sizes: dict[int, list[int]] = {}  # per entry, the bytes of the leaves it brought
-        self._held: dict[int, int] = {}  # per env, the sum of its entries' sizes
+        self._records: dict[int, _Record] = {}  # by number, oldest first
+        self._next = 0
+        self._latest = np.full(0, -1, dtype=np.int64)  # per env: the number of its latest record
+        self._latest_row = np.zeros(0, dtype=np.int64)
+        self._latest_version = np.zeros(0, dtype=np.int64)
+        self._since_prune = 0
+        self._bytes_since = 0  # bytes recorded since the last prune
 
-    def record(self, version: int, configs: Mapping[int, Flat], applied: Callable[[int], int] | None = None) -> None:
+    def record(self, version: int, configs: Mapping[int, Flat], applied: Applied | None = None) -> None:
         """Note that each env in ``configs`` (fleet index to its desired leaves, of which the
-        ``"config"`` section is kept) runs that config from ``version`` on.
+        ``"config"`` section is kept) runs that config from ``version`` on (one
+        :meth:`record_rows` of them)."""
+        envs = list(configs)
+        flats = [section(configs[e], "config") for e in envs]
+        shared: dict[str, Leaf] = {}
+        rows: dict[str, torch.Tensor] = {}
+        for name in dict.fromkeys(n for flat in flats for n in flat):
+            first = flats[0].get(name)
+            if all(flat.get(name) is first for flat in flats):
+                shared[name] = first  # type: ignore[assignment]
+            else:
+                rows[name] = torch.stack([tensor_of(flat[name]) for flat in flats])
+        self.record_rows(version, np.asarray(envs, dtype=np.int64), shared, rows, applied)
 
-        An env's entries at ``version`` or later are replaced (an env index numbered again
-        after every collector left starts over). ``applied(env)`` tells the version an env
-        applied; a few records past ``keep`` stale entries (or at once past ``keep_bytes``)
-        the oldest are pruned, so that in a steady state the history keeps a bounded size.
+    def record_rows(
+        self,
+        version: int,
+        envs: np.ndarray,
+        shared: Mapping[str, Leaf],
+        rows: Mapping[str, torch.Tensor],
+        applied: Applied | None = None,
+    ) -> None:
+        """Note that the envs ``envs`` (distinct fleet indices) run from ``version`` on the
+        config ``shared`` (the same for all) plus one row each of ``rows`` (copies: the
+        history keeps them).
+
+        An env's entries at ``version`` or later are dropped (an env index numbered again
+        after every collector left starts over). Every :data:`SLACK` records (with
+        ``applied``, which tells the version each env applied) the history is pruned.
         """
-        made: dict[tuple[int, int], tuple[dict[str, Leaf], int, Flat, object]] = {}
-        for env, flat in configs.items():
-            versions = self._versions.get(env)
-            if versions is None:
-                versions, self._configs[env], self._sizes[env] = [], [], []
-                self._versions[env] = versions
-            entries, sizes = self._configs[env], self._sizes[env]
-            held = self._held.get(env, 0)
-            if versions and versions[-1] >= version:
-                cut = bisect.bisect_left(versions, version)
-                held -= sum(sizes[cut:])
-                del versions[cut:], entries[cut:], sizes[cut:]
-            last = entries[-1] if entries else _NONE
-            # envs of one mirror after one entry (a fleet-wide push) share the new entry
-            got = made.get((id(flat), id(last)))
-            if got is None:
-                entry = section(flat, "config")
-                size = 0
-                for name, value in entry.items():
-                    if last.get(name) is not value:
-                        size += _nbytes(value)
-                got = made[id(flat), id(last)] = (entry, size, flat, last)  # both kept: their ids stay theirs
-            entry, size = got[0], got[1]
-            versions.append(version)
-            entries.append(entry)
-            sizes.append(size)
-            self._held[env] = held + size
-            if applied is not None and (len(versions) > self.keep + SLACK or held + size > self.keep_bytes):
-                self._prune(env, applied(env))
+        if not len(envs):
+            return
+        self._grow(int(envs.max()) + 1)
+        before, before_row = self._latest[envs].copy(), self._latest_row[envs].copy()
+        again = (before >= 0) & (self._latest_version[envs] >= version)
+        for position in np.flatnonzero(again).tolist():  # only envs numbered again
+            before[position], before_row[position] = self._first_before(
+                int(before[position]), int(before_row[position]), version
+            )
+        number = self._next
+        self._next += 1
+        alive = np.ones(len(envs), dtype=bool)
+        self._records[number] = _Record(version, envs, dict(shared), dict(rows), before, before_row, alive)
+        self._latest[envs] = number
+        self._latest_row[envs] = np.arange(len(envs))
+        self._latest_version[envs] = version
+        self._since_prune += 1
+        self._bytes_since += sum(_nbytes(v) for v in rows.values()) + sum(_nbytes(v) for v in shared.values())
+        if applied is not None and (self._since_prune >= SLACK or self._bytes_since > self.keep_bytes):
+            self.prune(applied)
 
-    def _prune(self, env: int, applied: int) -> None:
-        versions, sizes = self._versions[env], self._sizes[env]
-        in_effect = max(bisect.bisect_right(versions, applied) - 1, 0)
-        drop = max(in_effect - self.keep, 0)
-        # then the oldest of the older entries, while they hold more than keep_bytes
-        older = sum(sizes[drop:in_effect])
-        while drop < in_effect - 1 and older > self.keep_bytes:
-            older -= sizes[drop]
-            drop += 1
-        self._held[env] -= sum(sizes[:drop])
-        del versions[:drop], self._configs[env][:drop], sizes[:drop]
+    def _first_before(self, number: int, row: int, version: int) -> tuple[int, int]:
+        """The newest entry of a chain, from ``(number, row)`` on, older than ``version``."""
+        while number >= 0:
+            record = self._records.get(number)
+            if record is None or not record.alive[row]:
+                return -1, 0
+            if record.version < version:
+                return number, row
+            record.alive[row] = False  # replaced: the env starts over
+            number, row = int(record.before[row]), int(record.before_row[row])
+        return -1, 0
+
+    def _grow(self, size: int) -> None:
+        if size > len(self._latest):
+            more = max(size, 2 * len(self._latest)) - len(self._latest)
+            self._latest = np.concatenate([self._latest, np.full(more, -1, dtype=np.int64)])
+            self._latest_row = np.concatenate([self._latest_row, np.zeros(more, dtype=np.int64)])
+            self._latest_version = np.concatenate([self._latest_version, np.zeros(more, dtype=np.int64)])
+
+    def prune(self, applied: Applied) -> None:
+        """Drop the entries no frame can still carry (see the module docstring)."""
+        self._since_prune = self._bytes_since = 0
+        size = len(self._latest)
+        versions = applied(np.arange(size, dtype=np.int64)) if size else np.zeros(0, dtype=np.int64)
+        in_effect = np.zeros(size, dtype=bool)  # the walk passed the env's entry in effect
+        older = np.zeros(size, dtype=np.int64)  # entries kept older than it
+        held = np.zeros(size, dtype=np.int64)  # and their bytes
+        counted: set[int] = set()  # shared leaves held by an entry kept already
+        for number in reversed(list(self._records)):
+            record = self._records[number]
+            envs = record.targets
+            reached = record.version <= versions[envs]  # the env applied this entry or a later one
+            past = reached & in_effect[envs]  # older than the entry in effect
+            newer = ~past  # newer than it, or it
+            in_effect[envs] |= reached
+            size_row = record.row_bytes()
+            for leaf in record.shared.values():
+                if id(leaf) not in counted:
+                    size_row += _nbytes(leaf)
+            room = (older[envs] == 0) | (held[envs] + size_row <= self.keep_bytes)
+            keep = newer | (past & (older[envs] < self.keep) & room)
+            keep &= record.alive
+            counted.update(id(leaf) for leaf in record.shared.values())
+            older[envs[past & keep]] += 1
+            held[envs[past & keep]] += size_row
+            older[envs[past & ~keep]] = self.keep  # a chain cut here stays cut
+            record.alive = keep
+            if not keep.any():
+                del self._records[number]
 
     def config(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` ran under ``version`` (a ``TensorDict`` shaped like the
@@ -130,17 +209,34 @@ class ConfigHistory:
         Raises:
             ValidationError: the env never ran that version, or the entry was pruned.
         """
-        versions = self._versions.get(env)
-        if not versions:
-            raise ValidationError(f"env {env} has no recorded config; envs with one are {sorted(self._versions)}")
-        at = bisect.bisect_right(versions, version) - 1
-        if at < 0:
-            raise ValidationError(
-                f"env {env} has no config at version {version}: its oldest kept version is {versions[0]} "
-                f"(older ones were never published to it, or were pruned: raise the sender's config_history.keep)"
-            )
-        return nest(self._configs[env][at], copy=True)
+        number = int(self._latest[env]) if 0 <= env < len(self._latest) else -1
+        if number < 0 or number not in self._records:
+            known = sorted(np.flatnonzero(self._latest >= 0).tolist())
+            raise ValidationError(f"env {env} has no recorded config; envs with one are {known}")
+        row = int(self._latest_row[env])
+        oldest = None
+        while number >= 0:
+            record = self._records.get(number)
+            if record is None or not record.alive[row]:
+                break
+            if record.version <= version:
+                return nest(record.config(row), copy=True)
+            oldest = record.version
+            number, row = int(record.before[row]), int(record.before_row[row])
+        raise ValidationError(
+            f"env {env} has no config at version {version}: its oldest kept version is {oldest} "
+            f"(older ones were never published to it, or were pruned: raise the sender's config_history.keep)"
+        )
 
     def versions(self, env: int) -> list[int]:
         """The versions kept for env ``env``, oldest first (each starts a config)."""
-        return list(self._versions.get(env, []))
+        out = []
+        number = int(self._latest[env]) if 0 <= env < len(self._latest) else -1
+        row = int(self._latest_row[env]) if number >= 0 else 0
+        while number >= 0:
+            record = self._records.get(number)
+            if record is None or not record.alive[row]:
+                break
+            out.append(record.version)
+            number, row = int(record.before[row]), int(record.before_row[row])
+        return out[::-1]

@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from envsync.core import Core
+from envsync.desired import Update
 from envsync.errors import ValidationError
 from envsync.fleet import Attachment
 from envsync.links.base import Flat, SenderLink
@@ -163,13 +165,15 @@ class AttachPort:
             attachment = Attachment(link, detached, on_close, envs_per_worker, collectors, outside)
             core.fleet.add(attachment, start, first_env)
             version = core.desired.version
-            for slot in range(num_envs):
-                entries = rows[slot] if rows is not None else {}
-                attachment.link.write(slot, version, entries)
-                if entries:
-                    attachment.mirrors[slot] = {**attachment.mirrors[slot], **entries}
+            slots = np.arange(num_envs, dtype=np.int64)
+            parts = Update.stacked(slots.tolist(), rows) if rows is not None else [Update(slots)]
+            for part in parts:
+                attachment.link.write_rows(part.targets, version, part.shared, part.rows)
+                attachment.mirror.set(part.targets, part.shared, part.rows)
             attachment.link.flush(version)
-            core.history.record(version, dict(enumerate(attachment.mirrors, attachment.offset)))
+            shared, columns = attachment.mirror.gather(slots, attachment.mirror.config_keys())
+            names = {k[1]: v for k, v in shared.items()}
+            core.history.record_rows(version, slots + attachment.offset, names, {k[1]: v for k, v in columns.items()})
             if not outside:
                 core.desired.restored_rows = None
             return attachment

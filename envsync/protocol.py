@@ -13,7 +13,7 @@ Call order of one push (sender side)::
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -236,24 +236,3 @@ def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = N
         return status.failed
     return None
 
-
-def broadcast_part(
-    group: Mapping[int, Mapping[tuple[str, str], Any]], sections: Sequence[str], slots: int, undo_mark: int
-) -> dict[tuple[str, str], Any]:
-    """The leaves of a push to one link (``group``: slot -> update) that are written once for
-    all its slots, to the link's broadcast region: in ``sections``, the very same value in
-    every update, and only when every one of the link's ``slots`` is written (none may keep
-    reading an older broadcast) and it is not a rollback (whose updates are per slot).
-
-    Examples:
-        >>> one = object()
-        >>> both = {0: {("config", "x"): one}, 1: {("config", "x"): one}}
-        >>> broadcast_part(both, ["config"], 2, 0) == {("config", "x"): one}
-        True
-        >>> broadcast_part({0: {("config", "x"): one}}, ["config"], 2, 0)
-        {}
-    """
-    if len(group) != slots or slots < 2 or undo_mark:
-        return {}
-    updates = list(group.values())
-    return {k: v for k, v in updates[0].items() if k[0] in sections and all(u.get(k) is v for u in updates)}

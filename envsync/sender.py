@@ -18,10 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import acks, checkpoint, desired, restore
 from envsync.core import Core
+from envsync.desired import Update
 from envsync.errors import ValidationError
 from envsync.fleet import Member
 from envsync.gather import read_settled
@@ -234,17 +236,22 @@ class Sender(ReadBack):
             updates, default = prepare()
             self._check_configs(updates, default)
             version = self._core.publish(updates, default=default)
-        if until is not None and updates:
-            acks.wait(self._core, version, until, list(updates), timeout, pruned=True)
+        targets = [update.targets for update in updates if len(update.targets)]
+        if until is not None and targets:
+            acks.wait(self._core, version, until, np.concatenate(targets), timeout, pruned=True)
         return version
 
-    def _check_configs(self, updates: Mapping[int, Flat], default: Flat | None) -> None:
+    def _check_configs(self, updates: Sequence[Update], default: Flat | None) -> None:
         """Let the apply refuse, on the probe env, the whole config each update leads to (not
         with a declared env-state template: then no env is built in this process)."""
         probe = self.port.probe
         if probe is None or self.port.declared or not hasattr(self.spec.apply, "check_config"):
             return
-        pairs = [(self._core.mirror(index), update) for index, update in updates.items()]
+        pairs = [
+            (self._core.mirror(int(index)), update.row(position))
+            for update in updates
+            for position, index in enumerate(update.targets.tolist())
+        ]
         pairs += [(self._core.desired.default, default)] if default is not None else []
         configs = [{**desired.section(old, "config"), **desired.section(new, "config")} for old, new in pairs]
         probe.check_configs(self.spec, configs)

@@ -147,19 +147,20 @@ class ConfigTemplate:
 
     def fit_rows(
         self, values: Mapping[str, Any] | TensorDictBase, count: int
-    ) -> dict[str, Leaf] | list[dict[str, Leaf]]:
+    ) -> tuple[dict[str, Leaf], dict[str, torch.Tensor]]:
         """Fit a config for ``count`` envs: a value whose shape is ``(count, *template
         shape)`` (or any value of a TensorDict with batch size ``[count]``) gives one row per
-        env; every other value is the same for all of them. Returns what :meth:`fit` returns
-        when no value has a row per env, else one config per env.
+        env; every other value is the same for all of them. Returns the values shared (as
+        :meth:`fit` returns them) and the rows, as columns of ``count`` rows (checked and
+        copied once, never split into a value per env).
 
         Examples:
             >>> template = ConfigTemplate({"difficulty": 0.0, "seed": 1})
-            >>> rows = template.fit_rows({"difficulty": torch.tensor([0.1, 0.2]), "seed": 7}, 2)
-            >>> [(round(r["difficulty"].item(), 1), r["seed"].item()) for r in rows]
-            [(0.1, 7), (0.2, 7)]
+            >>> shared, rows = template.fit_rows({"difficulty": torch.tensor([0.1, 0.2]), "seed": 7}, 2)
+            >>> shared["seed"].item(), [round(v, 1) for v in rows["difficulty"].tolist()]
+            (7, [0.1, 0.2])
             >>> template.fit_rows({"difficulty": 0.3}, 2)
-            {'difficulty': array(0.3, dtype=float32)}
+            ({'difficulty': array(0.3, dtype=float32)}, {})
         """
         batch = tuple(values.batch_size) if isinstance(values, TensorDictBase) else ()
         if batch and batch != (count,):
@@ -172,17 +173,13 @@ class ConfigTemplate:
 
         rowed = {p: v for p, v in flat.items() if count and per_env(p, v)}
         shared = {p: self._fit_named(p, v) for p, v in flat.items() if p not in rowed}
-        if not rowed and not batch:
-            return shared
-        rows = [dict(shared) for _ in range(count)]
+        rows = {}
         for path, value in rowed.items():
-            # checked and copied once for every env (a column), then handed out as row views
             like = self._flat[path]
             column = fit("config value", path, value, like.expand(count, *like.shape), self.allow_nonfinite)
             assert isinstance(column, torch.Tensor)  # a tensor fits as a tensor
-            for row, item in zip(rows, column.unbind(0), strict=True):
-                row[path] = item
-        return rows
+            rows[path] = column
+        return shared, rows
 
     @property
     def flat(self) -> dict[str, torch.Tensor]:

@@ -1,9 +1,9 @@
 """What a push publishes: each targeted env's update of its desired state.
 
 A push's input (config values, possibly one row per env; env-state entries) is validated
-against the templates and turned into flat leaves stamped with the new version, one update
-per targeted env (shared between envs that get the same), plus the update of what a worker
-joining later starts from. Statistics of ``recompute(where="main")`` policies are computed
+against the templates and turned into flat leaves stamped with the new version, as columns
+(:class:`~envsync.desired.Update`: values shared by every targeted env, and rows), plus the
+update of what a worker joining later starts from. Statistics of ``recompute(where="main")`` policies are computed
 here, on the probe env, once per distinct config. Nothing is written: :meth:`envsync.core.Core.publish`
 writes what this returns.
 """
@@ -13,18 +13,21 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync import desired
 from envsync.core import Core
+from envsync.desired import Update
 from envsync.errors import ValidationError
 from envsync.levels import is_batched
 from envsync.links.base import Flat
 from envsync.state import ConfigTemplate, EnvStateTemplate, Leaf, nest, tensor_of
 
-Plan = tuple[dict[int, Flat], Flat | None]
-"""Per targeted env index its update, and the update of the default (``None``: unchanged)."""
+Plan = tuple[list[Update], Flat | None]
+"""The updates of a push (each targeted env in one of them), and the update of the default
+(``None``: unchanged)."""
 MainStats = Callable[[TensorDict], Mapping[str, Any]]
 """Computes ``recompute(where="main")`` statistics on the probe env under a whole config."""
 
@@ -45,9 +48,9 @@ class Updates:
         >>> template = ConfigTemplate({"x": 0.0})
         >>> core = Core(template.flat)
         >>> updates = Updates(core, template, lambda: EnvStateTemplate({}), None)
-        >>> per_env, default = updates.push({"x": 2.0}, None, None, None)
-        >>> per_env, float(default["config", "x"])
-        ({}, 2.0)
+        >>> parts, default = updates.push({"x": 2.0}, None, None, None)
+        >>> len(parts[0].targets), float(default["config", "x"])
+        (0, 2.0)
     """
 
     def __init__(
@@ -75,43 +78,46 @@ class Updates:
             ValidationError: the input does not fit the templates or the fleet.
         """
         fleet = self._core.fleet
-        targets = fleet.targets(workers, envs)
-        fitted = self._template.fit_rows(config, len(targets)) if config is not None else {}
-        rows = fitted if isinstance(fitted, list) else None
-        cfg = fitted if isinstance(fitted, dict) else {}
+        fleet_wide = workers is None and envs is None
+        targets = fleet.index_array() if fleet_wide else np.asarray(fleet.targets(workers, envs), dtype=np.int64)
+        cfg, rows = self._template.fit_rows(config, len(targets)) if config is not None else ({}, {})
         env = self._env_state_template().fit(env_state) if env_state is not None else {}
         if envs is not None and any(map(is_batched, env)):
-            self._check_whole_workers(targets)
+            self._check_whole_workers(targets.tolist())
         version = self._core.desired.version + 1
+        if self._main_stats is None or not (cfg or rows):
+            shared = desired.leaves(cfg, env, version)
+            update = Update(targets, shared, {("config", k): v for k, v in rows.items()})
+            if not fleet_wide:
+                return [update], None
+            return [update], (shared if not rows else desired.leaves({}, env, version) if env else None)
+        # statistics computed in main for the config each env will run (one per distinct config)
         cache: dict[bytes, dict[str, torch.Tensor]] = {}
-
-        def update(c: Mapping[str, Leaf], e: int | None) -> Flat:
-            return desired.leaves(c, self._with_main_stats(c, env, e, cache), version)
-
-        fleet_wide = workers is None and envs is None
-        one_for_all = rows is None and self._main_stats is None  # never mutated
-        # the shared update is also what a worker joining later starts from (fleet-wide)
-        shared = update(cfg, None) if rows is None and (fleet_wide or one_for_all) else None
-        if one_for_all and shared is not None:
-            updates = dict.fromkeys(targets, shared)
-        else:
-            updates = {e: update(c, e) for e, c in zip(targets, rows or [cfg] * len(targets), strict=True)}
-        if fleet_wide and shared is None and env:  # rows of config, one env state for all
-            shared = desired.leaves({}, env, version)
-        return updates, shared if fleet_wide else None
+        positions = range(len(targets))
+        configs = [{**cfg, **{k: v[i] for k, v in rows.items()}} for i in positions]
+        flats = [
+            desired.leaves(c, self._with_main_stats(c, env, int(e), cache), version)
+            for c, e in zip(configs, targets.tolist(), strict=True)
+        ]
+        default = None
+        if fleet_wide:
+            default = desired.leaves(cfg, self._with_main_stats(cfg, env, None, cache), version) if not rows else None
+            default = default if default is not None or not env else desired.leaves({}, env, version)
+        return Update.stacked(targets.tolist(), flats), default
 
     def rows(self, configs: Mapping[int, Mapping[str, Any] | TensorDictBase], *, by_env: bool) -> Plan:
         """The updates giving each listed worker (or, ``by_env``, env) its own config."""
         version = self._core.desired.version + 1
         cache: dict[bytes, dict[str, torch.Tensor]] = {}
-        updates = {}
+        targets: list[int] = []
+        flats: list[Flat] = []
         for index in list(configs):
             cfg = self._template.fit(configs[index])
             fleet = self._core.fleet
-            envs = fleet.targets(None, [index]) if by_env else fleet.targets([index])
-            for e in envs:
-                updates[e] = desired.leaves(cfg, self._with_main_stats(cfg, {}, e, cache), version)
-        return updates, None
+            for e in fleet.targets(None, [index]) if by_env else fleet.targets([index]):
+                targets.append(e)
+                flats.append(desired.leaves(cfg, self._with_main_stats(cfg, {}, e, cache), version))
+        return Update.stacked(targets, flats), None
 
     def _check_whole_workers(self, targets: list[int]) -> None:
         """A batched env's own entries belong to its worker: a push of them with ``envs=``

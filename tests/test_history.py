@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -42,24 +42,40 @@ def test_unknown_env_or_version_is_a_validation_error() -> None:
         ConfigHistory(keep=-1)
 
 
+def applied_at(version: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Every env applied ``version`` (the history asks for many envs at once)."""
+    return lambda envs: np.full(len(envs), version, dtype=np.int64)
+
+
 def test_pruning_keeps_what_is_in_effect_at_the_applied_version_and_keep_older() -> None:
     history = ConfigHistory(keep=2)
-    applied = {0: 0}
     for version in range(20):
-        history.record(version, {0: leaves(version / 10)}, applied.__getitem__)
+        history.record(version, {0: leaves(version / 10)}, applied_at(0))
     assert history.versions(0) == list(range(20)), "nothing applied yet: everything can still arrive"
-    applied[0] = 15
-    history.record(20, {0: leaves(2.0)}, applied.__getitem__)
+    history.record(20, {0: leaves(2.0)})
+    history.prune(applied_at(15))
     assert history.versions(0) == list(range(13, 21)), "two entries older than the applied one are kept"
     assert history.config(0, 13)["difficulty"].item() == pytest.approx(1.3)
     with pytest.raises(ValidationError, match="pruned"):
         history.config(0, 12)
 
 
+def test_pruning_follows_each_envs_own_applied_version() -> None:
+    """Envs of one record are pruned each by its own applied version: a record stays while
+    any of its envs may still need it."""
+    history = ConfigHistory(keep=0)
+    for version in range(6):
+        history.record(version, {0: leaves(version), 1: leaves(-version)})
+    history.prune(lambda envs: np.where(envs == 0, 5, 2))
+    assert history.versions(0) == [5]
+    assert history.versions(1) == [2, 3, 4, 5]
+    assert history.config(1, 2)["difficulty"].item() == -2.0
+
+
 def test_pruning_is_bounded_per_env() -> None:
     history = ConfigHistory(keep=3)
     for version in range(200):
-        history.record(version, {0: leaves(float(version)), 1: leaves(0.0)}, lambda env: 199)
+        history.record(version, {0: leaves(float(version)), 1: leaves(0.0)}, applied_at(199))
     # keep older ones, the one in effect, and at most 16 more before a prune (history.SLACK)
     assert all(len(history.versions(env)) <= 3 + 1 + 16 for env in (0, 1))
 
@@ -72,7 +88,7 @@ def test_older_entries_of_a_large_config_are_kept_within_keep_bytes() -> None:
     fixed = torch.zeros(1 << 18)  # 1 MB, the same object in every entry
     for version in range(40):
         big = {("config", "w"): torch.full((1 << 18,), float(version)), ("config", "fixed"): fixed}
-        history.record(version, {0: big}, lambda env: 39)
+        history.record(version, {0: big}, applied_at(39))
     assert history.versions(0) == list(range(36, 40))
     assert history.config(0, 36)["w"][0].item() == 36.0
     with pytest.raises(ValidationError, match="pruned"):

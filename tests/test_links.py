@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -258,11 +259,12 @@ def test_a_killed_owners_file_and_semaphores_are_swept_while_its_forked_child_li
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_broadcast_is_written_once_and_read_by_every_worker_until_overwritten(kind: str) -> None:
+    """A value shared by every slot of the link goes once to the broadcast region."""
     link = make(kind)
     try:
         ends = [link.handle().open(w) for w in range(2)]
         stamp = {("stamp", "loc"): torch.tensor(1)}
-        link.broadcast(1, {("env_state", "loc"): torch.full((3,), 7.0)}, {0: stamp, 1: stamp})
+        link.write_rows(np.arange(2), 1, {("env_state", "loc"): torch.full((3,), 7.0), **stamp}, {})
         seen = []
         for end in ends:
             assert end.load_entries(1, ["loc"], lambda name, view: seen.append(view.clone()))
@@ -285,7 +287,7 @@ def test_a_config_takes_the_broadcast_path_and_is_copied_out_once_per_write(kind
     link = make(kind)
     try:
         ends = [link.handle().open(w) for w in range(2)]
-        link.broadcast(1, {("config", "difficulty"): torch.tensor(7.0)}, {0: {}, 1: {}})
+        link.write_rows(np.arange(2), 1, {("config", "difficulty"): torch.tensor(7.0)}, {})
         firsts = [end.read_header() for end in ends]
         assert [h.config["difficulty"] for h in firsts] == [7.0, 7.0]
         assert link.read_back(0)[("config", "difficulty")].item() == 7.0

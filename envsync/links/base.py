@@ -5,8 +5,8 @@ A link carries, per worker, the worker's whole desired state as flat leaves (see
 text and an *undo* mark. It carries tensors and integers only: nothing read from the data
 plane is ever unpickled.
 
-Call order, sender side, per push: for each targeted worker ``write`` (leaves and target
-together, under the worker's slot lock) -> ``notify``; then ``flush`` once per link; then
+Call order, sender side, per push: ``write_rows`` of the targeted workers (leaves and
+targets together, under their slot locks) -> ``notify``; then ``flush`` once per link; then
 ``wait_acks`` until :func:`~envsync.protocol.is_done` holds.
 Receiver side: ``target`` (one integer read, on every safe point) -> ``ack_received`` ->
 ``read_header`` -> apply config -> ``load_entries`` (straight from the slot into the env) ->
@@ -88,11 +88,19 @@ class Outbox(Protocol):
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
         """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically."""
 
-    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
-        """Like ``write`` to each worker of ``entries``, with the config and env-state values
-        ``shared`` (the same for all of them) written once for all."""
+    def write_rows(
+        self,
+        slots: np.ndarray,
+        version: int,
+        shared: Mapping[Key, Leaf],
+        rows: Mapping[Key, torch.Tensor],
+        *,
+        undo: int = 0,
+    ) -> None:
+        """Like ``write`` to each of ``slots`` (distinct, int64): ``shared`` values for all of
+        them (written once for all where the link can), one row each of ``rows``."""
 
-    def notify(self, workers: Sequence[int]) -> None:
+    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
         """Wake the worker loops that serve these workers, each loop once (the rows of a
         natively batched env share one): an idle worker applies at once (per
         the apply mode), a busy one acknowledges receipt at once (its next safe point applies). Waking busy
@@ -133,7 +141,7 @@ class Acknowledgements(Protocol):
     def alive(self, worker: int) -> bool:
         """Whether the worker can still answer."""
 
-    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
+    def counts(self, slots: Sequence[int] | np.ndarray, *, applied: bool) -> Counts:
         """Per slot of ``slots``: its target, its latest acknowledgement (``applied``: of an
         apply; else of receipt) and its latest failure, read at once; the rules of what they
         mean are :mod:`envsync.protocol`'s."""

@@ -49,7 +49,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import ray
+import torch
 
 from envsync.errors import WireError
 from envsync.links.base import Key
@@ -153,12 +155,20 @@ class RayLink:
         self._pending[worker] = (version, undo, held)
         self._target[worker] = version
 
-    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
+    def write_rows(
+        self,
+        slots: np.ndarray,
+        version: int,
+        shared: Mapping[Key, Leaf],
+        rows: Mapping[Key, torch.Tensor],
+        *,
+        undo: int = 0,
+    ) -> None:
         # a shared tensor stays one array in each node's object (see encode)
-        for worker, own in entries.items():
-            self.write(worker, version, {**own, **shared})
+        for position, worker in enumerate(slots.tolist()):
+            self.write(worker, version, {**shared, **{k: v[position] for k, v in rows.items()}}, undo=undo)
 
-    def notify(self, workers: Sequence[int]) -> None:
+    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
         return None  # the relay notifies the node's workers when it writes them
 
     def flush(self, version: int) -> None:
@@ -272,8 +282,9 @@ class RayLink:
             self._report_seq += 1
             self._changed.notify_all()
 
-    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
-        return counts_of([self.status(s) for s in slots], Until.APPLIED if applied else Until.RECEIVED)
+    def counts(self, slots: Sequence[int] | np.ndarray, *, applied: bool) -> Counts:
+        statuses = [self.status(s) for s in np.asarray(slots).tolist()]
+        return counts_of(statuses, Until.APPLIED if applied else Until.RECEIVED)
 
     def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
         if self._closed:

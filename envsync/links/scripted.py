@@ -10,7 +10,9 @@ in-process link's, so what the sender reads is exactly what a real worker would 
 
 Examples:
     >>> import torch
-    >>> from envsync.sender import Sender
+    >>> import numpy as np
+
+from envsync.sender import Sender
     >>> sender = Sender(config={"x": 0.0})
     >>> _ = sender.port.attach(2, lambda leaves: ScriptedLink(leaves, 2, applies), detached=lambda: False)
     >>> sender.push(config={"x": 1.0}, wait="applied"), sender.versions()
@@ -23,6 +25,7 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from envsync.links.base import Key
@@ -95,7 +98,7 @@ class ScriptedLink(LocalLink):
         self.script = script
         self.ends = [self.handle().open(w) for w in range(num_workers)]
 
-    def notify(self, workers: Sequence[int]) -> None:
-        for worker in workers:
+    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
+        for worker in np.asarray(workers).tolist():
             self.script(self.ends[worker])
 

@@ -93,6 +93,18 @@ def distinct(locks: Sequence[Any]) -> list[Any]:
     return list({id(lock): lock for lock in locks}.values())
 
 
+def _numbered(objects: Sequence[Any]) -> np.ndarray:
+    """Per entry, the index of the first entry holding the same object.
+
+    Examples:
+        >>> a, b = object(), object()
+        >>> _numbered([a, a, b, a]).tolist()
+        [0, 0, 2, 0]
+    """
+    first: dict[int, int] = {}
+    return np.array([first.setdefault(id(o), i) for i, o in enumerate(objects)], dtype=np.int64)
+
+
 class _Released:
     """What a released writer holds instead of its locks and semaphores: any use of them is
     a use of a closed link."""
@@ -121,6 +133,10 @@ class SlotWriter:
         self.num_workers = table.num_workers
         self._locks: list[Any] | _Released = locks
         self._wakes: list[Any] | _Released = wakes
+        # per slot (and per relay), the number of its lock (wake-up) among the distinct ones:
+        # a write to thousands of rows of a group takes and wakes each once, by vector ops
+        self._lock_of = _numbered(locks)
+        self._wake_of = _numbered(wakes)
         self._wake_to = table.counters["wake_to"]
         self._acks = acks
         self._waiters = 0
@@ -140,87 +156,90 @@ class SlotWriter:
             self.table.leaf_columns[key][:] = tensor_of(value)  # every slot at once
 
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
-        self._check(worker, entries)
-        with locked(self._locks[worker], "writing worker %d", worker):
-            self._write(worker, version, entries, undo)
+        """Publish ``entries`` to one slot (:meth:`write_rows` of one row)."""
+        self.write_rows(np.array([worker], dtype=np.int64), version, entries, {}, undo=undo)
 
-    def _check(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
+    def write_rows(
+        self,
+        slots: np.ndarray,
+        version: int,
+        shared: Mapping[Key, Leaf],
+        rows: Mapping[Key, torch.Tensor],
+        *,
+        undo: int = 0,
+    ) -> None:
+        """Publish ``version`` to ``slots`` (distinct, int64): the ``shared`` values to all of
+        them, one row each of ``rows``. When every slot of the link is written (and it is not
+        a rollback, whose values are per slot), the config and env-state values of ``shared``
+        are written once, to the broadcast region, and each slot's source mark points there.
+
+        Every leaf is checked before any byte moves (a write never stops half-way); the
+        slots' locks are held meanwhile, each once, in order (no deadlock with a worker,
+        which only ever takes its own): no worker reads a slot or the region while it changes."""
+        self._check(len(slots), shared, rows)
+        whole = len(slots) == self.num_workers
+        region = [k for k in shared if k[0] in BROADCAST] if whole and self.num_workers > 1 and not undo else []
+        at: Any = slice(None) if whole else slots
+        locks = self._locks
+        numbers = np.unique(self._lock_of[slots]).tolist()
+        held = 0
+        try:
+            for number in numbers:
+                acquire(locks[number], "writing worker %d", int(slots[0]))
+                held += 1
+            for key in region:
+                self._put_region(key, shared[key])
+                self._written(at, key, version)
+            for key, value in shared.items():
+                if key not in region:
+                    self._put(key, at, value)
+            for key, value in rows.items():
+                self._put(key, at, value)
+            counters = self.table.counters
+            counters["undo"][at] = undo
+            counters["target"][at] = version
+            self.table.pushed[0] = version  # after the targets: a reader that sees it sees them
+        finally:
+            for number in numbers[:held]:
+                locks[number].release()
+
+    def _check(self, count: int, shared: Mapping[Key, Leaf], rows: Mapping[Key, torch.Tensor]) -> None:
         """Every leaf is checked before any byte moves: a write never stops half-way."""
         columns = self.table.leaf_columns
-        for key, value in entries.items():
+        for key, value in [*shared.items(), *rows.items()]:
             column = columns.get(key)
-            if column is None or column.shape[1:] != value.shape:
+            shape = tuple(value.shape) if key in shared else tuple(value.shape[1:])
+            if column is None or tuple(column.shape[1:]) != shape or (key in rows and len(value) != count):
                 held = None if column is None else tuple(column.shape[1:])
                 raise ValueError(f"leaf {key} of shape {tuple(value.shape)} does not fit the slot's {held}")
 
-    def _write(self, worker: int, version: int, entries: Mapping[Key, Leaf], undo: int) -> None:
-        self._write_leaves(worker, entries)
-        self.table.counters["undo"][worker] = undo
-        self.table.counters["target"][worker] = version
-        self.table.pushed[0] = version  # after the target: a reader that sees it sees the target
+    def _put(self, key: Key, at: Any, value: Leaf) -> None:
+        """Write ``value`` (one for all, or one row each) into the slots ``at`` of a leaf's column."""
+        column = self.table.numpy_columns[key]
+        if column is not None and (isinstance(value, np.ndarray) or value.device.type == "cpu"):
+            # small leaves: a numpy copy costs a fraction of torch's
+            column[at] = value if isinstance(value, np.ndarray) else value.detach().numpy()
+        else:
+            index = at if isinstance(at, slice) else torch.from_numpy(at)
+            self.table.leaf_columns[key][index] = tensor_of(value).to(self.table.leaf_columns[key].device)
+        if key[0] in BROADCAST:
+            self._written(at, key, 0)  # each slot's own value, not the broadcast
 
-    def _write_leaves(self, worker: int, entries: Mapping[Key, Leaf]) -> None:
-        table = self.table
-        for key, value in entries.items():
-            column = table.numpy_columns[key]
-            if isinstance(value, np.ndarray):
-                table.array(worker, key)[...] = value
-            elif column is not None and value.device.type == "cpu" and not value.requires_grad:
-                column[worker] = value.numpy()  # a small leaf: a numpy copy costs a fraction of torch's
-            else:
-                table.leaf_columns[key][worker].copy_(value)
-            if key[0] in BROADCAST:
-                self._written(worker, key, 0)  # this worker's own value, not the broadcast
+    def _put_region(self, key: Key, value: Leaf) -> None:
+        region = self.table.broadcast_arrays[key]
+        if isinstance(value, np.ndarray) and region is not None:
+            region[...] = value  # a numpy leaf: no torch call
+        else:
+            self.table.broadcast[key].copy_(tensor_of(value))
 
     def _written(self, rows: Any, key: Key, source: int) -> None:
-        """Mark ``key`` written for the workers ``rows`` indexes (one, a list, or all): read
+        """Mark ``key`` written for the slots ``rows`` indexes (all, or distinct ones): read
         from their slots (``source`` 0) or from the broadcast region; a config name's write
         count moves on."""
         table = self.table
         table.columns[table.source(key)][rows] = source
         if key[0] == "config":
             table.columns[("writes", key[1])][rows] += 1
-
-    def broadcast(self, version: int, shared: Mapping[Key, Leaf], entries: Mapping[int, Mapping[Key, Leaf]]) -> None:
-        """Publish ``version`` to the workers of ``entries`` (their own leaves: stamps, rows)
-        with the config and env-state values ``shared`` written once, to the broadcast
-        region, for all.
-
-        Every targeted worker's slot lock is held meanwhile (in worker order: no deadlock with
-        a worker, which only ever takes its own): no worker reads the region while it changes,
-        and the workers still copy from it in parallel afterwards."""
-        workers = sorted(entries)
-        for worker in workers:
-            self._check(worker, entries[worker])
-        for key, value in shared.items():
-            region = self.table.broadcast.get(key)
-            if region is None or region.shape != value.shape:
-                raise ValueError(f"broadcast entry {key} does not fit the region")
-        locks = distinct([self._locks[worker] for worker in workers])
-        held = 0
-        try:
-            for lock in locks:
-                acquire(lock, "broadcasting to worker %d", workers[0])
-                held += 1
-            for key, value in shared.items():
-                array = self.table.broadcast_arrays[key]
-                if isinstance(value, np.ndarray) and array is not None:
-                    array[...] = value  # a numpy leaf: no torch call
-                else:
-                    self.table.broadcast[key].copy_(tensor_of(value))
-            for worker in workers:
-                if entries[worker]:
-                    self._write_leaves(worker, entries[worker])
-            # the marks and counters of every worker at once (workers are sorted and distinct)
-            rows: Any = slice(None) if len(workers) == self.num_workers else workers
-            for key in shared:
-                self._written(rows, key, version)
-            self.table.counters["undo"][rows] = 0
-            self.table.counters["target"][rows] = version
-            self.table.pushed[0] = version
-        finally:
-            for lock in locks[:held]:
-                lock.release()
 
     def read_back(self, worker: int) -> dict[Key, torch.Tensor]:
         """A copy of every leaf currently published to ``worker``."""
@@ -276,16 +295,15 @@ class SlotWriter:
             data = bytes(self.table.areas["reply"][worker, :length])
         return reply_of(unseal(data))
 
-    def notify(self, workers: Sequence[int]) -> None:
+    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
         # the semaphore of the loop that serves each worker's slot (see SlotReader.route_to),
         # released once however many of the workers it serves (a native env's rows share one)
-        wakes, released = self._wakes, set()
-        for worker in workers:
-            route = int(self._wake_to[worker])
-            wake = wakes[route - 1 if route else worker]
-            if id(wake) not in released:
-                released.add(id(wake))
-                wake.release()
+        slots = np.asarray(workers, dtype=np.int64)
+        routes = self._wake_to[slots]
+        chosen = np.where(routes > 0, routes - 1, slots)
+        wakes = self._wakes
+        for number in np.unique(self._wake_of[chosen]).tolist():
+            wakes[number].release()
 
     def status(self, worker: int) -> WorkerStatus:
         return self.table.status(worker)
@@ -296,7 +314,7 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
-    def counts(self, slots: Sequence[int], *, applied: bool) -> Counts:
+    def counts(self, slots: Sequence[int] | np.ndarray, *, applied: bool) -> Counts:
         """The :data:`~envsync.protocol.Counts` of ``slots`` (distinct), as columns."""
         c = self.table.counters
         acked = c["applied" if applied else "received"]

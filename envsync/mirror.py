@@ -1,0 +1,98 @@
+"""What the sender last published to each env of one attachment, as columns.
+
+A leaf every env holds alike is kept once (a fleet-wide push keeps it that way); a leaf
+whose envs differ is a column of one row per env, made the first time a push gives some
+envs a value of their own. A push to ``k`` envs of ``n`` is then one indexed read of what it
+replaces (its undo) and one indexed write per leaf, never a Python object per env.
+
+Columns are written in place: whoever keeps values past a push (the undo, the config
+history) keeps copies (:meth:`Mirror.gather` returns them), never views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from envsync.desired import Update
+from envsync.links.base import Flat, Key
+from envsync.state import Leaf, tensor_of
+
+
+class Mirror:
+    """The desired state of ``count`` envs, leaf by leaf: shared, or a column.
+
+    Args:
+        start: the leaves every env starts from.
+        count: how many envs.
+
+    Examples:
+        >>> mirror = Mirror({("config", "x"): torch.tensor(0.0)}, 3)
+        >>> mirror.set(np.array([1]), {}, {("config", "x"): torch.tensor([5.0])})
+        >>> [float(mirror.row(slot)["config", "x"]) for slot in range(3)]
+        [0.0, 5.0, 0.0]
+        >>> mirror.set(np.arange(3), {("config", "x"): torch.tensor(1.0)}, {})
+        >>> mirror.columns()
+        []
+    """
+
+    def __init__(self, start: Mapping[Key, Leaf], count: int) -> None:
+        self.count = count
+        self._shared: Flat = dict(start)
+        self._columns: dict[Key, torch.Tensor] = {}
+
+    def columns(self) -> list[Key]:
+        """The leaves whose envs hold values of their own."""
+        return list(self._columns)
+
+    def config_keys(self) -> list[Key]:
+        """The config leaves (what the config history keeps)."""
+        return [key for key in dict.fromkeys([*self._shared, *self._columns]) if key[0] == "config"]
+
+    def row(self, slot: int) -> Flat:
+        """The leaves of env ``slot`` (copies of its column rows)."""
+        out = dict(self._shared)
+        out.update({key: column[slot].clone() for key, column in self._columns.items()})
+        return out
+
+    def gather(self, slots: np.ndarray, keys: Iterable[Key]) -> tuple[Flat, dict[Key, torch.Tensor]]:
+        """The values of ``keys`` at ``slots``: those every env holds alike (references, never
+        written again), and the others as rows (copies)."""
+        shared: Flat = {}
+        rows: dict[Key, torch.Tensor] = {}
+        index: torch.Tensor | None = None
+        for key in keys:
+            column = self._columns.get(key)
+            if column is None:
+                shared[key] = self._shared[key]
+            else:
+                index = torch.from_numpy(slots) if index is None else index
+                rows[key] = column[index]
+        return shared, rows
+
+    def set(self, slots: np.ndarray, shared: Mapping[Key, Leaf], rows: Mapping[Key, torch.Tensor]) -> None:
+        """Give the envs ``slots`` (distinct) the ``shared`` values and one row each of ``rows``."""
+        whole = len(slots) == self.count
+        index = torch.from_numpy(slots)
+        for key, value in shared.items():
+            if whole:
+                self._shared[key] = value
+                self._columns.pop(key, None)
+            else:
+                self._column(key)[index] = tensor_of(value)
+        for key, values in rows.items():
+            self._column(key)[index] = values
+
+    def _column(self, key: Key) -> torch.Tensor:
+        column = self._columns.get(key)
+        if column is None:
+            value = tensor_of(self._shared[key])
+            column = self._columns[key] = value.expand(self.count, *value.shape).clone()
+        return column
+
+    def update(self, slots: np.ndarray) -> Update:
+        """Every leaf of ``slots`` as an :class:`~envsync.desired.Update` (targets: the slots)."""
+        shared, rows = self.gather(slots, dict.fromkeys([*self._shared, *self._columns]))
+        return Update(slots, shared, rows)
