@@ -181,6 +181,19 @@ class Fleet:
             raise KeyError(sorted(set(targets.tolist()) - set(self.indices())))
         return parts
 
+    def heads(self, targets: np.ndarray) -> np.ndarray:
+        """The first env of the worker that drives each of ``targets`` (by vector ops).
+
+        Raises:
+            KeyError: an index no live attachment holds.
+        """
+        out = np.empty(len(targets), dtype=np.int64)
+        for part in self.split(targets):
+            per = part.attachment.envs_per_worker
+            heads = part.attachment.offset + part.slots // per * per
+            out[slice(None) if part.positions is None else part.positions] = heads
+        return out
+
     def locate(self, index: int) -> tuple[Attachment, int]:
         """The attachment and local slot of env ``index``."""
         for attachment in self.attachments:

@@ -8,9 +8,10 @@ through the links, the books are :mod:`envsync.books`."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -19,7 +20,7 @@ from envsync.books import StatsBook
 from envsync.core import Core
 from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WorkerApplyError
 from envsync.levels import PREFIX, is_batched, selector_level
-from envsync.protocol import ApplyAt, Kind, Reply, Request
+from envsync.protocol import ApplyAt, Kind, Request
 from envsync.reinit import STATS, Selector
 from envsync.state import EnvStateTemplate, state_name
 
@@ -72,7 +73,7 @@ def gather(
     """Read env-state entries back (see :meth:`Sender.gather`): one env's own entries from
     each targeted env, then a batched env's own (``batched.*``) once per worker, from its
     first env's slot (its group answers there), into the row of every targeted env of that
-    worker.
+    worker. Columns all the way: the rows of a natively batched env answer in one reply.
 
     Raises:
         ValidationError: an entry the env does not have, or no collector attached.
@@ -84,17 +85,16 @@ def gather(
     whole = [n for n in names if is_batched(n)]
     targets = _targets(core, "gather", workers, envs)
     with core.lock:
-        heads = {index: core.head(index) for index in targets}
-    read: dict[int, dict[str, torch.Tensor]] = {index: {} for index in targets}
+        heads = core.fleet.heads(targets)
+    read: Columns = {}
     if own:
-        for index, reply in _entries(core, targets, Kind.ENV_STATE, own, timeout).items():
-            read[index].update(reply)
+        read.update(_entries(core, targets, Kind.ENV_STATE, own, timeout))
     if whole:
-        replies = _entries(core, sorted(set(heads.values())), Kind.BATCHED_STATE, whole, timeout)
-        for index in targets:
-            read[index].update(replies[heads[index]])
-    rows = [template.nest(read[index]) for index in targets]
-    return TensorDict.stack(rows) if rows else TensorDict()
+        distinct, inverse = np.unique(heads, return_inverse=True)
+        replies = _entries(core, distinct, Kind.BATCHED_STATE, whole, timeout)
+        index = torch.from_numpy(inverse.reshape(-1))
+        read.update({name: column[index] for name, column in replies.items()})
+    return template.nest(read, len(targets)) if len(targets) else TensorDict()
 
 
 def read_attributes(
@@ -103,40 +103,43 @@ def read_attributes(
     """What each targeted env holds at attribute ``paths`` (see :meth:`Sender.read_attributes`):
     one row per env, a path's parts as nested keys."""
     targets = _targets(core, "read_attributes", workers, envs)
-    replies = ask(core, targets, Kind.ATTRIBUTES, {"paths": paths}, timeout)
-    if not targets:
+    columns = ask(core, targets, Kind.ATTRIBUTES, {"paths": paths}, timeout)
+    if not len(targets):
         return TensorDict()
-    # one column per path, not a TensorDict per env stacked (thousands of worlds)
-    columns = {tuple(p.split(".")): torch.stack([torch.as_tensor(replies[i][p]) for i in targets]) for p in paths}
-    return TensorDict(columns, batch_size=[len(targets)])
+    return TensorDict({tuple(p.split(".")): columns[p] for p in paths}, batch_size=[len(targets)])
 
 
-def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Sequence[int] | None) -> list[int]:
+def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Sequence[int] | None) -> np.ndarray:
     with core.lock:
         core.check_open()
         core.prune()
         if not core.fleet.attachments:
             raise ValidationError(f"{what} needs an attached collector; none is attached")
-        return core.fleet.targets(workers, envs)
+        if workers is None and envs is None:
+            return core.fleet.index_array()
+        return np.asarray(core.fleet.targets(workers, envs), dtype=np.int64)
 
 
-Results = dict[int, dict[str, torch.Tensor]]
-"""Per env index, the result of its reply."""
+Columns = dict[str, torch.Tensor]
+"""Per name, one row per env asked (in the order asked)."""
 
 
-def _entries(core: Core, targets: list[int], kind: Kind, names: list[str], timeout: float) -> Results:
+def _entries(core: Core, targets: np.ndarray, kind: Kind, names: list[str], timeout: float) -> Columns:
     """Each env's current values of env-state entries ``names``."""
-    replies = ask(core, targets, kind, {"names": names}, timeout)
-    for index, values in replies.items():
-        missing = [n for n in names if n not in values]
-        if missing:
-            raise EnvSyncError(f"env {index}'s reply lacks the entries {missing}")
-    return replies
+    return ask(core, targets, kind, {"names": names}, timeout, expect=names)
 
 
-def ask(core: Core, targets: list[int], kind: Kind, payload: dict[str, Any], timeout: float) -> Results:
+def ask(
+    core: Core,
+    targets: np.ndarray,
+    kind: Kind,
+    payload: dict[str, Any],
+    timeout: float,
+    expect: Sequence[str] = (),
+) -> Columns:
     """Send one request of ``kind`` to each of ``targets`` (env indices), wait for every
-    reply, and return each env's result; the one wait loop of every request kind.
+    reply, and return the results as columns (``expect``: names every reply must hold);
+    the one wait loop of every request kind.
 
     Raises:
         GatherError: an env's worker failed to handle it (its traceback attached).
@@ -146,70 +149,73 @@ def ask(core: Core, targets: list[int], kind: Kind, payload: dict[str, Any], tim
         core.check_open()
         core.prune()
         request = Request(core.next_request(), kind, payload)
-        asked: dict[int, tuple[Any, list[int]]] = {}
-        for index in targets:
-            attachment, slot = core.fleet.locate(index)
-            attachment.link.send_request(slot, request)
-            asked.setdefault(id(attachment), (attachment.link, []))[1].append(slot)
-        for link, slots in asked.values():
-            link.notify(slots)  # each loop woken once, after every request is in
-    return {index: reply.result for index, reply in _await_replies(core, targets, request.id, timeout).items()}
+        parts = core.fleet.split(targets)
+        for part in parts:
+            part.attachment.link.send_request(part.slots, request)
+        for part in parts:
+            part.attachment.link.notify(part.slots)  # each loop woken once, after every request is in
+    return _await_replies(core, targets, request.id, timeout, expect)
 
 
-def _await_replies(core: Core, targets: list[int], request: int, timeout: float) -> dict[int, Reply]:
+def _await_replies(core: Core, targets: np.ndarray, request: int, timeout: float, expect: Sequence[str]) -> Columns:
     """Wait until every env of ``targets`` replied to ``request``; raise the first failure.
 
-    A wake-up reads the pending envs in order and stops at the first that has not replied
-    (envs answer in about their order: the rows of a batched env in one pass), so a gather
-    of n envs costs reads about linear in n, not a pass over every pending env per reply.
-    The first pass, and one after a slice that brought nothing, read every pending env and
-    check its liveness (a syscall per env): a failure or a death behind a slow env is seen
-    within a slice."""
+    Each wake-up reads, link by link, the replies that came (one vector read of the
+    counters, one read of a rows reply for all its rows); a pass after a slice that brought
+    nothing checks the liveness of every pending env (a syscall per env, so not at every
+    pass: 65,536 worlds answer one gather): a failure or a death is seen within two slices."""
     deadline = time.monotonic() + timeout
-    pending = list(targets)  # pending[first:] have not replied (the list is rebuilt on a full pass only)
-    first = 0
-    replies: dict[int, Reply] = {}
-    check_liveness = True
-    attached: list[Any] = []
-    while True:
+    got = np.zeros(len(targets), dtype=bool)
+    sorter = np.argsort(targets, kind="stable")
+    chunks: list[tuple[np.ndarray, Columns]] = []
+    check_liveness = False
+    while not got.all():
         with core.lock:
             core.prune()
-            if check_liveness or core.fleet.attachments != attached:  # a collector left: its envs are gone
-                attached = list(core.fleet.attachments)
-                live = set(core.fleet.indices())
-                dead = [w for w in pending[first:] if w not in live or (check_liveness and not _alive(core, w))]
-                if dead:
-                    raise AckTimeout(request, pending[first:], dead=dead, until="gathered")
-            came, waiting = 0, []
-            for index in pending[first:] if check_liveness else _from(pending, first):
-                attachment, slot = core.fleet.locate(index)
-                reply = attachment.link.reply(slot, request)
-                if reply is None:
-                    if not check_liveness:  # the rest come after this one: read them at the next wake-up
-                        break
-                    waiting.append(index)
-                    continue
-                if reply.failed:
-                    raise GatherError(core.fleet.worker_of(index), request, reply.error or "", env=index)
-                replies[index] = reply
-                came += 1
+            pending = targets[~got]
+            live = np.isin(pending, core.fleet.index_array())
+            dead = pending[~live].tolist()
             if check_liveness:
-                pending, first = waiting, 0
-            else:
-                first += came
-            if first == len(pending):
-                return replies
-            link = core.fleet.locate(pending[first])[0].link
+                dead += [int(e) for e in pending[live].tolist() if not _alive(core, e)]
+            if dead:
+                raise AckTimeout(request, pending.tolist(), dead=sorted(dead), until="gathered")
+            came = 0
+            link = None
+            for part in core.fleet.split(pending):
+                link = part.attachment.link
+                for slots, reply in link.replies(part.slots, request):
+                    envs = slots + part.attachment.offset
+                    if reply.failed:
+                        env = int(envs[0])
+                        raise GatherError(core.fleet.worker_of(env), request, reply.error or "", env=env)
+                    at = sorter[np.searchsorted(targets, envs, sorter=sorter).clip(max=len(targets) - 1)]
+                    fresh = (targets[at] == envs) & ~got[at]
+                    missing = [n for n in expect if n not in reply.result]
+                    if missing:
+                        raise EnvSyncError(f"env {int(envs[0])}'s reply lacks the entries {missing}")
+                    index = torch.from_numpy(np.flatnonzero(fresh))
+                    chunks.append((at[fresh], {k: v[index] for k, v in reply.result.items()}))
+                    got[at[fresh]] = True
+                    came += int(fresh.sum())
+        if got.all():
+            break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise AckTimeout(request, pending[first:], dead=[], until="gathered")
+            raise AckTimeout(request, targets[~got].tolist(), dead=[], until="gathered")
+        assert link is not None
         check_liveness = not came and not link.wait_acks(min(_ANSWER_SLICE, remaining), applied=True)
+    return _columns(chunks, len(targets))
 
 
-def _from(items: list[int], start: int) -> Iterator[int]:
-    """``items[start:]`` without copying the list (a gather of 65,536 envs reads a few at each wake-up)."""
-    for at in range(start, len(items)):
-        yield items[at]
+def _columns(chunks: list[tuple[np.ndarray, Columns]], count: int) -> Columns:
+    """The chunks' values as columns in the targets' order (``chunks``: the positions each
+    chunk's rows belong to, and its values)."""
+    if not chunks:
+        return {}
+    order = np.concatenate([at for at, _ in chunks])
+    back = torch.from_numpy(np.argsort(order, kind="stable"))
+    names = chunks[0][1].keys()
+    return {name: torch.cat([values[name] for _, values in chunks])[back] for name in names}
 
 
 def _alive(core: Core, index: int) -> bool:

@@ -31,7 +31,7 @@ import torch
 from envsync.levels import is_batched
 from envsync.links.base import RowsHeader, RowsLink
 from envsync.owner import Owner
-from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply, Request
+from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
 from envsync.spec import ApplySpec
 
 
@@ -239,25 +239,22 @@ class RowsReceiver:
 
     def serve(self, rows: Sequence[int] | None = None) -> None:
         """Answer the rows' pending gathers (their env state, what they hold at attribute
-        paths): the rows asked the same request are read together, once; a request for the
-        batched env's own entries is its level's (the group's)."""
-        asked = self.link.asked()
+        paths): the rows asked one request are read together and answered with one reply;
+        a request for the batched env's own entries is its level's (the group's)."""
+        asked, ids = self.link.asked()
         if rows is not None:
-            asked = np.intersect1d(asked, np.asarray(rows, dtype=np.int64))
-        requests: dict[int, tuple[Request, list[int]]] = {}
-        for row in asked.tolist():
-            request = self.link.request(row)
-            if request is not None and request.kind is not Kind.BATCHED_STATE:
-                requests.setdefault(request.id, (request, []))[1].append(row)
-        for request, which in requests.values():
-            index = np.asarray(which, dtype=np.int64)
+            chosen = np.isin(asked, np.asarray(rows, dtype=np.int64))
+            asked, ids = asked[chosen], ids[chosen]
+        for id_ in np.unique(ids).tolist():
+            which = asked[ids == id_]
+            request = self.link.request(int(which[0]))
+            if request is None or request.kind is Kind.BATCHED_STATE:
+                continue
             try:
-                columns = self._answer(index, request.kind, request.payload)
-                replies = [Reply(request.id, {k: v[j] for k, v in columns.items()}) for j in range(index.size)]
+                reply = Reply(request.id, self._answer(which, request.kind, request.payload))
             except Exception:
-                replies = [Reply(request.id, {}, traceback.format_exc())] * index.size
-            for row, reply in zip(which, replies, strict=True):
-                self.link.reply(row, reply)
+                reply = Reply(request.id, {}, traceback.format_exc())
+            self.link.reply(which, reply)
 
     def _answer(self, rows: np.ndarray, kind: Kind, payload: dict[str, Any]) -> dict[str, torch.Tensor]:
         if kind is Kind.ATTRIBUTES:

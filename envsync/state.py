@@ -322,10 +322,11 @@ class EnvStateTemplate:
             fitted[key] = tensor_of(fit("env_state", key, value, self._flat[key], self.allow_nonfinite))
         return fitted
 
-    def nest(self, flat: Mapping[str, torch.Tensor]) -> TensorDict:
+    def nest(self, flat: Mapping[str, torch.Tensor], rows: int | None = None) -> TensorDict:
         """Entries by flat name, shaped like ``env.state_dict()``: a key of it stays one key
-        (``"transforms.0.loc"``), a nested entry sits under its key (``"_extra_state"``)."""
-        return TensorDict({self._paths[k]: v for k, v in flat.items()}, batch_size=[])
+        (``"transforms.0.loc"``), a nested entry sits under its key (``"_extra_state"``);
+        ``rows``: the values are columns of that many envs' rows (the batch size)."""
+        return TensorDict({self._paths[k]: v for k, v in flat.items()}, batch_size=[] if rows is None else [rows])
 
     @property
     def flat(self) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ def test_siblings_read_copies_acknowledge_each_target_once_and_fail_only_what_wa
         end = link.handle().open(2)  # env 1's own receiver applies its version
         end.ack_applied(1)
         assert envs.pending() == [2]
-        link.send_request(3, Request(7, Kind.ENV_STATE, {"names": []}))
+        link.send_request([3], Request(7, Kind.ENV_STATE, {"names": []}))
         assert envs.asked([0, 1, 2]) == [2]
 
         envs.fail_pending("the batched env's group stopped")

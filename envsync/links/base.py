@@ -80,13 +80,14 @@ BROADCAST = ("config", "env_state")
 
 
 class Outbox(Protocol):
-    """The main process's side of a link, as a push and a request use it: write, wake,
-    flush, ask, read the reply."""
+    """The main process's side of a link, as a push and a request use it: write rows, wake,
+    flush, ask, read the replies."""
 
     num_workers: int
 
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
-        """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically."""
+        """Publish ``entries`` as the desired state of ``worker`` at ``version``, atomically
+        (``write_rows`` of one slot)."""
 
     def write_rows(
         self,
@@ -97,8 +98,9 @@ class Outbox(Protocol):
         *,
         undo: int = 0,
     ) -> None:
-        """Like ``write`` to each of ``slots`` (distinct, int64): ``shared`` values for all of
-        them (written once for all where the link can), one row each of ``rows``."""
+        """Publish ``version`` to each of ``slots`` (distinct, int64), atomically per slot:
+        ``shared`` values for all of them (written once for all where the link can), one row
+        each of ``rows``; ``undo``: a version whose env-state changes they must undo."""
 
     def notify(self, workers: Sequence[int] | np.ndarray) -> None:
         """Wake the worker loops that serve these workers, each loop once (the rows of a
@@ -111,11 +113,14 @@ class Outbox(Protocol):
         """Every write of ``version`` to this link is done (a link that batches, e.g. one
         object-store put per push, sends now; the shared-memory and local links do nothing)."""
 
-    def send_request(self, worker: int, request: Request) -> None:
-        """Send ``request`` to the worker (its kind is the worker's to read, never the link's)."""
+    def send_request(self, workers: Sequence[int] | np.ndarray, request: Request) -> None:
+        """Send ``request`` to each of ``workers`` (its kind is the worker's to read, never the link's)."""
 
-    def reply(self, worker: int, request: int) -> Reply | None:
-        """The worker's reply to ``request`` once it came, else ``None``."""
+    def replies(self, workers: np.ndarray, request: int) -> list[tuple[np.ndarray, Reply]]:
+        """The replies to ``request`` that came from ``workers``, each with the workers it
+        answers and its values with one row per worker, in that order (the rows of a natively
+        batched env answer with one reply; a failure, with its traceback, answers every
+        worker listed with it)."""
 
     def handle(self) -> LinkHandle:
         """What a worker needs to open its end (picklable for the shared-memory link)."""
@@ -319,16 +324,17 @@ class RowsEnd(Protocol):
 
 
 class RowsRequests(Protocol):
-    """The rows' gathers: which rows were asked, each row's request, its reply."""
+    """The rows' gathers: which rows were asked, a row's request, one reply for many rows."""
 
-    def asked(self) -> np.ndarray:
-        """The rows with a request not answered yet."""
+    def asked(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows with a request not answered yet, and each one's request id."""
 
     def request(self, row: int) -> Request | None:
         """Row ``row``'s request not answered yet, or ``None``."""
 
-    def reply(self, row: int, reply: Reply) -> None:
-        """Answer row ``row``'s request."""
+    def reply(self, rows: np.ndarray, reply: Reply) -> None:
+        """Answer the request of ``rows`` (sorted) with one reply holding one row of values
+        per row."""
 
 
 class RowsLink(RowsEnd, RowsRequests, Protocol):

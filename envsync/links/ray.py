@@ -35,7 +35,7 @@ is no proof: a loaded machine can delay reports by seconds, and a push then wait
 
 Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
 ``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``;
-per request ``send_request``... then ``reply`` (whose first call posts the requests) until
+per request ``send_request``, then ``replies`` (whose first call posts the requests) until
 the worker's reply comes.
 """
 
@@ -236,21 +236,27 @@ class RayLink:
             del self._channels[collector]
             self._seen[collector] = 0.0  # silent from now: the next alive() pings its actor
 
-    def send_request(self, worker: int, request: Request) -> None:
-        """Send ``request`` to ``worker``; the requests of one id go out together, as one
-        post, at the first :meth:`reply` awaited."""
+    def send_request(self, workers: Sequence[int] | np.ndarray, request: Request) -> None:
+        """Send ``request`` to ``workers``; the requests of one id go out together, as one
+        post, at the first :meth:`replies` awaited."""
         if any(held.id != request.id for held in self._asking.values()):
             self._asking = {}
-        self._asking[worker] = request
+        for worker in np.asarray(workers, dtype=np.int64).tolist():
+            self._asking[worker] = request
 
-    def reply(self, worker: int, request: int) -> Reply | None:
+    def replies(self, workers: np.ndarray, request: int) -> list[tuple[np.ndarray, Reply]]:
         if self._asking and not self._closed:
             asking, self._asking = self._asking, {}
             message = frames(post(self._next_seq(), Ask(asking)))
             self._post({c: message for c in range(len(self.workers))})
+        out = []
         with self._changed:
-            reply = self._replies.get(worker)
-        return reply if reply is not None and reply.id == request else None
+            for worker in np.asarray(workers, dtype=np.int64).tolist():
+                reply = self._replies.get(worker)
+                if reply is not None and reply.id == request:
+                    values = {k: v.unsqueeze(0) for k, v in reply.result.items()}
+                    out.append((np.array([worker], dtype=np.int64), Reply(reply.id, values, reply.error)))
+        return out
 
     def status(self, worker: int) -> WorkerStatus:
         received, applied, failed, _, _, reached = self._acks[worker]

@@ -12,6 +12,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 
 from envsync.errors import WireError
@@ -152,7 +153,7 @@ class Relay:
             local = worker - self.first
             if 0 <= local < self.count:
                 self._asked[local] = request.id  # before the worker can answer
-                self.link.send_request(local, request)
+                self.link.send_request([local], request)
                 self.link.notify([local])
 
     def _down(self) -> None:
@@ -205,9 +206,8 @@ class Relay:
         """The latest request worker ``w`` replied to (its reply read, to go in the next report)."""
         asked = self._asked.get(w, 0)
         if asked > self._replied[w] and w not in self._fresh:
-            reply = self.link.reply(w, asked)
-            if reply is not None:
-                self._fresh[w] = reply
+            for _, reply in self.link.replies(np.array([w], dtype=np.int64), asked):
+                self._fresh[w] = reply._replace(result={k: v[0] for k, v in reply.result.items()})
         fresh = self._fresh.get(w)
         return self._replied[w] if fresh is None else fresh.id
 

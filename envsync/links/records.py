@@ -28,6 +28,9 @@ from envsync.links.ray_codec import pack, unpack
 from envsync.protocol import Kind, Reply, Request
 from envsync.state import Leaf, numpy_view
 
+ROWS = ":rows"
+"""In a reply for many rows (a natively batched env's, :meth:`~envsync.links.rows_reader.RowsReader.reply`),
+the slots its values' rows belong to, in order (no env-state name or attribute path has a colon)."""
 _SIZES = struct.Struct("!QI")
 """A sealed record's header length and how many array buffers follow it."""
 _LENGTH = struct.Struct("!Q")

@@ -5,8 +5,8 @@ A row is a slot like any other for the sender (its fleet index, its config, its 
 the rows of one env share the slot lock and the wake-up (:func:`~envsync.links.slots.per_slot`),
 so reading every pending row is one lock taken (on a link made without ``group=``, each row's
 lock in turn), and an acknowledgement of k rows is one vector write and one release.
-Requests (gathers) stay per row, read and answered as a slot reader does
-(:func:`~envsync.links.slot_reader.read_request`, :func:`~envsync.links.slot_reader.write_reply`).
+A request (a gather) is read once for every row it went to, and the rows asked answer it
+with one reply (:meth:`RowsReader.reply`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from envsync.links.base import RowsHeader
-from envsync.links.slot_reader import read_request, write_reply
+from envsync.links.records import ROWS, plain, seal
+from envsync.links.slot_reader import read_request
 from envsync.links.slots import acquire, distinct, write_text
-from envsync.links.table import Table
+from envsync.links.table import ERROR_BYTES, Table
 from envsync.protocol import Reply, Request
 
 
@@ -170,10 +171,11 @@ class RowsReader:
         """Whether the collector drives the env now (its group marks every row)."""
         return bool(self._c["busy"][self.first])
 
-    def asked(self) -> np.ndarray:
-        """The rows with a request not answered yet (one vector read)."""
+    def asked(self) -> tuple[np.ndarray, np.ndarray]:
+        """The rows with a request not answered yet, and each one's request id (one vector read)."""
         ask, answered = self._c["ask"][self._span], self._c["answered"][self._span]
-        return np.flatnonzero((ask != 0) & (ask != answered))
+        rows = np.flatnonzero((ask != 0) & (ask != answered))
+        return rows, ask[rows]
 
     def request(self, row: int) -> Request | None:
         """Row ``row``'s request not answered yet, or ``None`` (the request a gather sends to
@@ -181,9 +183,27 @@ class RowsReader:
         self._request = read_request(self.table, self.first + row, self._locks[row], self._request)
         return self._request
 
-    def reply(self, row: int, reply: Reply) -> None:
-        """Answer row ``row``'s request with ``reply``."""
-        write_reply(self.table, self.first + row, self._locks[row], self._acks, reply)
+    def reply(self, rows: np.ndarray, reply: Reply) -> None:
+        """Answer the request of ``rows`` (sorted) with one reply whose values hold one row per
+        row of ``rows``: written once, across the reply areas from the first row's on, and
+        read back by the sender once (:meth:`~envsync.links.slots.SlotWriter.replies`). A reply
+        larger than those areas is sent as a failure that says so."""
+        slots = self.first + rows
+        head = int(slots[0])
+        span = self.table.reply_span(head, self.first + self.count - 1)
+        if reply.error is None:
+            data = seal(plain(Reply(reply.id, {ROWS: torch.from_numpy(slots), **reply.result})))
+        else:
+            data = seal(plain(Reply(reply.id, {}, reply.error[-ERROR_BYTES:])))
+        if len(data) > len(span):
+            text = f"the reply to request {reply.id} is {len(data)} bytes; the rows' reply areas hold {len(span)}"
+            data = seal(plain(Reply(reply.id, {}, text)))
+        with _all_locked(self._distinct, self.first):
+            span[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+            self._c["reply_len"][head] = len(data)
+            self._c["reply_at"][slots] = head + 1
+            self._c["answered"][slots] = reply.id
+        self._acks[1].release()
 
 
 @contextmanager

@@ -51,6 +51,7 @@ def write_reply(table: Table, slot: int, lock: Any, acks: Any, reply: Reply) -> 
     with locked(lock, "worker %d replying", slot):
         area[slot, : len(data)] = np.frombuffer(data, dtype=np.uint8)
         table.counters["reply_len"][slot] = len(data)
+        table.counters["reply_at"][slot] = 0  # in its own area
         table.counters["answered"][slot] = reply.id
     acks[1].release()
 

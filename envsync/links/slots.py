@@ -25,7 +25,7 @@ import torch
 
 from envsync.errors import EnvSyncError, ValidationError
 from envsync.links.base import BROADCAST, Key
-from envsync.links.records import plain, reply_of, seal, unseal
+from envsync.links.records import ROWS, plain, reply_of, seal, unseal
 from envsync.links.table import ERROR_BYTES, Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf, tensor_of
@@ -267,9 +267,10 @@ class SlotWriter:
             for semaphore in self._acks:
                 take_back(semaphore)
 
-    def send_request(self, worker: int, request: Request) -> None:
-        """Put ``request`` in ``worker``'s request area (handled at the worker's next safe
-        point, or at once while idle; :meth:`notify` wakes it)."""
+    def send_request(self, workers: Sequence[int] | np.ndarray, request: Request) -> None:
+        """Put ``request`` in the request area of each of ``workers`` (handled at each one's
+        next safe point, or at once while idle; :meth:`notify` wakes them): one vector write,
+        under each of their locks once."""
         sealed = self._sealed
         if sealed[0] != request.id:  # a request goes to many slots (every env of a gather): sealed once
             sealed = self._sealed = (request.id, np.frombuffer(seal(plain(request)), dtype=np.uint8))
@@ -280,20 +281,71 @@ class SlotWriter:
                 f"a {request.kind.name} request of {len(data)} bytes does not fit a slot's request area "
                 f"({area.shape[1]} bytes): ask for fewer names or paths at a time"
             )
-        with locked(self._locks[worker], "asking worker %d", worker):
-            area[worker, : len(data)] = data
-            self.table.counters["ask_len"][worker] = len(data)
-            self.table.counters["ask"][worker] = request.id
+        slots = np.asarray(workers, dtype=np.int64)
+        numbers = np.unique(self._lock_of[slots]).tolist()
+        held = 0
+        try:
+            for number in numbers:
+                acquire(self._locks[number], "asking worker %d", int(slots[0]))
+                held += 1
+            area[slots, : len(data)] = data
+            self.table.counters["ask_len"][slots] = len(data)
+            self.table.counters["ask"][slots] = request.id
+        finally:
+            for number in numbers[:held]:
+                self._locks[number].release()
+
+    def replies(self, workers: np.ndarray, request: int) -> list[tuple[np.ndarray, Reply]]:
+        """The replies to ``request`` from ``workers`` that came (see the protocol): a slot's
+        own reply is read from its area, a rows reply once for every row it answers."""
+        c = self.table.counters
+        slots = np.asarray(workers, dtype=np.int64)
+        came = slots[c["answered"][slots] == request]
+        at = c["reply_at"][came]
+        out = []
+        for slot in came[at == 0].tolist():
+            reply = self.reply(slot, request)
+            if reply is not None:
+                values = {k: v.unsqueeze(0) for k, v in reply.result.items()}
+                out.append((np.array([slot], dtype=np.int64), Reply(reply.id, values, reply.error)))
+        for head in np.unique(at[at > 0] - 1).tolist():
+            bulk = self._rows_reply(head, request)
+            if bulk is None:
+                continue
+            if bulk.failed:
+                out.append((came[at == head + 1], bulk))
+            else:
+                values = dict(bulk.result)
+                rows = values.pop(ROWS).numpy()
+                out.append((rows, Reply(bulk.id, values)))
+        return out
 
     def reply(self, worker: int, request: int) -> Reply | None:
-        """``worker``'s reply to ``request`` once it answered it, else ``None``."""
-        answered = self.table.counters["answered"]
-        if int(answered[worker]) != request:
+        """``worker``'s reply to ``request`` once it answered it, else ``None`` (its row of a
+        rows reply, for a row of a natively batched env)."""
+        c = self.table.counters
+        if int(c["answered"][worker]) != request:
             return None
+        head = int(c["reply_at"][worker]) - 1
+        if head >= 0:
+            bulk = self._rows_reply(head, request)
+            if bulk is None or bulk.failed:
+                return bulk
+            rows = bulk.result[ROWS].numpy()
+            at = int(np.flatnonzero(rows == worker)[0])
+            return Reply(bulk.id, {k: v[at] for k, v in bulk.result.items() if k != ROWS})
         with locked(self._locks[worker], "reading worker %d's reply", worker):
-            length = int(self.table.counters["reply_len"][worker])
+            length = int(c["reply_len"][worker])
             data = bytes(self.table.areas["reply"][worker, :length])
         return reply_of(unseal(data))
+
+    def _rows_reply(self, head: int, request: int) -> Reply | None:
+        """The rows reply written from slot ``head`` on, if it answers ``request``."""
+        with locked(self._locks[head], "reading the rows reply at worker %d", head):
+            length = int(self.table.counters["reply_len"][head])
+            data = bytes(self.table.reply_span(head, self.num_workers - 1)[:length])
+        reply = reply_of(unseal(data))
+        return reply if reply.id == request else None
 
     def notify(self, workers: Sequence[int] | np.ndarray) -> None:
         # the semaphore of the loop that serves each worker's slot (see SlotReader.route_to),

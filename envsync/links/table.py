@@ -1,6 +1,8 @@
-"""The slot table both links lay out in one block of bytes: per worker, seventeen int64
+"""The slot table both links lay out in one block of bytes: per worker, eighteen int64
 counters, a failed apply's error text, a request area and a reply area (a request and its
-reply as sealed records, :mod:`envsync.links.records`: the link never reads their kind),
+reply as sealed records, :mod:`envsync.links.records`: the link never reads their kind; the
+rows of a natively batched env answer a request with one reply for all of them, written
+across their consecutive reply areas, and each row's ``reply_at`` names the slot it starts at),
 one view per leaf of the desired state, and for every config name a write count (a worker
 copies out only the names written since it last read). After the slots, one broadcast region per config
 name and env-state entry: a value pushed to every worker of the link is written there once,
@@ -42,6 +44,7 @@ COUNTERS = (
     "reached",
     "wake_to",
     "relay_to",
+    "reply_at",
 )
 ALIGN = 64
 MARKS = ("source", "config_source", "writes")
@@ -189,6 +192,11 @@ class Table:
         c = self.counters
         target, received, applied = int(c["target"][worker]), int(c["received"][worker]), int(c["applied"][worker])
         return WorkerStatus(worker, target, received, applied, int(c["failed"][worker]), int(c["reached"][worker]))
+
+    def reply_span(self, first: int, last: int) -> np.ndarray:
+        """The reply areas of slots ``first`` to ``last`` (included) as one byte buffer (a view:
+        a rows reply spans them)."""
+        return self.areas["reply"][first : last + 1].reshape(-1)
 
     def error_text(self, worker: int) -> str:
         length = int(self.counters["error_len"][worker])
