@@ -81,9 +81,9 @@ class Update:
 
     Examples:
         >>> update = Update(np.array([3, 5]), {("config", "x"): torch.tensor(1.0)},
-        ...                 {("config", "y"): torch.tensor([0.5, 0.7])})
+        ...                 {("config", "y"): torch.tensor([0.5, 0.25])})
         >>> sorted(update.keys()), float(update.row(1)["config", "y"])
-        ([('config', 'x'), ('config', 'y')], 0.7)
+        ([('config', 'x'), ('config', 'y')], 0.25)
     """
 
     targets: np.ndarray

@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from envsync.desired import section
 from envsync.errors import ValidationError
 from envsync.links.base import Flat
-from envsync.state import Leaf, nest, tensor_of
+from envsync.state import Leaf, nest
 
 SLACK = 16
 """Records between two prunes (a prune reads every env's applied version once)."""
@@ -112,7 +112,7 @@ class ConfigHistory:
             if all(flat.get(name) is first for flat in flats):
                 shared[name] = first  # type: ignore[assignment]
             else:
-                rows[name] = torch.stack([tensor_of(flat[name]) for flat in flats])
+                rows[name] = torch.stack([torch.as_tensor(np.asarray(flat[name])) for flat in flats])
         self.record_rows(version, np.asarray(envs, dtype=np.int64), shared, rows, applied)
 
     def record_rows(

@@ -104,12 +104,13 @@ _REGISTRY = threading.Lock()
 
 
 def _forget_loops() -> None:
-    global _REGISTRY
     _LOOPS.clear()  # a forked worker runs none of its parent's
-    _REGISTRY = threading.Lock()
+    _REGISTRY.release()
 
 
-os.register_at_fork(after_in_child=_forget_loops)
+# held across a fork (never forked half-way through a change of the registry), released in
+# both processes after it; the child, with one thread, starts with no loop
+os.register_at_fork(before=_REGISTRY.acquire, after_in_parent=_REGISTRY.release, after_in_child=_forget_loops)
 
 
 def serve(member: Member, ends: Sequence[Notices]) -> None:

@@ -153,8 +153,7 @@ class RowsReader:
     def report_failure(self, rows: np.ndarray, versions: np.ndarray, text: str) -> None:
         """Tell the sender these rows failed these versions, with the traceback text."""
         slots = rows + self.first
-        for slot in slots.tolist():
-            write_text(self.table.error, self._c["error_len"], slot, text)
+        write_text(self.table.error, self._c["error_len"], slots, text)  # every row's, in one write
         self._c["failed"][slots] = versions
         self._acks[0].release()
         self._acks[1].release()

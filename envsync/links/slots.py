@@ -35,10 +35,11 @@ DRAIN_EVERY = 1024
 """Pushes between two takes-back of unwaited acknowledgement releases (:meth:`SlotWriter.flush`)."""
 
 
-def write_text(buffer: np.ndarray, lengths: np.ndarray, worker: int, text: str) -> None:
+def write_text(buffer: np.ndarray, lengths: np.ndarray, workers: int | np.ndarray, text: str) -> None:
+    """Write ``text``'s end into the error areas of ``workers`` (one, or many at once)."""
     data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
-    buffer[worker, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-    lengths[worker] = len(data)
+    buffer[workers, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+    lengths[workers] = len(data)
 
 
 def acquire(lock: Any, what: str, *args: Any) -> None:
@@ -317,6 +318,10 @@ class SlotWriter:
             else:
                 values = dict(bulk.result)
                 rows = values.pop(ROWS).numpy()
+                asked = np.isin(rows, slots)  # the rows of the reply that were asked for here
+                if not asked.all():
+                    index = torch.from_numpy(np.flatnonzero(asked))
+                    rows, values = rows[asked], {k: v[index] for k, v in values.items()}
                 out.append((rows, Reply(bulk.id, values)))
         return out
 
