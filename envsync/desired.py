@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from envsync.links.base import Flat, Key
-from envsync.state import Leaf, tensor_of
+from envsync.state import Leaf, take_rows, tensor_of
 
 NEVER = torch.zeros((), dtype=torch.int64)
 """The stamp of an env-state entry that was never pushed (a worker never loads it)."""
@@ -100,8 +100,7 @@ class Update:
 
     def take(self, positions: np.ndarray) -> Update:
         """The update of the targets at ``positions`` only."""
-        index = torch.from_numpy(positions)
-        return Update(self.targets[positions], self.shared, {k: v[index] for k, v in self.rows.items()})
+        return Update(self.targets[positions], self.shared, {k: take_rows(v, positions) for k, v in self.rows.items()})
 
     @classmethod
     def stacked(cls, targets: Sequence[int], flats: Sequence[Flat]) -> list[Update]:

@@ -22,7 +22,7 @@ from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationErro
 from envsync.levels import PREFIX, is_batched, selector_level
 from envsync.protocol import ApplyAt, Kind, Request
 from envsync.reinit import STATS, Selector
-from envsync.state import EnvStateTemplate, state_name
+from envsync.state import EnvStateTemplate, state_name, take_rows
 
 _ANSWER_SLICE = 0.05
 """Longest blocking wait for an answer before the workers' liveness is checked again."""
@@ -92,8 +92,7 @@ def gather(
     if whole:
         distinct, inverse = np.unique(heads, return_inverse=True)
         replies = _entries(core, distinct, Kind.BATCHED_STATE, whole, timeout)
-        index = torch.from_numpy(inverse.reshape(-1))
-        read.update({name: column[index] for name, column in replies.items()})
+        read.update({name: take_rows(column, inverse.reshape(-1)) for name, column in replies.items()})
     return template.nest(read, len(targets)) if len(targets) else TensorDict()
 
 
@@ -193,8 +192,9 @@ def _await_replies(core: Core, targets: np.ndarray, request: int, timeout: float
                     missing = [n for n in expect if n not in reply.result]
                     if missing:
                         raise EnvSyncError(f"env {int(envs[0])}'s reply lacks the entries {missing}")
-                    index = torch.from_numpy(np.flatnonzero(fresh))
-                    chunks.append((at[fresh], {k: v[index] for k, v in reply.result.items()}))
+                    chosen = np.flatnonzero(fresh)
+                    values = reply.result if fresh.all() else {k: take_rows(v, chosen) for k, v in reply.result.items()}
+                    chunks.append((at[fresh], values))
                     got[at[fresh]] = True
                     came += int(fresh.sum())
         if got.all():
@@ -213,9 +213,11 @@ def _columns(chunks: list[tuple[np.ndarray, Columns]], count: int) -> Columns:
     if not chunks:
         return {}
     order = np.concatenate([at for at, _ in chunks])
-    back = torch.from_numpy(np.argsort(order, kind="stable"))
+    back = np.argsort(order, kind="stable")
     names = chunks[0][1].keys()
-    return {name: torch.cat([values[name] for _, values in chunks])[back] for name in names}
+    if len(chunks) == 1 and np.array_equal(order, np.arange(count)):
+        return dict(chunks[0][1])
+    return {name: take_rows(torch.cat([values[name] for _, values in chunks]), back) for name in names}
 
 
 def _alive(core: Core, index: int) -> bool:

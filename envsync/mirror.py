@@ -18,7 +18,7 @@ import torch
 
 from envsync.desired import Update
 from envsync.links.base import Flat, Key
-from envsync.state import Leaf, tensor_of
+from envsync.state import Leaf, put_rows, take_rows, tensor_of
 
 
 class Mirror:
@@ -62,28 +62,25 @@ class Mirror:
         written again), and the others as rows (copies)."""
         shared: Flat = {}
         rows: dict[Key, torch.Tensor] = {}
-        index: torch.Tensor | None = None
         for key in keys:
             column = self._columns.get(key)
             if column is None:
                 shared[key] = self._shared[key]
             else:
-                index = torch.from_numpy(slots) if index is None else index
-                rows[key] = column[index]
+                rows[key] = take_rows(column, slots)
         return shared, rows
 
     def set(self, slots: np.ndarray, shared: Mapping[Key, Leaf], rows: Mapping[Key, torch.Tensor]) -> None:
         """Give the envs ``slots`` (distinct) the ``shared`` values and one row each of ``rows``."""
         whole = len(slots) == self.count
-        index = torch.from_numpy(slots)
         for key, value in shared.items():
             if whole:
                 self._shared[key] = value
                 self._columns.pop(key, None)
             else:
-                self._column(key)[index] = tensor_of(value)
+                put_rows(self._column(key), slots, tensor_of(value))
         for key, values in rows.items():
-            self._column(key)[index] = values
+            put_rows(self._column(key), slots, values)
 
     def _column(self, key: Key) -> torch.Tensor:
         column = self._columns.get(key)

@@ -33,6 +33,7 @@ from envsync.links.base import RowsHeader, RowsLink
 from envsync.owner import Owner
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
 from envsync.spec import ApplySpec
+from envsync.state import put_rows, take_rows
 
 
 class RowsEnv(Protocol):
@@ -200,9 +201,9 @@ class RowsReceiver:
             if kept is None:
                 kept = self._before_first[name] = torch.zeros_like(target.detach())
                 self._first_held[name] = np.zeros(self.count, dtype=bool)
-            kept[torch.from_numpy(first)] = target.detach()[torch.from_numpy(first)]
+            put_rows(kept, first, take_rows(target.detach(), first))
             self._first_held[name][first] = True
-        target.data[index] = values.to(target.dtype)
+        put_rows(target.data, index, values)
         return index, old
 
     def _undo(self, rows: np.ndarray, stamps: dict[str, np.ndarray], live: dict[str, torch.Tensor]) -> None:
@@ -215,8 +216,7 @@ class RowsReceiver:
             held = self._first_held.get(name)
             back = undone if held is None else undone[held[undone]]
             if back.size and name in live:
-                index = torch.from_numpy(back)
-                live[name].data[index] = self._before_first[name][index]
+                put_rows(live[name].data, back, take_rows(self._before_first[name], back))
                 assert held is not None
                 held[back] = False
             own[undone] = 0
@@ -232,7 +232,7 @@ class RowsReceiver:
         try:
             self.env.apply(index, previous)
             for name, (rows, old) in replaced.items():
-                live[name].data[rows] = old
+                put_rows(live[name].data, rows, old)
         except Exception:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""

@@ -39,6 +39,36 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray | None:
         return None
 
 
+def take_rows(values: torch.Tensor, rows: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A copy of ``values``' rows ``rows`` (indices). ``index_select``, never ``values[rows]``:
+    torch's advanced indexing hands thousands of rows to its thread pool, which on a busy
+    machine costs milliseconds where this costs microseconds.
+
+    Examples:
+        >>> take_rows(torch.tensor([1.0, 2.0, 3.0]), np.array([2, 0])).tolist()
+        [3.0, 1.0]
+    """
+    index = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    return values.index_select(0, index.to(values.device))
+
+
+def put_rows(target: torch.Tensor, rows: np.ndarray | torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (one row per index, or one value for all) into ``target``'s rows
+    ``rows`` in place (``index_copy_``, see :func:`take_rows`).
+
+    Examples:
+        >>> target = torch.zeros(3)
+        >>> put_rows(target, np.array([2, 0]), torch.tensor([5.0, 7.0])); target.tolist()
+        [7.0, 0.0, 5.0]
+    """
+    index = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.asarray(rows, dtype=np.int64))
+    index = index.to(target.device)
+    source = values.to(device=target.device, dtype=target.dtype)
+    if source.ndim < target.ndim:  # one value for every row
+        source = source.expand(len(index), *target.shape[1:])
+    target.index_copy_(0, index, source)
+
+
 def tensor_of(value: Leaf) -> torch.Tensor:
     """``value`` as a tensor (a numpy array is wrapped, sharing its memory)."""
     return torch.from_numpy(value) if isinstance(value, np.ndarray) else value

@@ -25,6 +25,7 @@ from envsync.links.slot_reader import read_request
 from envsync.links.slots import acquire, distinct, write_text
 from envsync.links.table import ERROR_BYTES, Table
 from envsync.protocol import Reply, Request
+from envsync.state import put_rows, take_rows
 
 
 class RowsReader:
@@ -222,11 +223,10 @@ def _all_locked(locks: Sequence[Any], first: int) -> Iterator[None]:
 def _rows_of(column: torch.Tensor, source: np.ndarray, slots: np.ndarray, broadcast: torch.Tensor) -> torch.Tensor:
     """The values of a leaf for ``slots``: each from its slot, or from the broadcast region
     where its source mark says a push to every worker wrote it there."""
-    index = torch.from_numpy(slots)
-    values = column.index_select(0, index)
-    shared = source[slots] > 0
-    if shared.any():
-        values[torch.from_numpy(shared)] = broadcast
+    values = take_rows(column, slots)
+    shared = np.flatnonzero(source[slots] > 0)
+    if shared.size:
+        put_rows(values, shared, broadcast)
     return values
 
 

@@ -28,7 +28,7 @@ from envsync.links.base import BROADCAST, Key
 from envsync.links.records import ROWS, plain, reply_of, seal, unseal
 from envsync.links.table import ERROR_BYTES, Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
-from envsync.state import Leaf, tensor_of
+from envsync.state import Leaf, put_rows, take_rows, tensor_of
 
 _LOCK_TIMEOUT = 10.0
 DRAIN_EVERY = 1024
@@ -220,9 +220,10 @@ class SlotWriter:
         if column is not None and (isinstance(value, np.ndarray) or value.device.type == "cpu"):
             # small leaves: a numpy copy costs a fraction of torch's
             column[at] = value if isinstance(value, np.ndarray) else value.detach().numpy()
+        elif isinstance(at, slice):
+            self.table.leaf_columns[key][at] = tensor_of(value).to(self.table.leaf_columns[key].device)
         else:
-            index = at if isinstance(at, slice) else torch.from_numpy(at)
-            self.table.leaf_columns[key][index] = tensor_of(value).to(self.table.leaf_columns[key].device)
+            put_rows(self.table.leaf_columns[key], at, tensor_of(value))
         if key[0] in BROADCAST:
             self._written(at, key, 0)  # each slot's own value, not the broadcast
 
@@ -320,8 +321,8 @@ class SlotWriter:
                 rows = values.pop(ROWS).numpy()
                 asked = np.isin(rows, slots)  # the rows of the reply that were asked for here
                 if not asked.all():
-                    index = torch.from_numpy(np.flatnonzero(asked))
-                    rows, values = rows[asked], {k: v[index] for k, v in values.items()}
+                    chosen = np.flatnonzero(asked)
+                    rows, values = rows[asked], {k: take_rows(v, chosen) for k, v in values.items()}
                 out.append((rows, Reply(bulk.id, values)))
         return out
 

@@ -43,7 +43,7 @@ from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.rows import RowsReceiver
 from envsync.spec import ApplySpec
-from envsync.state import FlatConfig, flat_names, tensor_of
+from envsync.state import FlatConfig, flat_names, put_rows, tensor_of
 
 
 def _takes_env_ids(fn: Callable[..., Any]) -> bool:
@@ -105,10 +105,10 @@ class RowApplier:
             else:
                 stacked = {k: t.clone() for k, t in self._table.items()}
                 for k, v in values.items():
-                    stacked[k][rows] = v.to(stacked[k].dtype)
+                    put_rows(stacked[k], rows, v)
                 self._call(stacked)
         for k, v in values.items():
-            self._table[k][rows] = v.to(self._table[k].dtype)
+            put_rows(self._table[k], rows, v)
 
 
 def tensors(config: FlatConfig) -> dict[str, torch.Tensor]:
