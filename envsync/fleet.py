@@ -228,29 +228,40 @@ class Fleet:
     def targets(self, workers: Sequence[int] | None, envs: Sequence[int] | None = None) -> list[int]:
         """The env indices that ``workers`` (every env of each) or ``envs`` name, validated
         against the live fleet (default: every live env)."""
+        return self.target_array(workers, envs).tolist()
+
+    def target_array(self, workers: Sequence[int] | None, envs: Sequence[int] | None = None) -> np.ndarray:
+        """:meth:`targets` as an int64 array, checked by vector ops (a curriculum names
+        thousands of envs among tens of thousands at every push)."""
         if workers is not None and envs is not None:
             raise ValidationError("give workers= or envs=, not both")
         if workers is None and envs is None:
-            return self.indices()
+            return self.index_array()
         if not self.attachments:
             what = "workers=" if envs is None else "envs="
             raise ValidationError(f"{what} needs an attached collector; none is attached")
         if envs is not None:
-            return _chosen(envs, self.indices(), "env", "envs")
+            return _chosen(envs, self.index_array(), "env", "envs")
         assert workers is not None
-        return [e for w in _chosen(workers, self.workers(), "worker", "workers") for e in self.envs_of(w)]
+        chosen = _chosen(workers, np.asarray(self.workers(), dtype=np.int64), "worker", "workers")
+        return np.asarray([e for w in chosen.tolist() for e in self.envs_of(w)], dtype=np.int64)
 
 
-def _chosen(requested: Sequence[int], live: list[int], what: str, plural: str) -> list[int]:
-    """``requested`` without repeats, each checked against ``live`` (sets: a curriculum names
-    hundreds of envs among thousands at every push)."""
-    known = set(live)
-    chosen: dict[int, None] = {}
-    for index in requested:
-        if not isinstance(index, int) or isinstance(index, bool) or index not in known:
-            raise ValidationError(f"{what} {index!r} does not exist; {plural} are {_ranges(live)}")
-        chosen[index] = None
-    return list(chosen)
+def _chosen(requested: Sequence[int], live: np.ndarray, what: str, plural: str) -> np.ndarray:
+    """``requested`` without repeats (first come first), each checked against ``live``."""
+    values = list(requested) if not isinstance(requested, np.ndarray) else requested
+    array = np.asarray(values)
+    mixed = array.dtype.kind in "iu" and isinstance(values, list) and any(type(v) is bool for v in values)
+    if array.ndim != 1 or mixed or (array.size and array.dtype.kind not in "iu"):
+        bad = next((v for v in values if not isinstance(v, int | np.integer) or isinstance(v, bool)), values)
+        raise ValidationError(f"{what} {bad!r} does not exist; {plural} are {_ranges(live.tolist())}")
+    array = array.astype(np.int64)
+    known = np.isin(array, live)
+    if not known.all():
+        bad = array[~known][0]
+        raise ValidationError(f"{what} {int(bad)!r} does not exist; {plural} are {_ranges(live.tolist())}")
+    _, first = np.unique(array, return_index=True)
+    return array if len(first) == len(array) else array[np.sort(first)]
 
 
 def _ranges(indices: list[int]) -> str:

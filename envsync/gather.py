@@ -114,9 +114,7 @@ def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Sequenc
         core.prune()
         if not core.fleet.attachments:
             raise ValidationError(f"{what} needs an attached collector; none is attached")
-        if workers is None and envs is None:
-            return core.fleet.index_array()
-        return np.asarray(core.fleet.targets(workers, envs), dtype=np.int64)
+        return core.fleet.target_array(workers, envs)
 
 
 Columns = dict[str, torch.Tensor]

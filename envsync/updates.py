@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -79,7 +78,7 @@ class Updates:
         """
         fleet = self._core.fleet
         fleet_wide = workers is None and envs is None
-        targets = fleet.index_array() if fleet_wide else np.asarray(fleet.targets(workers, envs), dtype=np.int64)
+        targets = fleet.target_array(workers, envs)
         cfg, rows = self._template.fit_rows(config, len(targets)) if config is not None else ({}, {})
         env = self._env_state_template().fit(env_state) if env_state is not None else {}
         if envs is not None and any(map(is_batched, env)):
