@@ -6,7 +6,7 @@ On an idle ``MultiAsyncCollector`` of 4 workers (``apply_at="step"``, ``wait="ap
   per push, measured with ``tracemalloc`` (Python and numpy allocations) after each of
   ``--blocks`` blocks of ``--pushes`` pushes, after ``--warmup`` pushes (the sender's records
   reach their steady size: the undo of the latest push, the per-env config history pruned
-  every ``envsync.history.SLACK`` records back to ``keep + 1`` entries). Each env's history
+  every ``envsync.sender.history.SLACK`` records back to ``keep + 1`` entries). Each env's history
   swings through that cycle at its own pace, so the readings are fitted as ``a + per_push *
   pushes + per_entry * entries + per_version * versions held``; ``per_push`` is what a push
   leaves. And the process's

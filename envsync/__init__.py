@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from envsync import apply as apply  # the module: envsync.apply.attributes(), .rebuild()
     from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WireError, WorkerApplyError
     from envsync.integrations.torchrl import EnvStateSender
-    from envsync.receiver import EnvStateReceiver
+    from envsync.worker.receiver import EnvStateReceiver
 
 __all__ = [
     "AckTimeout",
@@ -42,7 +42,7 @@ _HOMES = {
     "WireError": "envsync.errors",
     "WorkerApplyError": "envsync.errors",
     "EnvStateSender": "envsync.integrations.torchrl",
-    "EnvStateReceiver": "envsync.receiver",
+    "EnvStateReceiver": "envsync.worker.receiver",
 }
 
 

@@ -50,7 +50,7 @@ class Until(enum.StrEnum):
 class Kind(enum.IntEnum):
     """What a request asks of an env; each kind has one handler on the worker side (the
     receiver's, or for :attr:`BATCHED_STATE` the batched env's level) and one sender
-    function (:mod:`envsync.gather`). The links move requests without looking at the kind.
+    function (:mod:`envsync.sender.gather`). The links move requests without looking at the kind.
 
     Examples:
         >>> Kind(2) is Kind.BATCHED_STATE

@@ -1,4 +1,4 @@
-"""envsync.acks: waiting for acknowledgements and raising what the workers report, with real
+"""envsync.sender.acks: waiting for acknowledgements and raising what the workers report, with real
 collectors: a wait is checked and ends promptly, a failure reaches the waiter of its version
 whoever raised it first, and a rollback puts back what each worker had."""
 

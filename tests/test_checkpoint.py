@@ -1,4 +1,4 @@
-"""envsync.checkpoint: what a sender's ``state_dict`` keeps and what a resumed sender gives
+"""envsync.sender.checkpoint: what a sender's ``state_dict`` keeps and what a resumed sender gives
 each worker, with real collectors: what one worker was pushed, a worker's own gathered
 statistics, and a statistics merge, whether it was applied, pending or superseded when the
 checkpoint was taken, and whether the checkpoint is loaded before or after the collector is

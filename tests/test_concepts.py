@@ -18,16 +18,22 @@ LAYERS: dict[str, set[str]] = {
     | {"configure", "reinit", "levels", "spec"},
     "links": {"links"},
     "core": {"core", "records", "desired", "mirror", "books", "fleet", "history"},
-    "sender": {"sender", "sender_reads", "acks", "gather", "checkpoint", "restore", "updates", "port", "probe"},
-    "receiver": {"receiver", "rows", "env_adapter", "places", "gate", "siblings", "worker_loop", "owner"},
+    "sender": {"sender", "reads", "acks", "gather", "checkpoint", "restore", "updates", "port", "probe"},
+    "receiver": {"receiver", "rows", "env_adapter", "places", "gate", "siblings", "loop", "owner"},
     "integrations": {"integrations", "curriculum", "envs", "demo", "cli", "__main__", "apply", "__init__"},
 }
 SIDES = ("sender", "receiver")  # one level: neither imports the other
 
 
+SIDE_FOLDERS = ("sender", "worker")
+"""The folders of the two sides: a module in one is named by its own name (``envsync.sender.core``: ``core``)."""
+
+
 def top(module: str) -> str:
-    """The part of ``envsync.<part>...`` a layer is made of."""
+    """The part of ``envsync.<part>...`` a layer is made of (in a side's folder, the module's own name)."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] in SIDE_FOLDERS:
+        return parts[2]
     return parts[1] if len(parts) > 1 else "__init__"
 
 
@@ -46,7 +52,12 @@ def imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("envsync"):
                 base = node.module
-                found |= {_resolved(a.name) for a in node.names} if base == "envsync" else {base}
+                if base == "envsync":
+                    found |= {_resolved(a.name) for a in node.names}
+                elif base.split(".")[-1] in SIDE_FOLDERS:  # a side's modules, by name
+                    found |= {f"{base}.{a.name}" for a in node.names}
+                else:
+                    found.add(base)
             elif isinstance(node, ast.Import):
                 found |= {a.name for a in node.names if a.name.startswith("envsync")}
         out[name] = found

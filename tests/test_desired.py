@@ -1,4 +1,4 @@
-"""envsync.desired: the sender's records of desired state own their data: a pushed tensor
+"""envsync.sender.desired: the sender's records of desired state own their data: a pushed tensor
 is copied at the push, and a collector that joins later is given the copy."""
 
 from __future__ import annotations

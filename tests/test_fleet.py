@@ -14,8 +14,8 @@ from conftest import build
 from helpers import make_counter_env, start_method
 
 from envsync import EnvStateSender, ValidationError
-from envsync.fleet import Attachment, Fleet
 from envsync.links.local import LocalLink
+from envsync.sender.fleet import Attachment, Fleet
 
 LEAVES = {("config", "difficulty"): torch.zeros(())}
 

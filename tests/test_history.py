@@ -13,7 +13,7 @@ from torchrl.collectors import Collector
 
 from envsync import EnvStateSender, ValidationError
 from envsync.envs import make_drift_env
-from envsync.history import ConfigHistory
+from envsync.sender.history import ConfigHistory
 
 
 def leaves(value: float) -> dict[tuple[str, str], np.ndarray]:

@@ -110,7 +110,7 @@ def test_idle_applies_never_run_inside_torchrls_own_worker_commands() -> None:
 
 
 def test_an_owner_marks_once_per_drive_and_nested_applies_keep_applying_until_the_outermost_ends() -> None:
-    from envsync.owner import Owner
+    from envsync.worker.owner import Owner
 
     marks: list[bool] = []
     owner = Owner(marks.append)

@@ -1,4 +1,4 @@
-"""envsync.probe: the env in the main process that stands for the workers' envs: refused
+"""envsync.sender.probe: the env in the main process that stands for the workers' envs: refused
 when its env cannot take the apply mode, never built when the template is declared."""
 
 from __future__ import annotations

@@ -401,7 +401,7 @@ def test_the_mailbox_starts_without_torch(cluster: Any) -> None:
     # it starts beside the remote collectors' actors: importing torch there would cost the
     # main process's node seconds of CPU
     def heavy_modules(actor: Any) -> list[str]:  # local: Ray sends it by value, not by module
-        return [m for m in ("torch", "tensordict", "torchrl", "envsync.sender") if m in sys.modules]
+        return [m for m in ("torch", "tensordict", "torchrl", "envsync.sender.sender") if m in sys.modules]
 
     mailbox = start_mailbox()
     try:

@@ -20,7 +20,7 @@ from torchrl.envs import ParallelEnv, SerialEnv
 import envsync
 from envsync import EnvStateSender, GatherError, ValidationError
 from envsync.links.scripted import ScriptedLink
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 
 def pendulum_sender() -> EnvStateSender:

@@ -14,9 +14,9 @@ from envsync import EnvStateSender, WorkerApplyError
 from envsync.configure import config_applier, env_state_dict
 from envsync.links.local import LocalLink
 from envsync.protocol import ApplyAt
-from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig
+from envsync.worker.receiver import EnvStateReceiver
 
 
 class EnvAdapter:

@@ -12,7 +12,7 @@ import torch
 from envsync import AckTimeout, GatherError, ValidationError, WorkerApplyError
 from envsync.links.scripted import Script, ScriptedLink, answers, applies, refuses
 from envsync.links.slot_reader import SlotReader
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 STATE = {"loc": torch.zeros(2)}
 

@@ -1,4 +1,4 @@
-"""envsync.sender without a collector: validation, versions, desired state, checkpoints."""
+"""envsync.sender.sender without a collector: validation, versions, desired state, checkpoints."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A batched env's envs as its group sees them on the link (envsync/siblings.py): copies of
+"""A batched env's envs as its group sees them on the link (envsync/worker/siblings.py): copies of
 what each was published, reached and failed, receipt acknowledged once per target, requests
 seen per env, and a failure reported for exactly the envs that wait."""
 
@@ -8,7 +8,7 @@ import torch
 
 from envsync.links.local import LocalLink
 from envsync.protocol import NO_FAILURE, Kind, Request
-from envsync.siblings import Siblings
+from envsync.worker.siblings import Siblings
 
 LEVEL = ("config", "level")
 

@@ -41,7 +41,7 @@ import torch
 from envsync.curriculum.base import Strategy
 from envsync.curriculum.ledger import Episode, Measure, NestedKey
 from envsync.errors import ValidationError
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 Boundary = tuple[str, int]
 """A parameter's name and its side: 0 the lower boundary, 1 the upper."""

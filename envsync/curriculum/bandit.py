@@ -25,7 +25,7 @@ import torch
 from envsync.curriculum.base import Strategy, envs_of_workers
 from envsync.curriculum.ledger import Episode, Measure, NestedKey
 from envsync.errors import ValidationError
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 
 def episode_return(episode: Episode) -> float:

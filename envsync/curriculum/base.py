@@ -30,7 +30,7 @@ from tensordict import TensorDict, TensorDictBase
 from envsync.curriculum.ledger import Episode, Ledger, Measure, NestedKey
 from envsync.errors import ValidationError
 from envsync.protocol import ApplyAt
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 
 @runtime_checkable

@@ -2,7 +2,7 @@
 
 A frame names its env (``("next", "env_index")``) and the version its step ran under
 (``("next", "env_version")``); the sender names the config of each ``(env, version)``
-(:meth:`~envsync.sender.Sender.config_at`). The :class:`Ledger` cuts each env's frames into
+(:meth:`~envsync.sender.sender.Sender.config_at`). The :class:`Ledger` cuts each env's frames into
 pieces at episode ends (``("next", "done")``) and at version changes, sums rewards and
 reduces the user's measures over each piece with array operations (no Python loop over
 frames), and carries the piece still running at the end of a batch into the next batch of
@@ -25,7 +25,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync.errors import ValidationError
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 NestedKey = str | tuple[str, ...]
 REDUCTIONS = ("last", "first", "sum", "mean", "max", "min")

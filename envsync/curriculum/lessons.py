@@ -30,7 +30,7 @@ from envsync.curriculum.base import Strategy
 from envsync.curriculum.ledger import Episode, Measure, NestedKey
 from envsync.errors import ValidationError
 from envsync.protocol import ApplyAt
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import torch
 from envsync.curriculum.base import Strategy
 from envsync.curriculum.ledger import Episode, Measure, NestedKey
 from envsync.errors import ValidationError
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 
 def negative_return(episode: Episode) -> float:

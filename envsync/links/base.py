@@ -130,7 +130,7 @@ class Outbox(Protocol):
 
 
 class Acknowledgements(Protocol):
-    """The main process's side of a link, as waiting uses it (:mod:`envsync.acks`): what
+    """The main process's side of a link, as waiting uses it (:mod:`envsync.sender.acks`): what
     each worker acknowledged or failed, whether it lives, a wait for the next acknowledgement."""
 
     def status(self, worker: int) -> WorkerStatus:
@@ -195,7 +195,7 @@ class Inbox(Protocol):
 
     def reply(self, reply: Reply) -> None:
         """Answer with ``reply`` (a result, or the worker's traceback) and wake the sender (see
-        :func:`envsync.receiver.answer`, through which every worker-side answer goes)."""
+        :func:`envsync.worker.receiver.answer`, through which every worker-side answer goes)."""
 
 class Reports(Protocol):
     """What a receiver tells the sender on its end: acknowledgements, failures, the
@@ -227,13 +227,13 @@ class ReceiverLink(Inbox, Reports, Protocol):
 
 
 class Notices(Protocol):
-    """How an end's notices reach its worker loop (:mod:`envsync.worker_loop`)."""
+    """How an end's notices reach its worker loop (:mod:`envsync.worker.loop`)."""
 
     worker: int
 
     @property
     def link_name(self) -> str:
-        """The link's name, the same in every process (see :mod:`envsync.worker_loop`)."""
+        """The link's name, the same in every process (see :mod:`envsync.worker.loop`)."""
 
     def route_to(self, home: Notices) -> None:
         """Route every notice for this end to the semaphore ``home`` (an end of the same link,
@@ -255,7 +255,7 @@ class Marks(Protocol):
 
     def set_busy(self, busy: bool, count: int = 1) -> None:
         """Mark whether the collector drives the env (its owner's mark,
-        :meth:`~envsync.owner.Owner.marks_with`: the worker loops keep off meanwhile); with
+        :meth:`~envsync.worker.owner.Owner.marks_with`: the worker loops keep off meanwhile); with
         ``count``, the envs of ``count`` slots from this end's (a batched env's, in one write)."""
 
     def read_counters(self, names: Sequence[str], count: int) -> tuple[np.ndarray, ...]:
@@ -290,7 +290,7 @@ class End(ReceiverLink, Notices, Marks, Protocol):
 
 class RowsEnd(Protocol):
     """The end of the rows of one natively batched env, as its receiver
-    (:class:`~envsync.rows.RowsReceiver`) reads and acknowledges them: columns of rows, one
+    (:class:`~envsync.worker.rows.RowsReceiver`) reads and acknowledges them: columns of rows, one
     lock and one release for all of them."""
 
     count: int

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from envsync.links.base import Key
+from envsync.links.locks import per_slot
 from envsync.links.rows_reader import RowsReader
 from envsync.links.slot_reader import SlotReader
-from envsync.links.slots import SlotWriter, per_slot
+from envsync.links.slots import SlotWriter
 from envsync.links.table import Field, Table, plan
 from envsync.state import Leaf
 

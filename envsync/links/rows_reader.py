@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from envsync.links.base import RowsHeader
+from envsync.links.locks import acquire, distinct, write_text
 from envsync.links.records import ROWS, plain, seal
 from envsync.links.slot_reader import read_request
-from envsync.links.slots import acquire, distinct, write_text
 from envsync.links.table import ERROR_BYTES, Table
 from envsync.protocol import Reply, Request
 from envsync.state import put_rows, take_rows
@@ -40,7 +40,7 @@ class RowsReader:
         wakes: every slot's wake-up, then every slot's relay (as a slot reader's).
         acks: the acknowledgement semaphores ``(received, applied)``.
         gated: the rows are under a batched level: an apply is recorded as *reached*, and
-            the level acknowledges it *applied* (:mod:`envsync.gate`).
+            the level acknowledges it *applied* (:mod:`envsync.worker.gate`).
         claim: this process serves the rows (not only looks at them).
 
     Examples:

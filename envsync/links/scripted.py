@@ -10,7 +10,7 @@ in-process link's, so what the sender reads is exactly what a real worker would 
 
 Examples:
     >>> import torch
-    >>> from envsync.sender import Sender
+    >>> from envsync.sender.sender import Sender
     >>> sender = Sender(config={"x": 0.0})
     >>> _ = sender.port.attach(2, lambda leaves: ScriptedLink(leaves, 2, applies), detached=lambda: False)
     >>> sender.push(config={"x": 1.0}, wait="applied"), sender.versions()

@@ -15,8 +15,8 @@ import torch
 from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
 from envsync.links.base import Header, Key, Notices
+from envsync.links.locks import locked, take_back, write_text
 from envsync.links.records import plain, request_of, seal, unseal
-from envsync.links.slots import locked, take_back, write_text
 from envsync.links.table import ERROR_BYTES, Table, pid_alive
 from envsync.protocol import Reply, Request
 from envsync.state import Leaf
@@ -64,7 +64,7 @@ class SlotReader:
     sub-process, to wake its batched env's group in the worker). An end waits on one of its
     slot's (``relayed``: the relay), unless it was routed to another end's
     (:meth:`route_to`): then every notice for it releases that one, so one worker loop
-    waits on one semaphore for every env it holds (:mod:`envsync.worker_loop`).
+    waits on one semaphore for every env it holds (:mod:`envsync.worker.loop`).
     """
 
     def __init__(
@@ -242,7 +242,7 @@ class SlotReader:
 
     def gated(self, *, wake_group: bool) -> SlotReader:
         """This end, its "applied" left to the batched level above its env (which writes it
-        once it holds the version too, see :mod:`envsync.gate`): an
+        once it holds the version too, see :mod:`envsync.worker.gate`): an
         apply here is recorded as *reached*; ``wake_group``: wake the group through the
         slot's relay after each (a sub-env in another process than its group)."""
         return self._copy_end(relayed=self._relayed, gate=(True, wake_group))

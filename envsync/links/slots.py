@@ -1,5 +1,6 @@
-"""How the sender writes the slot table (:mod:`envsync.links.table`), and the slot lock both
-sides take (each worker's side is :mod:`envsync.links.slot_reader`).
+"""How the sender writes the slot table (:mod:`envsync.links.table`) and reads its replies
+(each worker's side is :mod:`envsync.links.slot_reader`; the locks both take,
+:mod:`envsync.links.locks`).
 
 A slot is written by the sender and read by its worker under the worker's *slot lock* (a
 process-shared lock for the shared-memory link), so a reader never sees a half-written
@@ -23,98 +24,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from envsync.errors import EnvSyncError, ValidationError
+from envsync.errors import ValidationError
 from envsync.links.base import BROADCAST, Key
+from envsync.links.locks import Released, acquire, locked, numbered, take_back
 from envsync.links.records import ROWS, plain, reply_of, seal, unseal
-from envsync.links.table import ERROR_BYTES, Table
+from envsync.links.table import Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf, put_rows, take_rows, tensor_of
 
-_LOCK_TIMEOUT = 10.0
 DRAIN_EVERY = 1024
 """Pushes between two takes-back of unwaited acknowledgement releases (:meth:`SlotWriter.flush`)."""
-
-
-def write_text(buffer: np.ndarray, lengths: np.ndarray, workers: int | np.ndarray, text: str) -> None:
-    """Write ``text``'s end into the error areas of ``workers`` (one, or many at once)."""
-    data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
-    buffer[workers, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-    lengths[workers] = len(data)
-
-
-def acquire(lock: Any, what: str, *args: Any) -> None:
-    """Take a slot lock; one held longer than any write takes means a dead holder: raise,
-    naming ``what % args`` (formatted only then: this is on every push's path)."""
-    if not lock.acquire(timeout=_LOCK_TIMEOUT):
-        raise EnvSyncError(f"{what % args}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
-
-
-def take_back(semaphore: Any) -> None:
-    """Take every release made so far of ``semaphore`` (without blocking)."""
-    while semaphore.acquire(False):
-        pass
-
-
-class locked:  # noqa: N801 (used as a ``with`` statement, like a function)
-    """Hold a slot lock for a ``with`` block: ``with locked(lock, "writing worker %d", w)``.
-    A lock held longer than any write takes means a dead holder: raise, naming ``what % args``
-    (formatted only then: this is on every push's path)."""
-
-    __slots__ = ("_lock",)
-
-    def __init__(self, lock: Any, what: str, *args: Any) -> None:
-        acquire(lock, what, *args)
-        self._lock = lock
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-
-def per_slot(locks: Sequence[Any], wakes: Sequence[Any], num_workers: int, group: int) -> tuple[list[Any], list[Any]]:
-    """Each slot's lock, and its wake-up then its relay, from those of its group (the same
-    objects for every slot of a group): the lists a slot table's writer and readers index by slot.
-
-    Examples:
-        >>> per_slot(["l0", "l1"], ["w0", "w1", "r0", "r1"], 3, 2)
-        (['l0', 'l0', 'l1'], ['w0', 'w0', 'w1', 'r0', 'r0', 'r1'])
-    """
-    groups = len(locks)
-    slot_locks = [locks[s // group] for s in range(num_workers)]
-    slot_wakes = [wakes[s // group] for s in range(num_workers)]
-    slot_relays = [wakes[groups + s // group] for s in range(num_workers)]
-    return slot_locks, slot_wakes + slot_relays
-
-
-def distinct(locks: Sequence[Any]) -> list[Any]:
-    """``locks`` without repeats, in their order (slots of one group share a lock: a
-    broadcast takes it once)."""
-    return list({id(lock): lock for lock in locks}.values())
-
-
-def _numbered(objects: Sequence[Any]) -> np.ndarray:
-    """Per entry, the index of the first entry holding the same object.
-
-    Examples:
-        >>> a, b = object(), object()
-        >>> _numbered([a, a, b, a]).tolist()
-        [0, 0, 2, 0]
-    """
-    first: dict[int, int] = {}
-    return np.array([first.setdefault(id(o), i) for i, o in enumerate(objects)], dtype=np.int64)
-
-
-class _Released:
-    """What a released writer holds instead of its locks and semaphores: any use of them is
-    a use of a closed link."""
-
-    def __getitem__(self, index: int) -> Any:
-        raise RuntimeError("link is closed")
-
-    def __iter__(self) -> Any:
-        raise RuntimeError("link is closed")
 
 
 class SlotWriter:
@@ -132,12 +51,12 @@ class SlotWriter:
     def __init__(self, table: Table, locks: list[Any], wakes: list[Any], acks: Any) -> None:
         self.table = table
         self.num_workers = table.num_workers
-        self._locks: list[Any] | _Released = locks
-        self._wakes: list[Any] | _Released = wakes
+        self._locks: list[Any] | Released = locks
+        self._wakes: list[Any] | Released = wakes
         # per slot (and per relay), the number of its lock (wake-up) among the distinct ones:
         # a write to thousands of rows of a group takes and wakes each once, by vector ops
-        self._lock_of = _numbered(locks)
-        self._wake_of = _numbered(wakes)
+        self._lock_of = numbered(locks)
+        self._wake_of = numbered(wakes)
         self._wake_to = table.counters["wake_to"]
         self._acks = acks
         self._waiters = 0
@@ -148,7 +67,7 @@ class SlotWriter:
     def release(self) -> None:
         """Drop this writer's references to the locks and semaphores (each is freed with its
         last reference); whatever needs one after raises ``RuntimeError("link is closed")``."""
-        self._locks = self._wakes = self._acks = _Released()
+        self._locks = self._wakes = self._acks = Released()
 
     def initialise(self, leaves: Mapping[Key, Leaf]) -> None:
         """Give every worker the same starting leaves at version 0 (before any worker reads)."""

@@ -52,13 +52,13 @@ from envsync.integrations.torchrl import handlers as _handlers  # noqa: F401  (r
 from envsync.integrations.torchrl.applies import read_config
 from envsync.integrations.torchrl.factory import wrap_env_fn
 from envsync.integrations.torchrl.scheme import make_schemes
-from envsync.sender import Sender
+from envsync.sender.sender import Sender
 
 
 class EnvStateSender(Sender):
     """Publishes the desired env state to the workers of torchrl collectors.
 
-    Takes the arguments of :class:`envsync.sender.Sender` (config template, ``apply``,
+    Takes the arguments of :class:`envsync.sender.sender.Sender` (config template, ``apply``,
     ``reinit``, ``apply_at``, ``allow_nonfinite``, ``env_state_template``) and adds what a
     torchrl collector needs: :meth:`env_fn` and :meth:`schemes`.
 

@@ -40,11 +40,11 @@ from envsync.integrations.torchrl.tags import (
     truncate_at,
 )
 from envsync.links.base import LinkHandle
-from envsync.owner import Owner
-from envsync.places import Place, Standalone, SubEnv
-from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig
+from envsync.worker.owner import Owner
+from envsync.worker.places import Place, Standalone, SubEnv
+from envsync.worker.receiver import EnvStateReceiver
 
 _UNDER_HOOKS = "_envsync_under_hooks"  # marks the base env of a hooked TransformedEnv
 

@@ -36,9 +36,9 @@ from envsync.integrations.torchrl.adapter import EnvHooks, serve_env
 from envsync.integrations.torchrl.level import outer_env
 from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, Columns, set_tag, truncate_at
 from envsync.links.base import LinkHandle
-from envsync.owner import Owner
-from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
+from envsync.worker.owner import Owner
+from envsync.worker.receiver import EnvStateReceiver
 
 BIND = "_envsync_bind"
 APPLY_NOW = "_envsync_apply_now"

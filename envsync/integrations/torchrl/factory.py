@@ -24,11 +24,11 @@ from envsync.integrations.torchrl.chain import chain_of
 from envsync.integrations.torchrl.native import prepare_native
 from envsync.integrations.torchrl.paths import held_at
 from envsync.levels import split_reinit
-from envsync.probe import Layout, Probe
+from envsync.sender.probe import Layout, Probe
 from envsync.spec import ApplySpec
 
 if TYPE_CHECKING:
-    from envsync.sender import Sender
+    from envsync.sender.sender import Sender
 
 
 def prepare_env(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> EnvBase:

@@ -23,8 +23,8 @@ from envsync.integrations.torchrl.rollouts import guard_commands, wrap_rollout
 from envsync.integrations.torchrl.tags import tags_set_aside
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
-from envsync.receiver import EnvStateReceiver
-from envsync.siblings import Siblings
+from envsync.worker.receiver import EnvStateReceiver
+from envsync.worker.siblings import Siblings
 
 
 class EnvGroup:
@@ -88,7 +88,7 @@ class EnvGroup:
 
     def unsettled(self, *, pending: bool) -> np.ndarray:
         """A mask of the sub-envs whose safe point has something to do
-        (:meth:`~envsync.siblings.Siblings.unsettled`)."""
+        (:meth:`~envsync.worker.siblings.Siblings.unsettled`)."""
         return self.envs.unsettled(pending=pending)
 
     def pending(self) -> list[int]:

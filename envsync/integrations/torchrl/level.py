@@ -3,11 +3,11 @@
 A ``TransformedEnv`` around a ``SerialEnv``/``ParallelEnv`` (or a natively batched env's
 transforms) is shared by every env of the worker: its entries (``batched.<key>``) ride in
 every env's slot, and its receiver, beside the batched env in the process that drives it,
-is an :class:`~envsync.receiver.EnvStateReceiver` like any other, on the gate over the
-envs' ends (:class:`~envsync.gate.GateEnd`), with the batched level's place
-(:class:`~envsync.places.BatchedLevel`) and this module's adapter, which shows the batched
+is an :class:`~envsync.worker.receiver.EnvStateReceiver` like any other, on the gate over the
+envs' ends (:class:`~envsync.worker.gate.GateEnd`), with the batched level's place
+(:class:`~envsync.worker.places.BatchedLevel`) and this module's adapter, which shows the batched
 env's own ``state_dict()`` under those names. Its group applies it at the batched env's
-safe points (:meth:`~envsync.receiver.EnvStateReceiver.apply_pending`), under the group's
+safe points (:meth:`~envsync.worker.receiver.EnvStateReceiver.apply_pending`), under the group's
 owner, never while the collector drives the env.
 """
 
@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 from torchrl.envs import EnvBase, TransformedEnv
 
-from envsync.gate import GateEnd
 from envsync.integrations.torchrl.adapter import CollectorAdapter
 from envsync.levels import PREFIX, inner, split_reinit
-from envsync.owner import Owner
-from envsync.places import BatchedLevel
-from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig
+from envsync.worker.gate import GateEnd
+from envsync.worker.owner import Owner
+from envsync.worker.places import BatchedLevel
+from envsync.worker.receiver import EnvStateReceiver
 
 
 def outer_env(env: object) -> TransformedEnv | None:

@@ -1,6 +1,6 @@
 """Natively batched envs: an ``EnvBase`` with ``batch_size=[n]`` holds ``n`` envs of the fleet.
 
-The rows share one env object, so they get one receiver (:class:`~envsync.rows.RowsReceiver`,
+The rows share one env object, so they get one receiver (:class:`~envsync.worker.rows.RowsReceiver`,
 their versions as columns) beside it, and its hooks (:class:`NativeHooks`) run the rows'
 safe points: before a batched step, the rows whose safe point has something to do (one
 vector read tells which: nothing is walked row by row); before a reset, those of the rows
@@ -41,9 +41,9 @@ from envsync.integrations.torchrl.tags import truncate_at
 from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
-from envsync.rows import RowsReceiver
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, flat_names, put_rows, tensor_of
+from envsync.worker.rows import RowsReceiver
 
 
 def _takes_env_ids(fn: Callable[..., Any]) -> bool:
@@ -122,7 +122,7 @@ def _rows(config: FlatConfig) -> TensorDict:
 
 
 class NativeRows:
-    """A natively batched env as its rows receiver sees it (:class:`~envsync.rows.RowsEnv`):
+    """A natively batched env as its rows receiver sees it (:class:`~envsync.worker.rows.RowsEnv`):
     its config through the applier, its state as the per-row entries of its ``state_dict()``
     (written in place), what a row holds at attribute paths."""
 

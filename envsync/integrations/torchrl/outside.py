@@ -27,11 +27,11 @@ from envsync.integrations.torchrl.chain import chain_of
 from envsync.integrations.torchrl.rollouts import drive
 from envsync.links.base import Flat
 from envsync.links.local import LocalLink
-from envsync.receiver import EnvStateReceiver
 from envsync.spec import ApplySpec
+from envsync.worker.receiver import EnvStateReceiver
 
 if TYPE_CHECKING:
-    from envsync.sender import Sender
+    from envsync.sender.sender import Sender
 
 _ATTACHED = "_envsync_outside"
 """Where an attached env keeps its attachment and the sender's weakref (in its ``__dict__``)."""

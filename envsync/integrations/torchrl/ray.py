@@ -32,7 +32,6 @@ from torchrl.collectors import Collector
 from torchrl.weight_update import RayWeightSyncScheme, WeightSyncScheme
 
 from envsync.errors import ValidationError
-from envsync.fleet import Attachment
 from envsync.integrations.torchrl.scheme import (
     EnvSchemeBase,
     InertWithoutModule,
@@ -48,9 +47,10 @@ from envsync.links.ray import RayLink
 from envsync.links.ray_relay import Relay, RelayHandle
 from envsync.links.ray_wire import Traffic
 from envsync.links.shared_memory import sweep_until_gone
+from envsync.sender.fleet import Attachment
 
 if TYPE_CHECKING:
-    from envsync.sender import Sender
+    from envsync.sender.sender import Sender
 
 
 class NodeScheme(EnvSchemeBase):

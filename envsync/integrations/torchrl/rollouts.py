@@ -5,7 +5,7 @@ that, in order: the env is marked driven (the worker loop keeps off) -> the hook
 rollout -> torchrl rolls out -> the batch is tagged and, where a pending version must end
 the episode, its last frame truncated -> the env is released -> what is due while idle is
 applied and pending gathers are answered (:meth:`Driven.settle`). The owner is an env's
-:class:`~envsync.receiver.EnvStateReceiver` or a batched env's group.
+:class:`~envsync.worker.receiver.EnvStateReceiver` or a batched env's group.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from envsync.links.local import LocalLink
 from envsync.links.shared_memory import SharedMemoryLink
 
 if TYPE_CHECKING:
-    from envsync.sender import Sender
+    from envsync.sender.sender import Sender
 
 
 def _detached(collector_ref: weakref.ReferenceType[Any]) -> bool:

@@ -4,7 +4,7 @@ env the process holds on that link.
 A worker process holds one env (a plain env, a ``ParallelEnv``'s sub-env in its own process),
 or many (a ``SerialEnv``'s sub-envs, a natively batched env's rows, a ``ParallelEnv``'s
 group, which its sub-envs wake through their slots' relays). Each env's owner (its
-:class:`~envsync.receiver.EnvStateReceiver`, or the batched env's group for all of its envs)
+:class:`~envsync.worker.receiver.EnvStateReceiver`, or the batched env's group for all of its envs)
 joins the loop with its link ends (:func:`serve`); the ends' notices are routed to the
 semaphore of the loop's first end (:meth:`~envsync.links.base.Notices.route_to`), so
 one thread waits on one semaphore, as gymnasium's ``_async_worker`` waits on one pipe.

@@ -1,9 +1,9 @@
-"""The sender's mechanisms share one :class:`Core`: the records (:class:`~envsync.records.DesiredState`,
-:class:`~envsync.records.Failures`), the statistics books, the fleet, the config history and
+"""The sender's mechanisms share one :class:`Core`: the records (:class:`~envsync.sender.records.DesiredState`,
+:class:`~envsync.sender.records.Failures`), the statistics books, the fleet, the config history and
 the lock that guards them all. Publishing a version (and rolling the latest push back) is
-decided here, in one place; :mod:`envsync.acks`, :mod:`envsync.gather` and
-:mod:`envsync.checkpoint` are functions of a ``Core`` and never see the
-:class:`~envsync.sender.Sender`, which owns one and is the public front.
+decided here, in one place; :mod:`envsync.sender.acks`, :mod:`envsync.sender.gather` and
+:mod:`envsync.sender.checkpoint` are functions of a ``Core`` and never see the
+:class:`~envsync.sender.sender.Sender`, which owns one and is the public front.
 
 Lock order: take :attr:`Core.lock` before any link's slot lock; never block on an
 acknowledgement while holding it.
@@ -17,14 +17,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from envsync import desired
-from envsync.books import StatsBooks
-from envsync.desired import Undo, Update
 from envsync.errors import ValidationError
-from envsync.fleet import Attachment, Fleet
-from envsync.history import ConfigHistory
 from envsync.links.base import Flat, SenderLink
-from envsync.records import DesiredState, Failures
+from envsync.sender import desired
+from envsync.sender.books import StatsBooks
+from envsync.sender.desired import Undo, Update
+from envsync.sender.fleet import Attachment, Fleet
+from envsync.sender.history import ConfigHistory
+from envsync.sender.records import DesiredState, Failures
 from envsync.state import Leaf
 
 

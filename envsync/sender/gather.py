@@ -2,8 +2,8 @@
 through their links, waiting for their typed answers (a failure to answer raises
 :class:`~envsync.errors.GatherError`, never a failed apply), and the one loop that reads
 statistics while each env's applied version is known (:func:`read_settled`, used by
-``sync_stats`` and checkpoints). Functions of a :class:`~envsync.core.Core`; the bytes move
-through the links, the books are :mod:`envsync.books`."""
+``sync_stats`` and checkpoints). Functions of a :class:`~envsync.sender.core.Core`; the bytes move
+through the links, the books are :mod:`envsync.sender.books`."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import torch
 from tensordict import TensorDict
 
 from envsync import stats
-from envsync.books import StatsBook
-from envsync.core import Core
 from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WorkerApplyError
 from envsync.levels import PREFIX, is_batched, selector_level
 from envsync.protocol import ApplyAt, Kind, Request
 from envsync.reinit import STATS, Selector
+from envsync.sender.books import StatsBook
+from envsync.sender.core import Core
 from envsync.state import EnvStateTemplate, state_name, take_rows
 
 _ANSWER_SLICE = 0.05

@@ -35,7 +35,7 @@ their own sub-process. A batched env has one owner for itself (its own transform
 group's idle work, and every row of a natively batched env, whose rows are one env object:
 their receivers share it); marking it driven marks every env under it busy in its slot, and
 a sub-env in another process reads that mark before an idle apply
-(:class:`~envsync.places.SubEnv`). The mark is set where another process reads it: by the
+(:class:`~envsync.worker.places.SubEnv`). The mark is set where another process reads it: by the
 binder of a collector's unbatched env (its link end) and by a batched env's group (every
 env under it), through :meth:`Owner.marks_with`.
 """

@@ -14,7 +14,7 @@ from envsync.spec import ApplySpec
 
 
 class Applier(Protocol):
-    """What a place asks of its receiver (:class:`~envsync.receiver.EnvStateReceiver`)."""
+    """What a place asks of its receiver (:class:`~envsync.worker.receiver.EnvStateReceiver`)."""
 
     @property
     def spec(self) -> ApplySpec:
@@ -112,8 +112,8 @@ class SubEnv:
 
 class BatchedLevel:
     """A batched env's own transforms: entries ``batched.*``, applied by its group (through
-    :meth:`~envsync.receiver.EnvStateReceiver.apply_pending`) once every env under them holds
-    the version (its end is the gate, :class:`~envsync.gate.GateEnd`); never reset by its
+    :meth:`~envsync.worker.receiver.EnvStateReceiver.apply_pending`) once every env under them holds
+    the version (its end is the gate, :class:`~envsync.worker.gate.GateEnd`); never reset by its
     receiver, it answers the requests for its entries itself.
 
     Examples:

@@ -1,6 +1,6 @@
 """Checkpoints of a sender, decided without moving a byte: records in, a checkpoint dict out
 (:func:`state_dict`); a checkpoint in, a :class:`RestorePlan` out (:func:`plan_restore`),
-validated whole before anything changes. :mod:`envsync.restore` carries a plan out through
+validated whole before anything changes. :mod:`envsync.sender.restore` carries a plan out through
 the sender's pushes; the sender gathers the workers' state for ``state_dict(gather=True)``.
 
 A checkpoint holds the version, the desired config of every env (one row per env when
@@ -18,16 +18,16 @@ from typing import Any
 
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import desired
-from envsync.books import StatsBook
-from envsync.core import Core
 from envsync.errors import ValidationError
 from envsync.levels import is_batched
-from envsync.records import DesiredState
+from envsync.sender import desired
+from envsync.sender.books import StatsBook
+from envsync.sender.core import Core
+from envsync.sender.records import DesiredState
 from envsync.state import ConfigTemplate, EnvStateTemplate, Leaf, flat_names, nest
 
 Gathered = tuple[Any, dict[bool, dict[int, int]]]
-"""Every collected env's state as :func:`envsync.gather.read_settled` read it, and the applied
+"""Every collected env's state as :func:`envsync.sender.gather.read_settled` read it, and the applied
 versions it was read at (per level: ``True`` is the batched envs' own)."""
 
 

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from envsync.core import Core
-from envsync.desired import Update
 from envsync.errors import ValidationError
-from envsync.fleet import Attachment
 from envsync.links.base import Flat, SenderLink
-from envsync.probe import Probe
+from envsync.sender.core import Core
+from envsync.sender.desired import Update
+from envsync.sender.fleet import Attachment
+from envsync.sender.probe import Probe
 from envsync.spec import ApplySpec
 from envsync.state import ConfigTemplate, EnvStateTemplate
 
@@ -39,7 +39,7 @@ class AttachPort:
         allow_nonfinite: accept NaN and inf in env state read from the probe.
 
     Examples:
-        >>> from envsync.sender import Sender
+        >>> from envsync.sender.sender import Sender
         >>> sender = Sender(config={"x": 0.0})
         >>> leaves, rows = sender.port.start_state()
         >>> float(leaves["config", "x"]), rows

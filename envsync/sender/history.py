@@ -18,7 +18,7 @@ records (or ``keep_bytes`` recorded) it walks every record once, newest first, w
 counter per env, and drops the records no env needs.
 
 Leaves are never written after they are recorded: shared ones are the sender's own (never
-changed once published, see :mod:`envsync.desired`), rows are copies.
+changed once published, see :mod:`envsync.sender.desired`), rows are copies.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from envsync.desired import section
 from envsync.errors import ValidationError
 from envsync.links.base import Flat
+from envsync.sender.desired import section
 from envsync.state import Leaf, nest
 
 SLACK = 16

@@ -10,7 +10,7 @@ the env's apply **once** with all ``k`` rows (their indices as ``env_ids``), wri
 env-state rows, and acknowledges them in one vector write, after the apply and its finish
 returned ("applied" means the simulator holds it).
 
-One apply, in order (as :class:`~envsync.receiver.EnvStateReceiver`'s): config (the one
+One apply, in order (as :class:`~envsync.worker.receiver.EnvStateReceiver`'s): config (the one
 call) -> the rows' env state (their row of every per-row ``state_dict()`` entry). If any part
 raises, every row of the call gets its previous config and env state back and fails its
 version, with the traceback; the rows keep running their previous versions. A row whose
@@ -30,10 +30,10 @@ import torch
 
 from envsync.levels import is_batched
 from envsync.links.base import RowsHeader, RowsLink
-from envsync.owner import Owner
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
 from envsync.spec import ApplySpec
 from envsync.state import put_rows, take_rows
+from envsync.worker.owner import Owner
 
 
 class RowsEnv(Protocol):

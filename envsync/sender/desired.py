@@ -2,7 +2,7 @@
 the default (what a worker joining later starts from), a push's :class:`Update` (columns:
 values shared by every targeted env, and one row per env), and what the latest push
 replaced (:class:`Undo`, so a failed push can be rolled back). What each attached env was
-last sent is its attachment's :class:`~envsync.mirror.Mirror`.
+last sent is its attachment's :class:`~envsync.sender.mirror.Mirror`.
 
 Shared leaves are kept by reference: every push brings fresh tensors (the templates' ``fit``
 copies what the caller gave) and the sender never writes into a tensor it has published,

@@ -78,7 +78,7 @@ class GateEnd:
     def ack_applied(self, version: int, holds: Callable[[dict[str, int]], bool] | None = None) -> None:
         """The level holds ``version``: every env whose reached version it covers is applied.
 
-        With ``holds`` (the level's receiver's :meth:`~envsync.receiver.EnvStateReceiver.holds`),
+        With ``holds`` (the level's receiver's :meth:`~envsync.worker.receiver.EnvStateReceiver.holds`),
         an env that reached a newer version, its latest, is applied too where that version
         asks nothing of the level (no entry of the level pushed since, no re-initialisation
         to run): in ``"reset"`` mode an env that reset into a version is then applied at once,

@@ -1,4 +1,4 @@
-"""Carrying out a checkpoint's :class:`~envsync.checkpoint.RestorePlan`: with no collector
+"""Carrying out a checkpoint's :class:`~envsync.sender.checkpoint.RestorePlan`: with no collector
 attached, the plan becomes what the next one starts from; with running envs, it is pushed as
 new versions, and the statistics books learn at which version each env holds the
 checkpoint's statistics (it runs on meanwhile)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from envsync.checkpoint import RestorePlan
-from envsync.core import Core
 from envsync.levels import is_batched
+from envsync.sender.checkpoint import RestorePlan
+from envsync.sender.core import Core
 from envsync.state import Leaf
 
 

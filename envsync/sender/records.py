@@ -1,6 +1,6 @@
 """The sender's records: what it desires and which failures it has raised.
 
-Plain data with public methods, no I/O and no lock (the caller, :class:`envsync.core.Core`,
+Plain data with public methods, no I/O and no lock (the caller, :class:`envsync.sender.core.Core`,
 holds its lock around them). :class:`DesiredState` owns the version, the default leaves a
 worker joining later starts from, the per-env rows a checkpoint restored before any
 collector was attached, and the undo of the latest push; :class:`Failures` the failed
@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from envsync import desired
-from envsync.desired import Undo
 from envsync.errors import ValidationError
 from envsync.links.base import Flat, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus, failure_to_raise
+from envsync.sender import desired
+from envsync.sender.desired import Undo
 from envsync.state import Leaf
 
 Fit = Callable[[Any], dict[str, torch.Tensor]]

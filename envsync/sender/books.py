@@ -1,6 +1,6 @@
 """The ``sync_stats`` books: per fleet index, what each worker's statistics are counted up
 to (its baseline), the latest merge, and the merge pushed last until every worker tells
-whether it applied it. Plain data, no I/O (:mod:`envsync.gather` reads the workers, and
+whether it applied it. Plain data, no I/O (:mod:`envsync.sender.gather` reads the workers, and
 :mod:`envsync.stats` does the maths)."""
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from envsync.desired import Update
 from envsync.links.base import Flat, Key
+from envsync.sender.desired import Update
 from envsync.state import Leaf, put_rows, take_rows, tensor_of
 
 
@@ -90,6 +90,6 @@ class Mirror:
         return column
 
     def update(self, slots: np.ndarray) -> Update:
-        """Every leaf of ``slots`` as an :class:`~envsync.desired.Update` (targets: the slots)."""
+        """Every leaf of ``slots`` as an :class:`~envsync.sender.desired.Update` (targets: the slots)."""
         shared, rows = self.gather(slots, dict.fromkeys([*self._shared, *self._columns]))
         return Update(slots, shared, rows)

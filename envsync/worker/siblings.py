@@ -6,7 +6,7 @@ view over all of them at once: what each was published, reached, failed, and ran
 step and observation under (for the tags and the fast path), which of them wait for a version
 or a reply, and a way to acknowledge receipt for them, wake their own loops and fail what
 they wait for. :class:`Siblings` is that view, so the integration never holds a link end; it
-also makes the batched level's end, the gate over the same ends (:mod:`envsync.gate`).
+also makes the batched level's end, the gate over the same ends (:mod:`envsync.worker.gate`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from envsync import worker_loop
-from envsync.gate import GateEnd
 from envsync.links.base import End, LinkHandle
-from envsync.worker_loop import Member
+from envsync.worker import loop
+from envsync.worker.gate import GateEnd
+from envsync.worker.loop import Member
 
 VERSIONS = ("target", "reached", "failed", "ran", "obs")
 """Per env: its latest target; the version it reached (applied; its batched level, if any,
@@ -148,6 +148,6 @@ class Siblings:
         """Serve ``member`` in this process's worker loop, woken by every env's notices (or,
         ``relayed``, by its slot's relay: the envs' own receivers serve them elsewhere)."""
         if self._rows is not None and self._rows.one_wake:  # the first row's end waits for every row
-            worker_loop.serve(member, [self._first])
+            loop.serve(member, [self._first])
             return
-        worker_loop.serve(member, [end.relayed() if relayed else end for end in self._ends])
+        loop.serve(member, [end.relayed() if relayed else end for end in self._ends])

@@ -3,13 +3,13 @@
 One receiver lives beside each level of a worker's env that holds state, bound to one link
 end and one env adapter: a plain env, each sub-env of a batched env, each row of a natively
 batched env, an env outside any collector, and a batched env's own transforms (whose end is
-the gate over its envs' ends, :class:`~envsync.gate.GateEnd`). Its place
-(:mod:`envsync.places`) says which entries it owns and what it does besides applying. Its
+the gate over its envs' ends, :class:`~envsync.worker.gate.GateEnd`). Its place
+(:mod:`envsync.worker.places`) says which entries it owns and what it does besides applying. Its
 safe points are called by the adapter from the thread that drives the env:
 :meth:`before_reset` (before the env resets), :meth:`before_step` (before a step) and
 :meth:`truncate_now` (after a step); a batched level's by its group
 (:meth:`apply_pending`). While the collector is idle, the process's worker loop
-(:mod:`envsync.worker_loop`), woken by the sender, applies ``"step"`` and ``"truncate"``
+(:mod:`envsync.worker.loop`), woken by the sender, applies ``"step"`` and ``"truncate"``
 versions at once.
 
 One apply, in order: config method -> env state (copied from the link straight into the
@@ -34,17 +34,17 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from envsync import worker_loop
-from envsync.env_adapter import EnvAdapter
 from envsync.errors import EnvSyncError
 from envsync.levels import BATCHED
 from envsync.links.base import Notices, ReceiverLink
-from envsync.owner import Owner
-from envsync.places import Place, Standalone
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply, Request
 from envsync.reinit import STATS
 from envsync.spec import ApplySpec
 from envsync.state import FlatConfig, flat_names
+from envsync.worker import loop as worker_loop
+from envsync.worker.env_adapter import EnvAdapter
+from envsync.worker.owner import Owner
+from envsync.worker.places import Place, Standalone
 
 _MAX_RETRIES = 8
 
@@ -60,9 +60,9 @@ class EnvStateReceiver(Generic[L]):
         spec: how versions are applied.
         adapter: the env this receiver serves.
         initial_config: the config the env was built with (version 0).
-        place: where the env lives (:class:`~envsync.places.Standalone`, the default, or
-            :class:`~envsync.places.SubEnv`).
-        owner: the env's owner (:mod:`envsync.owner`), shared with the hooks
+        place: where the env lives (:class:`~envsync.worker.places.Standalone`, the default, or
+            :class:`~envsync.worker.places.SubEnv`).
+        owner: the env's owner (:mod:`envsync.worker.owner`), shared with the hooks
             that step and reset it; a fresh one when not given.
 
     Examples:
@@ -158,7 +158,7 @@ class EnvStateReceiver(Generic[L]):
         """Whether a version whose env-state entries are stamped ``stamps`` asks nothing of this
         receiver's level: it holds every entry the level owns as stamped there, and has no
         re-initialisation to run (a batched level's gate then acknowledges an env that reached
-        that version without waiting for its siblings, :meth:`~envsync.gate.GateEnd.ack_applied`)."""
+        that version without waiting for its siblings, :meth:`~envsync.worker.gate.GateEnd.ack_applied`)."""
         if self.adapter.has_reinit:
             return False
         return all(self._stamps.get(name, 0) == stamp for name, stamp in stamps.items() if self._owns(name))

@@ -2,9 +2,9 @@
 
 A push's input (config values, possibly one row per env; env-state entries) is validated
 against the templates and turned into flat leaves stamped with the new version, as columns
-(:class:`~envsync.desired.Update`: values shared by every targeted env, and rows), plus the
+(:class:`~envsync.sender.desired.Update`: values shared by every targeted env, and rows), plus the
 update of what a worker joining later starts from. Statistics of ``recompute(where="main")`` policies are computed
-here, on the probe env, once per distinct config. Nothing is written: :meth:`envsync.core.Core.publish`
+here, on the probe env, once per distinct config. Nothing is written: :meth:`envsync.sender.core.Core.publish`
 writes what this returns.
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import desired
-from envsync.core import Core
-from envsync.desired import Update
 from envsync.errors import ValidationError
 from envsync.levels import is_batched
 from envsync.links.base import Flat
+from envsync.sender import desired
+from envsync.sender.core import Core
+from envsync.sender.desired import Update
 from envsync.state import ConfigTemplate, EnvStateTemplate, Leaf, nest, tensor_of
 
 Plan = tuple[list[Update], Flat | None]
@@ -42,7 +42,7 @@ class Updates:
 
     Examples:
         >>> import torch
-        >>> from envsync.core import Core
+        >>> from envsync.sender.core import Core
         >>> from envsync.state import ConfigTemplate, EnvStateTemplate
         >>> template = ConfigTemplate({"x": 0.0})
         >>> core = Core(template.flat)

@@ -1,7 +1,7 @@
 """The sender's reading back from its workers: the versions they run, their env-state
 entries (``gather``), what they hold at attribute paths (``read_attributes``), and a merge of
-their running statistics (``sync_stats``). A part of :class:`~envsync.sender.Sender`'s public
-front; :mod:`envsync.gather` decides what is asked and how answers combine, the links move
+their running statistics (``sync_stats``). A part of :class:`~envsync.sender.sender.Sender`'s public
+front; :mod:`envsync.sender.gather` decides what is asked and how answers combine, the links move
 the bytes.
 """
 
@@ -12,17 +12,17 @@ from typing import TYPE_CHECKING
 
 from tensordict import TensorDict
 
-from envsync import gather
-from envsync.core import Core
 from envsync.errors import ValidationError
-from envsync.port import AttachPort
 from envsync.reinit import Selector
+from envsync.sender import gather
+from envsync.sender.core import Core
+from envsync.sender.port import AttachPort
 from envsync.spec import ApplySpec
 from envsync.state import EnvStateTemplate
 
 
 class ReadBack:
-    """What a :class:`~envsync.sender.Sender` reads back from its workers."""
+    """What a :class:`~envsync.sender.sender.Sender` reads back from its workers."""
 
     _core: Core
     port: AttachPort

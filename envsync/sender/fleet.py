@@ -17,7 +17,7 @@ import numpy as np
 
 from envsync.errors import ValidationError
 from envsync.links.base import Flat, SenderLink
-from envsync.mirror import Mirror
+from envsync.sender.mirror import Mirror
 
 
 @dataclass(eq=False)

@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from envsync.core import Core
 from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
-from envsync.fleet import Attachment, Part
 from envsync.links.base import Acknowledgements
 from envsync.protocol import NO_FAILURE, Until, all_settled, any_owing, is_done
+from envsync.sender.core import Core
+from envsync.sender.fleet import Attachment, Part
 
 _ACK_SLICE = 0.05
 """Longest blocking wait for an acknowledgement before liveness is checked again."""

@@ -1,15 +1,15 @@
 """The sender: validate -> publish a version -> wait for acknowledgements; the public front.
 
 :class:`Sender` is what users call (push, wait, gather, sync_stats, checkpoints). What it
-desires lives in its :class:`~envsync.core.Core` (records, books, fleet, lock); a push's
-updates are built by :mod:`envsync.updates` and published by the core; waiting is
-:mod:`envsync.acks`, reading back :mod:`envsync.gather`, checkpoints :mod:`envsync.checkpoint`.
+desires lives in its :class:`~envsync.sender.core.Core` (records, books, fleet, lock); a push's
+updates are built by :mod:`envsync.sender.updates` and published by the core; waiting is
+:mod:`envsync.sender.acks`, reading back :mod:`envsync.sender.gather`, checkpoints :mod:`envsync.sender.checkpoint`.
 Each push publishes a new integer version (the template is version 0). Before a collector
 is attached, pushes only change the desired state; a collector attached later starts every
 worker from it.
 
 The core knows no framework: an integration (``envsync.integrations.torchrl``) gives it a
-probe env and attaches collectors through :attr:`Sender.port` (:class:`~envsync.port.AttachPort`).
+probe env and attaches collectors through :attr:`Sender.port` (:class:`~envsync.sender.port.AttachPort`).
 Users build :class:`envsync.EnvStateSender`, the torchrl front.
 """
 
@@ -21,21 +21,21 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
-from envsync import acks, checkpoint, desired, restore
-from envsync.core import Core
-from envsync.desired import Update
 from envsync.errors import ValidationError
-from envsync.fleet import Member
-from envsync.gather import read_settled
-from envsync.history import ConfigHistory
 from envsync.links.base import Flat
-from envsync.port import AttachPort
 from envsync.protocol import ApplyAt, Until
 from envsync.reinit import Policy, ReinitSpec, Selector
-from envsync.sender_reads import ReadBack
+from envsync.sender import acks, checkpoint, desired, restore
+from envsync.sender.core import Core
+from envsync.sender.desired import Update
+from envsync.sender.fleet import Member
+from envsync.sender.gather import read_settled
+from envsync.sender.history import ConfigHistory
+from envsync.sender.port import AttachPort
+from envsync.sender.reads import ReadBack
+from envsync.sender.updates import Plan, Updates
 from envsync.spec import ApplySpec
 from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, Leaf, nest
-from envsync.updates import Plan, Updates
 
 Prepare = Callable[[], Plan]
 _UNTIL = {until.value: until for until in Until}  # a dict look-up: an enum call costs more per push
@@ -108,7 +108,7 @@ class Sender(ReadBack):
             envs_per_worker=envs_per_worker,
             allow_nonfinite=allow_nonfinite,
         )
-        """What integrations attach through (:class:`~envsync.port.AttachPort`); users never need it."""
+        """What integrations attach through (:class:`~envsync.sender.port.AttachPort`); users never need it."""
         main_stats = self._main_stats if self.spec.reinit.computes_in_main else None
         self._updates = Updates(self._core, self.template, self.env_state_template, main_stats)
 
@@ -304,7 +304,7 @@ class Sender(ReadBack):
         """The config env ``env`` (fleet index) ran under ``version``: what a frame tagged
         ``env_index=env``, ``env_version=version`` was produced under.
 
-        Kept for every version a frame may still carry (see :class:`~envsync.history.ConfigHistory`;
+        Kept for every version a frame may still carry (see :class:`~envsync.sender.history.ConfigHistory`;
         ``sender.config_history.keep`` sets how many older versions per env outlive the one an
         env applied).
 
