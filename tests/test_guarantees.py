@@ -188,8 +188,9 @@ def test_a_timeout_names_the_late_workers_and_a_later_push_works() -> None:
 def test_the_data_plane_never_unpickles() -> None:
     """Workers read tensors only: no module on the data path imports a pickler."""
     root = pathlib.Path(envsync.__file__).parent
-    links = ("links/shared_memory.py", "links/slots.py", "links/local.py", "links/base.py")
-    for module in ("receiver.py", *links, "protocol.py"):
+    links = ("links/shared_memory.py", "links/slots.py", "links/local.py", "links/base.py", "links/locks.py")
+    links += ("links/slot_reader.py", "links/rows_reader.py", "links/records.py")
+    for module in ("worker/receiver.py", "worker/rows.py", *links, "protocol.py"):
         tree = ast.parse((root / module).read_text())
         imported = {
             alias.name.split(".")[0]
