@@ -18,7 +18,7 @@ import torch
 from envsync.links.local import LocalLink
 from envsync.links.shared_memory import PREFIX, SHM_DIR, SharedMemoryLink, sweep_stale
 from envsync.links.slots import DRAIN_EVERY
-from envsync.protocol import NO_FAILURE, all_settled, any_owing
+from envsync.protocol import NO_FAILURE, Kind, Reply, Request, all_settled, any_owing
 from envsync.state import tensor_of
 
 LEAVES = {
@@ -380,5 +380,35 @@ def test_an_acknowledgement_of_an_older_version_never_moves_reached_back(kind: s
         status = link.status(0)
         assert (status.reached, status.applied) == (2, 1)
         assert gate_side.read_stamps()[0] == 2
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_rows_of_a_group_get_a_request_written_once_and_answer_it_with_one_reply(kind: str) -> None:
+    """A gather of every row of a natively batched env writes its request into one row's
+    area (the others name it: a request to 65,536 worlds touches one page, not one per world)
+    and reads the rows' one reply back as columns, in the rows' order; a row asked alone
+    reads the same way."""
+    leaves = {("config", "x"): torch.zeros(())}
+    if kind == "local":
+        link: Any = LocalLink(leaves, 6, group=6)
+    else:
+        link = SharedMemoryLink(leaves, 6, ctx=mp.get_context("spawn"), group=6)
+    try:
+        rows = link.handle().open_rows(0, 6)
+        request = Request(5, Kind.ATTRIBUTES, {"paths": ["mass"]})
+        asked = np.array([1, 2, 4, 5])
+        link.send_request(asked, request)
+        counters = link.table.counters
+        assert counters["ask_len"][asked].tolist() == [counters["ask_len"][1], 0, 0, 0]
+        assert counters["ask_at"][asked].tolist() == [2, 2, 2, 2]  # slot 1's area, for all
+        which, ids = rows.asked()
+        assert which.tolist() == asked.tolist() and ids.tolist() == [5] * 4
+        assert rows.request(4) == request
+        rows.reply(which, Reply(5, {"mass": torch.tensor([1.0, 2.0, 4.0, 5.0])}))
+        [(slots, reply)] = link.replies(np.array([5, 1, 4]), 5)
+        assert slots.tolist() == [1, 4, 5] and reply.result["mass"].tolist() == [1.0, 4.0, 5.0]
+        assert link.reply(2, 5).result["mass"].item() == 2.0  # one row, as a Ray relay reads it
     finally:
         link.close()

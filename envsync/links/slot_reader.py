@@ -32,9 +32,12 @@ def read_request(table: Table, slot: int, lock: Any, held: Request | None) -> Re
     if held is not None and held.id == ask:
         return held
     with locked(lock, "worker %d reading a request", slot):
-        length = int(c["ask_len"][slot])
-        data = bytes(table.areas["request"][slot, :length])
-    return request_of(unseal(data))
+        source = int(c["ask_at"][slot]) - 1  # the slot whose area holds it (a group's first asked)
+        source = slot if source < 0 else source
+        length = int(c["ask_len"][source])
+        data = bytes(table.areas["request"][source, :length])
+    request = request_of(unseal(data))
+    return request if request.id == ask else None  # overwritten by a newer request: not this one
 
 
 def write_reply(table: Table, slot: int, lock: Any, acks: Any, reply: Reply) -> None:

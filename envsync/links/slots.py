@@ -189,9 +189,9 @@ class SlotWriter:
                 take_back(semaphore)
 
     def send_request(self, workers: Sequence[int] | np.ndarray, request: Request) -> None:
-        """Put ``request`` in the request area of each of ``workers`` (handled at each one's
-        next safe point, or at once while idle; :meth:`notify` wakes them): one vector write,
-        under each of their locks once."""
+        """Put ``request`` in the request area of ``workers`` (handled at each one's next safe
+        point, or at once while idle; :meth:`notify` wakes them): written once per group of
+        slots sharing a lock, each slot's ``ask_at`` naming where, under each lock once."""
         sealed = self._sealed
         if sealed[0] != request.id:  # a request goes to many slots (every env of a gather): sealed once
             sealed = self._sealed = (request.id, np.frombuffer(seal(plain(request)), dtype=np.uint8))
@@ -203,17 +203,23 @@ class SlotWriter:
                 f"({area.shape[1]} bytes): ask for fewer names or paths at a time"
             )
         slots = np.asarray(workers, dtype=np.int64)
-        numbers = np.unique(self._lock_of[slots]).tolist()
+        # once per group of slots that share a lock (the rows of a natively batched env), in
+        # its first asked slot's area: a request to 65,536 rows touches one page, not 65,536
+        groups = self._lock_of[slots]
+        numbers, first = np.unique(groups, return_index=True)
+        heads = slots[first]
+        counters = self.table.counters
         held = 0
         try:
-            for number in numbers:
+            for number in numbers.tolist():
                 acquire(self._locks[number], "asking worker %d", int(slots[0]))
                 held += 1
-            area[slots, : len(data)] = data
-            self.table.counters["ask_len"][slots] = len(data)
-            self.table.counters["ask"][slots] = request.id
+            area[heads, : len(data)] = data
+            counters["ask_len"][heads] = len(data)
+            counters["ask_at"][slots] = heads[np.searchsorted(numbers, groups)] + 1
+            counters["ask"][slots] = request.id
         finally:
-            for number in numbers[:held]:
+            for number in numbers[:held].tolist():
                 self._locks[number].release()
 
     def replies(self, workers: np.ndarray, request: int) -> list[tuple[np.ndarray, Reply]]:

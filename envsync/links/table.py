@@ -1,8 +1,9 @@
-"""The slot table both links lay out in one block of bytes: per worker, eighteen int64
+"""The slot table both links lay out in one block of bytes: per worker, nineteen int64
 counters, a failed apply's error text, a request area and a reply area (a request and its
 reply as sealed records, :mod:`envsync.links.records`: the link never reads their kind; the
-rows of a natively batched env answer a request with one reply for all of them, written
-across their consecutive reply areas, and each row's ``reply_at`` names the slot it starts at),
+rows of a natively batched env get a request written once, in their first asked row's area
+(each row's ``ask_at`` names it), and answer it with one reply for all of them, written
+across their consecutive reply areas (each row's ``reply_at`` names the slot it starts at)),
 one view per leaf of the desired state, and for every config name a write count (a worker
 copies out only the names written since it last read). After the slots, one broadcast region per config
 name and env-state entry: a value pushed to every worker of the link is written there once,
@@ -45,6 +46,7 @@ COUNTERS = (
     "wake_to",
     "relay_to",
     "reply_at",
+    "ask_at",
 )
 ALIGN = 64
 MARKS = ("source", "config_source", "writes")
