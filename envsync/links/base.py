@@ -136,9 +136,9 @@ class Acknowledgements(Protocol):
     def status(self, worker: int) -> WorkerStatus:
         """Read the worker's acknowledgements."""
 
-    def failed(self) -> list[int]:
+    def failed(self) -> np.ndarray:
         """Every worker's latest failed version (:data:`~envsync.protocol.NO_FAILURE`: none),
-        in one read (checked before every push)."""
+        as one int64 column read at once (checked before every push)."""
 
     def error_text(self, worker: int) -> str:
         """The traceback text of the worker's latest failure."""

@@ -263,8 +263,8 @@ class RayLink:
         target = self._target[worker]
         return WorkerStatus(worker, target, received, applied, failed, reached)
 
-    def failed(self) -> list[int]:
-        return [acks[2] for acks in self._acks]
+    def failed(self) -> np.ndarray:
+        return np.array([acks[2] for acks in self._acks], dtype=np.int64)
 
     def error_text(self, worker: int) -> str:
         return self._errors.get(worker, "")

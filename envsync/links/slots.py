@@ -291,8 +291,8 @@ class SlotWriter:
     def status(self, worker: int) -> WorkerStatus:
         return self.table.status(worker)
 
-    def failed(self) -> list[int]:
-        return list(self.table.counters["failed"].tolist())
+    def failed(self) -> np.ndarray:
+        return self.table.counters["failed"].copy()
 
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)

@@ -105,7 +105,7 @@ def _settled(core: Core, link: Acknowledgements, slots: np.ndarray, version: int
             return None
         if all_settled(link.counts(slots, applied=mode is Until.APPLIED), version):
             return True
-        return False if (np.asarray(link.failed()) == NO_FAILURE).all() else None
+        return False if (link.failed() == NO_FAILURE).all() else None
 
 
 def _progress(
@@ -200,7 +200,7 @@ def raise_failures(core: Core) -> None:
     """Raise the first failure of any env not raised yet; if it is of the latest push, roll
     that push back."""
     for attachment in core.fleet.attachments:
-        for slot in np.flatnonzero(np.asarray(attachment.link.failed()) != NO_FAILURE).tolist():
+        for slot in np.flatnonzero(attachment.link.failed() != NO_FAILURE).tolist():
             index = attachment.offset + slot
             failed = core.failures.to_raise(index, attachment.link.status(slot))
             if failed is not None:

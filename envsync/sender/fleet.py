@@ -248,15 +248,16 @@ class Fleet:
 
 
 def _chosen(requested: Sequence[int], live: np.ndarray, what: str, plural: str) -> np.ndarray:
-    """``requested`` without repeats (first come first), each checked against ``live``."""
+    """``requested`` without repeats (first come first), each checked against ``live`` (ascending)."""
     values = list(requested) if not isinstance(requested, np.ndarray) else requested
     array = np.asarray(values)
-    mixed = array.dtype.kind in "iu" and isinstance(values, list) and any(type(v) is bool for v in values)
+    mixed = array.dtype.kind in "iu" and isinstance(values, list) and bool in set(map(type, values))
     if array.ndim != 1 or mixed or (array.size and array.dtype.kind not in "iu"):
         bad = next((v for v in values if not isinstance(v, int | np.integer) or isinstance(v, bool)), values)
         raise ValidationError(f"{what} {bad!r} does not exist; {plural} are {_ranges(live.tolist())}")
     array = array.astype(np.int64)
-    known = np.isin(array, live)
+    at = np.searchsorted(live, array).clip(max=max(len(live) - 1, 0))  # live is ascending
+    known = live[at] == array if len(live) else np.zeros(len(array), dtype=bool)
     if not known.all():
         bad = array[~known][0]
         raise ValidationError(f"{what} {int(bad)!r} does not exist; {plural} are {_ranges(live.tolist())}")
