@@ -14,8 +14,9 @@ newer ones, and frames already collected (a batch in flight, a batch the user ho
 older ones, so past the entry in effect at the env's applied version the history keeps only
 the ``keep`` newest entries of each env, and of those only as many as fit in ``keep_bytes``
 (a large config pushed often would otherwise hold ``keep`` payloads). Every ``SLACK``
-records (or ``keep_bytes`` recorded) it walks every record once, newest first, with a
-counter per env, and drops the records no env needs.
+records (or ``keep`` records, if more; or once ``keep_bytes`` were recorded) it walks every
+record once, newest first, with a counter per env, and drops the records no env needs: an
+env holds at most about ``2 * keep`` entries past the one in effect.
 
 Leaves are never written after they are recorded: shared ones are the sender's own (never
 changed once published, see :mod:`envsync.sender.desired`), rows are copies.
@@ -36,7 +37,8 @@ from envsync.sender.desired import section
 from envsync.state import Leaf, nest
 
 SLACK = 16
-"""Records between two prunes (a prune reads every env's applied version once)."""
+"""Records between two prunes at least (``keep`` if larger; a prune reads every env's applied
+version once and walks every record)."""
 
 Applied = Callable[[np.ndarray], np.ndarray]
 """The version each of these envs (fleet indices) applied."""
@@ -149,7 +151,8 @@ class ConfigHistory:
         self._latest_version[envs] = version
         self._since_prune += 1
         self._bytes_since += sum(_nbytes(v) for v in rows.values()) + sum(_nbytes(v) for v in shared.values())
-        if applied is not None and (self._since_prune >= SLACK or self._bytes_since > self.keep_bytes):
+        # a prune walks every record: once per max(SLACK, keep) records, a few dozen µs a push
+        if applied is not None and (self._since_prune >= max(SLACK, self.keep) or self._bytes_since > self.keep_bytes):
             self.prune(applied)
 
     def _first_before(self, number: int, row: int, version: int) -> tuple[int, int]:
