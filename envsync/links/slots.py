@@ -235,7 +235,9 @@ class SlotWriter:
             if reply is not None:
                 values = {k: v.unsqueeze(0) for k, v in reply.result.items()}
                 out.append((np.array([slot], dtype=np.int64), Reply(reply.id, values, reply.error)))
-        for head in np.unique(at[at > 0] - 1).tolist():
+        rows_at = at[at > 0] - 1
+        heads = [int(rows_at[0])] if rows_at.size and rows_at.min() == rows_at.max() else np.unique(rows_at).tolist()
+        for head in heads:
             bulk = self._rows_reply(head, request)
             if bulk is None:
                 continue
@@ -244,8 +246,8 @@ class SlotWriter:
             else:
                 values = dict(bulk.result)
                 rows = values.pop(ROWS).numpy()
-                asked = np.isin(rows, slots)  # the rows of the reply that were asked for here
-                if not asked.all():
+                asked = np.ones(len(rows), dtype=bool) if np.array_equal(rows, slots) else np.isin(rows, slots)
+                if not asked.all():  # only the rows of the reply that were asked for here
                     chosen = np.flatnonzero(asked)
                     rows, values = rows[asked], {k: take_rows(v, chosen) for k, v in values.items()}
                 out.append((rows, Reply(bulk.id, values)))

@@ -8,7 +8,7 @@ through the links, the books are :mod:`envsync.sender.books`."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -163,17 +163,21 @@ def _await_replies(core: Core, targets: np.ndarray, request: int, timeout: float
     pass: 65,536 worlds answer one gather): a failure or a death is seen within two slices."""
     deadline = time.monotonic() + timeout
     got = np.zeros(len(targets), dtype=bool)
-    sorter = np.argsort(targets, kind="stable")
+    position = _positions(targets)
     chunks: list[tuple[np.ndarray, Columns]] = []
     check_liveness = False
+    attached: list[Any] = []
     while not got.all():
         with core.lock:
             core.prune()
             pending = targets[~got]
-            live = np.isin(pending, core.fleet.index_array())
-            dead = pending[~live].tolist()
-            if check_liveness:
-                dead += [int(e) for e in pending[live].tolist() if not _alive(core, e)]
+            dead = []
+            if check_liveness or core.fleet.attachments != attached:  # a collector left: its envs are gone
+                attached = list(core.fleet.attachments)
+                live = np.isin(pending, core.fleet.index_array())
+                dead = pending[~live].tolist()
+                if check_liveness:
+                    dead += [int(e) for e in pending[live].tolist() if not _alive(core, e)]
             if dead:
                 raise AckTimeout(request, pending.tolist(), dead=sorted(dead), until="gathered")
             came = 0
@@ -185,7 +189,7 @@ def _await_replies(core: Core, targets: np.ndarray, request: int, timeout: float
                     if reply.failed:
                         env = int(envs[0])
                         raise GatherError(core.fleet.worker_of(env), request, reply.error or "", env=env)
-                    at = sorter[np.searchsorted(targets, envs, sorter=sorter).clip(max=len(targets) - 1)]
+                    at = position(envs)
                     fresh = (targets[at] == envs) & ~got[at]
                     missing = [n for n in expect if n not in reply.result]
                     if missing:
@@ -203,6 +207,19 @@ def _await_replies(core: Core, targets: np.ndarray, request: int, timeout: float
         assert link is not None
         check_liveness = not came and not link.wait_acks(min(_ANSWER_SLICE, remaining), applied=True)
     return _columns(chunks, len(targets))
+
+
+def _positions(targets: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """Where each of some env indices sits among ``targets`` (distinct; an index not among
+    them maps to a position whose target differs): arithmetic for a run of consecutive
+    indices (a gather of every world), a binary search otherwise."""
+    if not len(targets):
+        return lambda envs: np.zeros(len(envs), dtype=np.int64)
+    first, count = int(targets[0]), len(targets)
+    if int(targets[-1]) - first + 1 == count and bool((np.diff(targets) == 1).all()):
+        return lambda envs: (envs - first).clip(0, count - 1)
+    sorter = np.argsort(targets, kind="stable")
+    return lambda envs: sorter[np.searchsorted(targets, envs, sorter=sorter).clip(max=count - 1)]
 
 
 def _columns(chunks: list[tuple[np.ndarray, Columns]], count: int) -> Columns:
