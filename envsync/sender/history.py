@@ -61,6 +61,12 @@ class _Record:
         return sum(int(v[0].nbytes) for v in self.rows.values()) if len(self.targets) else 0
 
 
+def _within(running: np.ndarray, starts: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """A cumulative sum restarted at each group's start (``running``: the sum over all rows)."""
+    before = np.r_[0, running][starts]  # the sum before each group
+    return running - before[group]
+
+
 def _nbytes(leaf: Leaf) -> int:
     return int(getattr(leaf, "nbytes", 8))
 
@@ -175,34 +181,42 @@ class ConfigHistory:
             self._latest_version = np.concatenate([self._latest_version, np.zeros(more, dtype=np.int64)])
 
     def prune(self, applied: Applied) -> None:
-        """Drop the entries no frame can still carry (see the module docstring)."""
+        """Drop the entries no frame can still carry (see the module docstring): every kept
+        entry of every record in one table, newest record first, grouped by env by one stable
+        sort; the entry in effect, the rank and the bytes of the older ones by cumulative sums
+        within each env's group. A few dozen vector operations, whatever the records."""
         self._since_prune = self._bytes_since = 0
-        size = len(self._latest)
-        versions = applied(np.arange(size, dtype=np.int64)) if size else np.zeros(0, dtype=np.int64)
-        in_effect = np.zeros(size, dtype=bool)  # the walk passed the env's entry in effect
-        older = np.zeros(size, dtype=np.int64)  # entries kept older than it
-        held = np.zeros(size, dtype=np.int64)  # and their bytes
-        counted: set[int] = set()  # shared leaves held by an entry kept already
-        for number in reversed(list(self._records)):
-            record = self._records[number]
-            envs = record.targets
-            reached = record.version <= versions[envs]  # the env applied this entry or a later one
-            past = reached & in_effect[envs]  # older than the entry in effect
-            newer = ~past  # newer than it, or it
-            in_effect[envs] |= reached
-            size_row = record.row_bytes()
-            for leaf in record.shared.values():
-                if id(leaf) not in counted:
-                    size_row += _nbytes(leaf)
-            room = (older[envs] == 0) | (held[envs] + size_row <= self.keep_bytes)
-            keep = newer | (past & (older[envs] < self.keep) & room)
-            keep &= record.alive
-            counted.update(id(leaf) for leaf in record.shared.values())
-            older[envs[past & keep]] += 1
-            held[envs[past & keep]] += size_row
-            older[envs[past & ~keep]] = self.keep  # a chain cut here stays cut
-            record.alive = keep
-            if not keep.any():
+        records = [self._records[number] for number in reversed(list(self._records))]
+        if not records:
+            return
+        sizes: list[int] = []
+        counted: set[int] = set()  # a shared leaf counts with the newest entry that holds it
+        for record in records:
+            fresh = [leaf for leaf in record.shared.values() if id(leaf) not in counted]
+            counted.update(id(leaf) for leaf in fresh)
+            sizes.append(record.row_bytes() + sum(_nbytes(leaf) for leaf in fresh))
+        lengths = np.array([len(record.targets) for record in records])
+        envs = np.concatenate([record.targets for record in records])
+        alive = np.concatenate([record.alive for record in records])
+        versions = np.repeat(np.array([record.version for record in records], dtype=np.int64), lengths)
+        size = np.repeat(np.array(sizes, dtype=np.int64), lengths)
+        reached = versions <= applied(np.arange(len(self._latest), dtype=np.int64))[envs]
+        order = np.argsort(envs, kind="stable")  # each env's entries together, newest first
+        e, live = envs[order], alive[order]
+        starts = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
+        group = np.cumsum(np.r_[False, e[1:] != e[:-1]])
+        at = np.arange(len(e))
+        # the entry in effect: the env's newest live entry at or before its applied version
+        in_effect = np.minimum.reduceat(np.where(reached[order] & live, at, len(e)), starts)[group]
+        past = (at > in_effect) & live  # older than it
+        rank = _within(np.cumsum(past), starts, group)  # 1 for the newest of the older entries
+        held = _within(np.cumsum(np.where(past, size[order], 0)), starts, group)
+        kept_past = past & (rank <= self.keep) & ((rank == 1) | (held <= self.keep_bytes))
+        keep = np.empty(len(e), dtype=bool)
+        keep[order] = live & (~past | kept_past)
+        for number, part in zip(reversed(list(self._records)), np.split(keep, np.cumsum(lengths)[:-1]), strict=True):
+            self._records[number].alive = part
+            if not part.any():
                 del self._records[number]
 
     def config(self, env: int, version: int) -> TensorDict:
