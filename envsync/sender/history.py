@@ -142,7 +142,7 @@ class ConfigHistory:
         if not len(envs):
             return
         self._grow(int(envs.max()) + 1)
-        before, before_row = self._latest[envs].copy(), self._latest_row[envs].copy()
+        before, before_row = self._latest[envs], self._latest_row[envs]  # copies (indexed by an array)
         again = (before >= 0) & (self._latest_version[envs] >= version)
         for position in np.flatnonzero(again).tolist():  # only envs numbered again
             before[position], before_row[position] = self._first_before(
