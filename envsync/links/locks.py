@@ -9,7 +9,8 @@ one wake-up and one relay (:func:`per_slot`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,21 @@ def acquire(lock: Any, what: str, *args: Any) -> None:
     naming ``what % args`` (formatted only then: this is on every push's path)."""
     if not lock.acquire(timeout=_LOCK_TIMEOUT):
         raise EnvSyncError(f"{what % args}: slot lock not released in {_LOCK_TIMEOUT} s (its holder died?)")
+
+
+@contextmanager
+def all_locked(locks: Sequence[Any], what: str, *args: Any) -> Iterator[None]:
+    """Hold every lock of ``locks`` (distinct, always taken in the same order: no deadlock
+    with a worker, which takes only its own) for a ``with`` block."""
+    held = 0
+    try:
+        for lock in locks:
+            acquire(lock, what, *args)
+            held += 1
+        yield
+    finally:
+        for lock in locks[:held]:
+            lock.release()
 
 
 def take_back(semaphore: Any) -> None:

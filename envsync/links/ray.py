@@ -71,6 +71,7 @@ from envsync.links.ray_wire import (
     read_report,
     share_id,
 )
+from envsync.links.records import as_rows
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, Until, WorkerStatus, counts_of
 from envsync.shutdown import EXITING
 from envsync.state import Leaf
@@ -254,8 +255,7 @@ class RayLink:
             for worker in np.asarray(workers, dtype=np.int64).tolist():
                 reply = self._replies.get(worker)
                 if reply is not None and reply.id == request:
-                    values = {k: v.unsqueeze(0) for k, v in reply.result.items()}
-                    out.append((np.array([worker], dtype=np.int64), Reply(reply.id, values, reply.error)))
+                    out.append(as_rows(worker, reply))
         return out
 
     def status(self, worker: int) -> WorkerStatus:

@@ -20,7 +20,7 @@ from envsync.links.base import SenderLink
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, connect
 from envsync.links.ray_wire import CAUGHT_UP, Acks, Rows, Traffic, leaf_bytes, read_post, share_id
-from envsync.links.records import plain
+from envsync.links.records import one_row, plain
 from envsync.protocol import NO_FAILURE, Reply
 
 HEARTBEAT = 0.5
@@ -207,7 +207,7 @@ class Relay:
         asked = self._asked.get(w, 0)
         if asked > self._replied[w] and w not in self._fresh:
             for _, reply in self.link.replies(np.array([w], dtype=np.int64), asked):
-                self._fresh[w] = reply._replace(result={k: v[0] for k, v in reply.result.items()})
+                self._fresh[w] = one_row(reply)
         fresh = self._fresh.get(w)
         return self._replied[w] if fresh is None else fresh.id
 

@@ -25,6 +25,7 @@ import torch
 
 from envsync.errors import WireError
 from envsync.links.ray_codec import pack, unpack
+from envsync.links.table import ERROR_BYTES
 from envsync.protocol import Kind, Reply, Request
 from envsync.state import Leaf, numpy_view
 
@@ -66,6 +67,31 @@ def reply_of(value: Any) -> Reply:
         case ("reply", int() as id_, {}, str() as error):
             return Reply(id_, {}, error)
     raise WireError(f"not a reply: {_short(value)}")
+
+
+def as_rows(worker: int, reply: Reply) -> tuple[np.ndarray, Reply]:
+    """One worker's reply as a reply of rows (:meth:`~envsync.links.base.Outbox.replies`):
+    the worker, and its values with a row dim of one."""
+    values = {k: torch.as_tensor(v).unsqueeze(0) for k, v in reply.result.items()}
+    return np.array([worker], dtype=np.int64), Reply(reply.id, values, reply.error)
+
+
+def one_row(reply: Reply) -> Reply:
+    """The reverse of :func:`as_rows`: a reply of one row as that worker's own reply."""
+    return reply._replace(result={k: v[0] for k, v in reply.result.items()})
+
+
+def sealed_reply(reply: Reply, room: int, where: str) -> bytes:
+    """``reply`` sealed for a reply area of ``room`` bytes (``where`` names the area): a
+    traceback's end, as a failure's; a reply that does not fit is sent as a failure that says so."""
+    if reply.error is not None:
+        tail = reply.error.encode("utf-8", "replace")[-ERROR_BYTES:]
+        reply = reply._replace(error=tail.decode("utf-8", "replace"))
+    data = seal(plain(reply))
+    if len(data) > room:
+        text = f"the reply to request {reply.id} is {len(data)} bytes; {where} holds {room}"
+        data = seal(plain(Reply(reply.id, {}, text)))
+    return data
 
 
 def seal(value: Any) -> bytes:

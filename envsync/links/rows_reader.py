@@ -12,18 +12,17 @@ with one reply (:meth:`RowsReader.reply`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from envsync.links.base import RowsHeader
-from envsync.links.locks import acquire, distinct, write_text
-from envsync.links.records import ROWS, plain, seal
+from envsync.links.locks import all_locked, distinct, write_text
+from envsync.links.records import ROWS, sealed_reply
 from envsync.links.slot_reader import read_request
-from envsync.links.table import ERROR_BYTES, Table
+from envsync.links.table import Table
 from envsync.protocol import Reply, Request
 from envsync.state import put_rows, take_rows
 
@@ -111,7 +110,7 @@ class RowsReader:
         version ``since`` (and up to their target) stamped, all under the rows' slot lock:
         one consistent copy."""
         slots = rows + self.first
-        with _all_locked(self._distinct, self.first):
+        with all_locked(self._distinct, "rows %d.. reading", self.first):
             versions = self._c["target"][slots].copy()
             config = {
                 name: _rows_of(column, source, slots, self.table.broadcast[("config", name)])
@@ -192,32 +191,14 @@ class RowsReader:
         head = int(slots[0])
         span = self.table.reply_span(head, self.first + self.count - 1)
         if reply.error is None:
-            data = seal(plain(Reply(reply.id, {ROWS: torch.from_numpy(slots), **reply.result})))
-        else:
-            data = seal(plain(Reply(reply.id, {}, reply.error[-ERROR_BYTES:])))
-        if len(data) > len(span):
-            text = f"the reply to request {reply.id} is {len(data)} bytes; the rows' reply areas hold {len(span)}"
-            data = seal(plain(Reply(reply.id, {}, text)))
-        with _all_locked(self._distinct, self.first):
+            reply = Reply(reply.id, {ROWS: torch.from_numpy(slots), **reply.result})
+        data = sealed_reply(reply, len(span), "the rows' reply areas")
+        with all_locked(self._distinct, "rows %d.. replying", self.first):
             span[: len(data)] = np.frombuffer(data, dtype=np.uint8)
             self._c["reply_len"][head] = len(data)
             self._c["reply_at"][slots] = head + 1
             self._c["answered"][slots] = reply.id
         self._acks[1].release()
-
-
-@contextmanager
-def _all_locked(locks: Sequence[Any], first: int) -> Iterator[None]:
-    """Hold every lock of ``locks`` (in order, as a broadcast takes them: no deadlock)."""
-    held = 0
-    try:
-        for lock in locks:
-            acquire(lock, "rows %d.. reading", first)
-            held += 1
-        yield
-    finally:
-        for lock in locks[:held]:
-            lock.release()
 
 
 def _rows_of(column: torch.Tensor, source: np.ndarray, slots: np.ndarray, broadcast: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
 from envsync.links.base import Header, Key, Notices
 from envsync.links.locks import locked, take_back, write_text
-from envsync.links.records import plain, request_of, seal, unseal
-from envsync.links.table import ERROR_BYTES, Table, pid_alive
+from envsync.links.records import request_of, sealed_reply, unseal
+from envsync.links.table import Table, pid_alive
 from envsync.protocol import Reply, Request
 from envsync.state import Leaf
 
@@ -44,13 +44,7 @@ def write_reply(table: Table, slot: int, lock: Any, acks: Any, reply: Reply) -> 
     """Answer ``slot``'s request with ``reply`` and wake the sender; a reply larger than the
     slot's reply area is sent as a failure that says so."""
     area = table.areas["reply"]
-    if reply.error is not None:  # a traceback's end, as a failure's
-        tail = reply.error.encode("utf-8", "replace")[-ERROR_BYTES:]
-        reply = reply._replace(error=tail.decode("utf-8", "replace"))
-    data = seal(plain(reply))
-    if len(data) > area.shape[1]:
-        text = f"the reply to request {reply.id} is {len(data)} bytes; a slot's reply area holds {area.shape[1]}"
-        data = seal(plain(Reply(reply.id, {}, text)))
+    data = sealed_reply(reply, area.shape[1], "a slot's reply area")
     with locked(lock, "worker %d replying", slot):
         area[slot, : len(data)] = np.frombuffer(data, dtype=np.uint8)
         table.counters["reply_len"][slot] = len(data)

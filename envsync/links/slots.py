@@ -26,8 +26,8 @@ import torch
 
 from envsync.errors import ValidationError
 from envsync.links.base import BROADCAST, Key
-from envsync.links.locks import Released, acquire, locked, numbered, take_back
-from envsync.links.records import ROWS, plain, reply_of, seal, unseal
+from envsync.links.locks import Released, all_locked, locked, numbered, take_back
+from envsync.links.records import ROWS, as_rows, plain, reply_of, seal, unseal
 from envsync.links.table import Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
 from envsync.state import Leaf, put_rows, take_rows, tensor_of
@@ -100,13 +100,7 @@ class SlotWriter:
         whole = len(slots) == self.num_workers
         region = [k for k in shared if k[0] in BROADCAST] if whole and self.num_workers > 1 and not undo else []
         at: Any = slice(None) if whole else slots
-        locks = self._locks
-        numbers = np.unique(self._lock_of[slots]).tolist()
-        held = 0
-        try:
-            for number in numbers:
-                acquire(locks[number], "writing worker %d", int(slots[0]))
-                held += 1
+        with all_locked(self._locks_of(slots), "writing worker %d", int(slots[0])):
             for key in region:
                 self._put_region(key, shared[key])
                 self._written(at, key, version)
@@ -119,9 +113,10 @@ class SlotWriter:
             counters["undo"][at] = undo
             counters["target"][at] = version
             self.table.pushed[0] = version  # after the targets: a reader that sees it sees them
-        finally:
-            for number in numbers[:held]:
-                locks[number].release()
+
+    def _locks_of(self, slots: np.ndarray) -> list[Any]:
+        """The distinct locks of ``slots``, in lock order (slots of a group share one)."""
+        return [self._locks[number] for number in np.unique(self._lock_of[slots]).tolist()]
 
     def _check(self, count: int, shared: Mapping[Key, Leaf], rows: Mapping[Key, torch.Tensor]) -> None:
         """Every leaf is checked before any byte moves: a write never stops half-way."""
@@ -209,18 +204,11 @@ class SlotWriter:
         numbers, first = np.unique(groups, return_index=True)
         heads = slots[first]
         counters = self.table.counters
-        held = 0
-        try:
-            for number in numbers.tolist():
-                acquire(self._locks[number], "asking worker %d", int(slots[0]))
-                held += 1
+        with all_locked([self._locks[number] for number in numbers.tolist()], "asking worker %d", int(slots[0])):
             area[heads, : len(data)] = data
             counters["ask_len"][heads] = len(data)
             counters["ask_at"][slots] = heads[np.searchsorted(numbers, groups)] + 1
             counters["ask"][slots] = request.id
-        finally:
-            for number in numbers[:held].tolist():
-                self._locks[number].release()
 
     def replies(self, workers: np.ndarray, request: int) -> list[tuple[np.ndarray, Reply]]:
         """The replies to ``request`` from ``workers`` that came (see the protocol): a slot's
@@ -233,8 +221,7 @@ class SlotWriter:
         for slot in came[at == 0].tolist():
             reply = self.reply(slot, request)
             if reply is not None:
-                values = {k: v.unsqueeze(0) for k, v in reply.result.items()}
-                out.append((np.array([slot], dtype=np.int64), Reply(reply.id, values, reply.error)))
+                out.append(as_rows(slot, reply))
         rows_at = at[at > 0] - 1
         heads = [int(rows_at[0])] if rows_at.size and rows_at.min() == rows_at.max() else np.unique(rows_at).tolist()
         for head in heads:
