@@ -26,7 +26,7 @@ import torch
 
 from envsync.errors import ValidationError
 from envsync.links.base import BROADCAST, Key
-from envsync.links.locks import Released, all_locked, locked, numbered, take_back
+from envsync.links.locks import Released, all_locked, ascending, locked, numbered, take_back
 from envsync.links.records import ROWS, as_rows, plain, reply_of, seal, unseal
 from envsync.links.table import Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
@@ -116,7 +116,9 @@ class SlotWriter:
 
     def _locks_of(self, slots: np.ndarray) -> list[Any]:
         """The distinct locks of ``slots``, in lock order (slots of a group share one)."""
-        return [self._locks[number] for number in np.unique(self._lock_of[slots]).tolist()]
+        if len(slots) == 1:
+            return [self._locks[int(slots[0])]]
+        return [self._locks[number] for number in ascending(self._lock_of[slots])]
 
     def _check(self, count: int, shared: Mapping[Key, Leaf], rows: Mapping[Key, torch.Tensor]) -> None:
         """Every leaf is checked before any byte moves: a write never stops half-way."""
@@ -274,7 +276,7 @@ class SlotWriter:
         routes = self._wake_to[slots]
         chosen = np.where(routes > 0, routes - 1, slots)
         wakes = self._wakes
-        for number in np.unique(self._wake_of[chosen]).tolist():
+        for number in ascending(self._wake_of[chosen]):
             wakes[number].release()
 
     def status(self, worker: int) -> WorkerStatus:

@@ -98,6 +98,7 @@ class Fleet:
         self._next_offset = 0
         self._next_worker = 0
         self._next_collector = 0
+        self._index_array: tuple[tuple[tuple[int, int, int], ...], np.ndarray] = ((), np.zeros(0, dtype=np.int64))
 
     def add(self, attachment: Attachment, start: Flat, first_env: int | None = None) -> None:
         """Number the attachment's workers and envs after every earlier one; mirror ``start``.
@@ -156,9 +157,15 @@ class Fleet:
         return [a.worker_offset + w for a in self.attachments for w in range(a.num_workers)]
 
     def index_array(self) -> np.ndarray:
-        """:meth:`indices` as an int64 array (made without a Python int per env)."""
-        spans = [np.arange(a.offset, a.offset + a.link.num_workers, dtype=np.int64) for a in self.attachments]
-        return np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
+        """:meth:`indices` as an int64 array (made without a Python int per env), read-only:
+        made again only when the attachments changed (every fleet-wide push asks for it)."""
+        key = tuple((id(a), a.offset, a.link.num_workers) for a in self.attachments)
+        if self._index_array[0] != key:
+            spans = [np.arange(a.offset, a.offset + a.link.num_workers, dtype=np.int64) for a in self.attachments]
+            array = np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
+            array.setflags(write=False)
+            self._index_array = (key, array)
+        return self._index_array[1]
 
     def split(self, targets: np.ndarray) -> list[Part]:
         """``targets`` (fleet env indices) by attachment: a few vector ops per attachment.
@@ -166,6 +173,9 @@ class Fleet:
         Raises:
             KeyError: an index no live attachment holds.
         """
+        if len(self.attachments) == 1 and targets is self.index_array():  # a fleet-wide push to one collector
+            attachment = self.attachments[0]
+            return [Part(attachment, None, targets - attachment.offset)]
         parts = []
         found = 0
         for attachment in self.attachments:

@@ -144,10 +144,11 @@ class ConfigHistory:
         self._grow(int(envs.max()) + 1)
         before, before_row = self._latest[envs], self._latest_row[envs]  # copies (indexed by an array)
         again = (before >= 0) & (self._latest_version[envs] >= version)
-        for position in np.flatnonzero(again).tolist():  # only envs numbered again
-            before[position], before_row[position] = self._first_before(
-                int(before[position]), int(before_row[position]), version
-            )
+        if again.any():  # only envs numbered again
+            for position in np.flatnonzero(again).tolist():
+                before[position], before_row[position] = self._first_before(
+                    int(before[position]), int(before_row[position]), version
+                )
         number = self._next
         self._next += 1
         alive = np.ones(len(envs), dtype=bool)
@@ -214,9 +215,13 @@ class ConfigHistory:
         kept_past = past & (rank <= self.keep) & ((rank == 1) | (held <= self.keep_bytes))
         keep = np.empty(len(e), dtype=bool)
         keep[order] = live & (~past | kept_past)
-        for number, part in zip(reversed(list(self._records)), np.split(keep, np.cumsum(lengths)[:-1]), strict=True):
-            self._records[number].alive = part
-            if not part.any():
+        ends = np.cumsum(lengths)
+        any_kept = np.logical_or.reduceat(keep, ends - lengths)  # every record has a row
+        numbers = reversed(list(self._records))
+        for number, end, length, kept in zip(numbers, ends.tolist(), lengths.tolist(), any_kept.tolist(), strict=True):
+            if kept:
+                self._records[number].alive = keep[end - length : end]  # a view: the records' rows never overlap
+            else:
                 del self._records[number]
 
     def config(self, env: int, version: int) -> TensorDict:

@@ -238,7 +238,8 @@ class Sender(ReadBack):
             version = self._core.publish(updates, default=default)
         targets = [update.targets for update in updates if len(update.targets)]
         if until is not None and targets:
-            acks.wait(self._core, version, until, np.concatenate(targets), timeout, pruned=True)
+            chosen = targets[0] if len(targets) == 1 else np.concatenate(targets)
+            acks.wait(self._core, version, until, chosen, timeout, pruned=True)
         return version
 
     def _check_configs(self, updates: Sequence[Update], default: Flat | None) -> None:
