@@ -106,7 +106,23 @@ def ascending(numbers: np.ndarray) -> list[int]:
     """
     if len(numbers) <= 64:
         return sorted(set(numbers.tolist()))
+    low = int(numbers.min())
+    if low == int(numbers.max()):  # the rows of one env object: two reads, no sort
+        return [low]
     return np.unique(numbers).tolist()
+
+
+def firsts(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(numbers, return_index=True)``: the distinct values, ascending, and where
+    each is first; without a sort when they are all one (the rows of one env object).
+
+    Examples:
+        >>> [a.tolist() for a in firsts(np.array([4, 4, 4]))], [a.tolist() for a in firsts(np.array([2, 1, 2]))]
+        ([[4], [0]], [[1, 2], [1, 0]])
+    """
+    if len(numbers) and numbers.min() == numbers.max():
+        return numbers[:1].copy(), np.zeros(1, dtype=np.int64)
+    return np.unique(numbers, return_index=True)
 
 
 def numbered(objects: Sequence[Any]) -> np.ndarray:

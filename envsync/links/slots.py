@@ -26,7 +26,7 @@ import torch
 
 from envsync.errors import ValidationError
 from envsync.links.base import BROADCAST, Key
-from envsync.links.locks import Released, all_locked, ascending, locked, numbered, take_back
+from envsync.links.locks import Released, all_locked, ascending, firsts, locked, numbered, take_back
 from envsync.links.records import ROWS, as_rows, plain, reply_of, seal, unseal
 from envsync.links.table import Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
@@ -203,7 +203,7 @@ class SlotWriter:
         # once per group of slots that share a lock (the rows of a natively batched env), in
         # its first asked slot's area: a request to 65,536 rows touches one page, not 65,536
         groups = self._lock_of[slots]
-        numbers, first = np.unique(groups, return_index=True)
+        numbers, first = firsts(groups)
         heads = slots[first]
         counters = self.table.counters
         with all_locked([self._locks[number] for number in numbers.tolist()], "asking worker %d", int(slots[0])):

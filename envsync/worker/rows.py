@@ -30,6 +30,7 @@ import torch
 
 from envsync.levels import is_batched
 from envsync.links.base import RowsHeader, RowsLink
+from envsync.links.locks import ascending
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
 from envsync.spec import ApplySpec
 from envsync.state import put_rows, take_rows
@@ -237,16 +238,19 @@ class RowsReceiver:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""
 
-    def serve(self, rows: Sequence[int] | None = None) -> None:
+    def serve(self, rows: np.ndarray | None = None) -> None:
         """Answer the rows' pending gathers (their env state, what they hold at attribute
         paths): the rows asked one request are read together and answered with one reply;
         a request for the batched env's own entries is its level's (the group's)."""
         asked, ids = self.link.asked()
-        if rows is not None:
-            chosen = np.isin(asked, np.asarray(rows, dtype=np.int64))
+        # ``rows`` were read as asked a moment before: as many rows asked now means the same
+        # ones (or, had another answer come between, rows whose requests are pending too)
+        if rows is not None and len(rows) != len(asked):
+            chosen = np.isin(asked, rows)
             asked, ids = asked[chosen], ids[chosen]
-        for id_ in np.unique(ids).tolist():
-            which = asked[ids == id_]
+        distinct = ascending(ids)
+        for id_ in distinct:
+            which = asked if len(distinct) == 1 else asked[ids == id_]
             request = self.link.request(int(which[0]))
             if request is None or request.kind is Kind.BATCHED_STATE:
                 continue

@@ -107,14 +107,14 @@ class Siblings:
                 self._ends[i].ack_received(int(targets[i]))
         self._noticed = targets
 
-    def asked(self, indices: Sequence[int] | None = None) -> list[int]:
-        """The envs (of ``indices``; ``None``: all) with a request not answered yet (one
-        vector read, whatever their number)."""
+    def asked(self, indices: Sequence[int] | None = None) -> np.ndarray:
+        """The envs (of ``indices``; ``None``: all) with a request not answered yet, as an
+        int64 array (one vector read, whatever their number)."""
         ask, answered = self._first.read_counters(("ask", "answered"), self.count)
         waiting = (ask != 0) & (ask != answered)
         if indices is None:
-            return np.flatnonzero(waiting).tolist()
-        return [i for i in indices if waiting[i]]
+            return np.flatnonzero(waiting)
+        return np.array([i for i in indices if waiting[i]], dtype=np.int64)
 
     def unsettled(self, *, pending: bool) -> np.ndarray:
         """A mask of the envs whose safe point has something to do: a target not yet

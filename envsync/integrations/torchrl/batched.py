@@ -302,7 +302,7 @@ class Leaves(Protocol):
         """Apply these envs' pending versions now (the collector is idle; a ``"step"`` version;
         not called when they are in their own loops)."""
 
-    def serve(self, indices: list[int]) -> None:
+    def serve(self, indices: np.ndarray) -> None:
         """Answer these envs' pending gathers now (the collector is idle or at a rollout's
         end; not called when they are in their own loops)."""
 
@@ -339,9 +339,9 @@ class SubEnvs:
     def apply_now(self, indices: list[int]) -> None:
         call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
 
-    def serve(self, indices: list[int]) -> None:
+    def serve(self, indices: np.ndarray) -> None:
         if not self.in_own_loops:
-            call_leaves(self._live(), {i: () for i in indices}, SERVE)
+            call_leaves(self._live(), {i: () for i in indices.tolist()}, SERVE)
 
 
 def call_leaves(batched: BatchedEnvBase, calls: dict[int, tuple[Any, ...]], name: str) -> dict[int, Any]:

@@ -137,7 +137,7 @@ class EnvGroup:
         batched env's own (at a rollout's end, or with the collector idle)."""
         with self._lock:
             asked = self.envs.asked(only)
-            if asked:
+            if len(asked):
                 self.leaves.serve(asked)
             if self.level is not None and self.gate.request() is not None:
                 self.catch_up()

@@ -257,7 +257,7 @@ class Rows:
     def apply_now(self, indices: list[int]) -> None:
         self._receiver().apply_if_idle(indices)
 
-    def serve(self, indices: list[int]) -> None:
+    def serve(self, indices: np.ndarray) -> None:
         self._receiver().serve(indices)
 
 
