@@ -123,6 +123,20 @@ class Core:
 
     # ---- publishing ----------------------------------------------------------------------------
 
+    def record_history(self, version: int, attachment: Attachment, slots: np.ndarray, *, pruning: bool) -> None:
+        """Note in the config history that the envs ``slots`` of ``attachment`` run, from
+        ``version`` on, the config its mirror holds for them now (``pruning``: the history may
+        prune, reading what every env applied)."""
+        mirror = attachment.mirror
+        shared, columns = mirror.gather(slots, mirror.config_keys())
+        self.history.record_rows(
+            version,
+            slots + attachment.offset,
+            {k[1]: v for k, v in shared.items()},
+            {k[1]: v for k, v in columns.items()},
+            self.applied_array if pruning else None,
+        )
+
     def publish(self, updates: Sequence[Update], *, default: Flat | None, undo_mark: int = 0) -> int:
         """Write each update under a new version, to each attachment's slots at once, then
         notify them; ``default`` also changes what workers joining later start from. What
@@ -142,14 +156,7 @@ class Core:
                 attachment.link.notify(slots)
                 mirror.set(slots, rows.shared, rows.rows)
                 links[id(attachment.link)] = attachment.link
-                shared, columns = mirror.gather(slots, mirror.config_keys())
-                self.history.record_rows(
-                    version,
-                    rows.targets,
-                    {k[1]: v for k, v in shared.items()},
-                    {k[1]: v for k, v in columns.items()},
-                    self.applied_array,
-                )
+                self.record_history(version, attachment, slots, pruning=True)
         for link in links.values():
             link.flush(version)
         if default is not None:

@@ -218,10 +218,14 @@ class Fleet:
 
     def envs_of(self, worker: int) -> list[int]:
         """The env indices of fleet worker ``worker``."""
+        first, count = self._span(worker)
+        return list(range(first, first + count))
+
+    def _span(self, worker: int) -> tuple[int, int]:
+        """The first env index of fleet worker ``worker`` and how many envs it drives."""
         for a in self.attachments:
             if a.worker_offset <= worker < a.worker_offset + a.num_workers:
-                first = a.offset + (worker - a.worker_offset) * a.envs_per_worker
-                return list(range(first, first + a.envs_per_worker))
+                return a.offset + (worker - a.worker_offset) * a.envs_per_worker, a.envs_per_worker
         raise KeyError(worker)
 
     def members(self) -> list[Member]:
@@ -254,7 +258,8 @@ class Fleet:
             return _chosen(envs, self.index_array(), "env", "envs")
         assert workers is not None
         chosen = _chosen(workers, np.asarray(self.workers(), dtype=np.int64), "worker", "workers")
-        return np.asarray([e for w in chosen.tolist() for e in self.envs_of(w)], dtype=np.int64)
+        spans = [np.arange(first, first + count, dtype=np.int64) for first, count in map(self._span, chosen.tolist())]
+        return np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
 
 
 def _chosen(requested: Sequence[int], live: np.ndarray, what: str, plural: str) -> np.ndarray:

@@ -14,8 +14,9 @@ newer ones, and frames already collected (a batch in flight, a batch the user ho
 older ones, so past the entry in effect at the env's applied version the history keeps only
 the ``keep`` newest entries of each env, and of those only as many as fit in ``keep_bytes``
 (a large config pushed often would otherwise hold ``keep`` payloads). Every ``SLACK``
-records (or ``keep`` records, if more; or once ``keep_bytes`` were recorded) it walks every
-record once, newest first, with a counter per env, and drops the records no env needs: an
+records (or ``keep`` records, if more; or once ``keep_bytes`` were recorded) it prunes: every
+kept entry of every record in one table, grouped by env by one stable sort, ranked by
+cumulative sums (:meth:`ConfigHistory.prune`), and the records no env needs are dropped: an
 env holds at most about ``2 * keep`` entries past the one in effect.
 
 Leaves are never written after they are recorded: shared ones are the sender's own (never
@@ -38,7 +39,7 @@ from envsync.state import Leaf, nest
 
 SLACK = 16
 """Records between two prunes at least (``keep`` if larger; a prune reads every env's applied
-version once and walks every record)."""
+version once and makes one table of every kept entry)."""
 
 Applied = Callable[[np.ndarray], np.ndarray]
 """The version each of these envs (fleet indices) applied."""
@@ -136,7 +137,7 @@ class ConfigHistory:
         history keeps them).
 
         An env's entries at ``version`` or later are dropped (an env index numbered again
-        after every collector left starts over). Every :data:`SLACK` records (with
+        after every collector left starts over). Every ``max(SLACK, keep)`` records (with
         ``applied``, which tells the version each env applied) the history is pruned.
         """
         if not len(envs):
@@ -158,7 +159,7 @@ class ConfigHistory:
         self._latest_version[envs] = version
         self._since_prune += 1
         self._bytes_since += sum(_nbytes(v) for v in rows.values()) + sum(_nbytes(v) for v in shared.values())
-        # a prune walks every record: once per max(SLACK, keep) records, a few dozen µs a push
+        # a prune reads every record: once per max(SLACK, keep) records, a few dozen µs a push
         if applied is not None and (self._since_prune >= max(SLACK, self.keep) or self._bytes_since > self.keep_bytes):
             self.prune(applied)
 

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from envsync.links.base import Flat, Key
-from envsync.sender.desired import Update
 from envsync.state import Leaf, put_rows, take_rows, tensor_of
 
 
@@ -34,18 +33,14 @@ class Mirror:
         >>> [float(mirror.row(slot)["config", "x"]) for slot in range(3)]
         [0.0, 5.0, 0.0]
         >>> mirror.set(np.arange(3), {("config", "x"): torch.tensor(1.0)}, {})
-        >>> mirror.columns()
-        []
+        >>> [float(mirror.row(slot)["config", "x"]) for slot in range(3)]  # shared again: no column
+        [1.0, 1.0, 1.0]
     """
 
     def __init__(self, start: Mapping[Key, Leaf], count: int) -> None:
         self.count = count
         self._shared: Flat = dict(start)
         self._columns: dict[Key, torch.Tensor] = {}
-
-    def columns(self) -> list[Key]:
-        """The leaves whose envs hold values of their own."""
-        return list(self._columns)
 
     def config_keys(self) -> list[Key]:
         """The config leaves (what the config history keeps)."""
@@ -88,8 +83,3 @@ class Mirror:
             value = tensor_of(self._shared[key])
             column = self._columns[key] = value.expand(self.count, *value.shape).clone()
         return column
-
-    def update(self, slots: np.ndarray) -> Update:
-        """Every leaf of ``slots`` as an :class:`~envsync.sender.desired.Update` (targets: the slots)."""
-        shared, rows = self.gather(slots, dict.fromkeys([*self._shared, *self._columns]))
-        return Update(slots, shared, rows)

@@ -171,9 +171,7 @@ class AttachPort:
                 attachment.link.write_rows(part.targets, version, part.shared, part.rows)
                 attachment.mirror.set(part.targets, part.shared, part.rows)
             attachment.link.flush(version)
-            shared, columns = attachment.mirror.gather(slots, attachment.mirror.config_keys())
-            names = {k[1]: v for k, v in shared.items()}
-            core.history.record_rows(version, slots + attachment.offset, names, {k[1]: v for k, v in columns.items()})
+            core.record_history(version, attachment, slots, pruning=False)
             if not outside:
                 core.desired.restored_rows = None
             return attachment

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -82,14 +83,17 @@ class Updates:
         cfg, rows = self._template.fit_rows(config, len(targets)) if config is not None else ({}, {})
         env = self._env_state_template().fit(env_state) if env_state is not None else {}
         if envs is not None and any(map(is_batched, env)):
-            self._check_whole_workers(targets.tolist())
+            self._check_whole_workers(targets)
         version = self._core.desired.version + 1
         if self._main_stats is None or not (cfg or rows):
             shared = desired.leaves(cfg, env, version)
             update = Update(targets, shared, {("config", k): v for k, v in rows.items()})
             if not fleet_wide:
                 return [update], None
-            return [update], (shared if not rows else desired.leaves({}, env, version) if env else None)
+            if not rows:  # every env alike: what a worker joining later starts from, too
+                return [update], shared
+            # rows are per env: a worker joining later takes only the pushed env state
+            return [update], desired.leaves({}, env, version) if env else None
         # statistics computed in main for the config each env will run (one per distinct config)
         cache: dict[bytes, dict[str, torch.Tensor]] = {}
         positions = range(len(targets))
@@ -118,13 +122,17 @@ class Updates:
                 flats.append(desired.leaves(cfg, self._with_main_stats(cfg, {}, e, cache), version))
         return Update.stacked(targets, flats), None
 
-    def _check_whole_workers(self, targets: list[int]) -> None:
+    def _check_whole_workers(self, targets: np.ndarray) -> None:
         """A batched env's own entries belong to its worker: a push of them with ``envs=``
-        must target every env of each worker it touches."""
+        must target every env of each worker it touches (by vector ops: the heads of the
+        targets, counted against the envs per worker)."""
         fleet = self._core.fleet
-        chosen = set(targets)
-        touched = {fleet.worker_of(e) for e in targets}
-        partial = sorted(w for w in touched if not set(fleet.envs_of(w)) <= chosen)
+        heads, counts = np.unique(fleet.heads(targets), return_counts=True)
+        partial = []
+        for head, count in zip(heads.tolist(), counts.tolist(), strict=True):
+            attachment, _ = fleet.locate(head)
+            if count < attachment.envs_per_worker:  # targets are distinct: fewer is some of them
+                partial.append(fleet.worker_of(head))
         if partial:
             raise ValidationError(
                 f"env_state 'batched.*' belongs to a worker's batched env, shared by all its envs: target whole "
