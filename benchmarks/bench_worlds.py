@@ -702,6 +702,8 @@ def _playground(n: int, args: Args, generator: torch.Generator) -> dict[str, Any
         detail="Cartpole mass scales, push(wait='applied') vs the masked write alone; apply "
         f"{got['apply_s'] * 1e3:.1f} ms, rebuild {got['rebuild_s']:.1f} s; attach {got['attach_s']:.1f} s",
         apply_ms=got["apply_s"] * 1e3,
+        friction_push_ms=got["friction_push_s"] * 1e3,
+        friction_ratio=_ratio(got["friction_push_s"], floor),
         rebuild_s=got["rebuild_s"],
         rebuild_ratio=_ratio(got["rebuild_s"], pushed),
         traces_added=got["traces_added"],
@@ -752,6 +754,8 @@ PLAYGROUND_COLUMNS = [
     ("push_ms", "push -> applied ms"),
     ("apply_ms", "set_physics ms (write + mj_setConst)"),
     ("write_ms", "masked write alone ms"),
+    ("friction_push_ms", "friction push -> applied ms"),
+    ("friction_ratio", "friction push / masked write"),
     ("rebuild_s", "rebuild + recompile s"),
     ("rebuild_ratio", "rebuild / push"),
     ("traces_added", "traces added by the pushes"),
@@ -818,6 +822,8 @@ def playground_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "push_ms": _cell(r, "envsync"),
             "apply_ms": _cell(r, "apply_ms"),
             "write_ms": _cell(r, "baseline"),
+            "friction_push_ms": _cell(r, "friction_push_ms"),
+            "friction_ratio": _cell(r, "friction_ratio"),
             "rebuild_s": _cell(r, "rebuild_s"),
             "rebuild_ratio": _cell(r, "rebuild_ratio"),
             "traces_added": _cell(r, "traces_added"),
@@ -1033,7 +1039,8 @@ def _run(args: Args) -> dict[str, Any]:
             "of "
             "one step a batch, apply='set_physics', apply_at='step'; a second env of n worlds in this process takes "
             "env.set_physics(ids, mass=rows) (masked write of body_mass and body_inertia + mj_setConst per world) and "
-            "env.set_physics(ids, friction=rows) (the masked write alone); push, apply and write alternate, the "
+            "env.set_physics(ids, friction=rows) (the masked write alone), and a second Collector takes a push of the same "
+            "rows as friction factors (config={'friction': 1.0}: nothing derived); pushes, apply and write alternate, the "
             "first not counted; rebuild: randomisation_fn -> wrap_for_brax_training -> jit reset and step -> first "
             "reset and step (one run per n); 'traces added': JAX traces of both envs over the pushes"
         )

@@ -7,6 +7,9 @@
   write of ``body_mass`` and ``body_inertia`` and the constants ``mj_setConst`` derives per
   world); and the **write alone**: ``env.set_physics(ids, friction=rows)`` (``geom_friction``
   derives nothing: one jitted masked select, nothing else);
+* **friction push -> applied**: the same push of a friction factor per world to a second
+  ``Collector`` (``config={"friction": 1.0}``): envsync's cost over the write alone, with
+  nothing derived on either side;
 * **rebuild**: what a Playground user does today to give the worlds new masses: a
   randomisation function returning the batched model and its ``in_axes`` (Playground's own
   form), ``wrap_for_brax_training(env, randomization_fn=...)``, ``jit`` of its reset and step,
@@ -71,20 +74,24 @@ def measure(n: int, pushes: int, generator: torch.Generator, rebuilds: int = 1) 
     from torchrl.collectors import Collector
 
     sender = EnvStateSender(config={"mass": 1.0}, apply="set_physics", apply_at="step")
+    friction_sender = EnvStateSender(config={"friction": 1.0}, apply="set_physics", apply_at="step")
     direct = make_playground_cartpole(n)
     direct.reset()
     ids = torch.arange(n)
     built = direct.model.body_mass[0, POLE].item()
-    collector = None
-    times: dict[str, list[float]] = {"push": [], "apply": [], "write": []}
+    built_friction = direct.model.geom_friction[0].double()
+    collectors: list[Any] = []
+    times: dict[str, list[float]] = {"push": [], "apply": [], "write": [], "friction_push": []}
     exact: list[bool] = []
     try:
         start = time.perf_counter()
-        collector = Collector(sender.env_fn(lambda: make_playground_cartpole(n)), None, frames_per_batch=n,
-                              total_frames=-1, weight_sync_schemes=sender.schemes())
-        next(iter(collector))
-        attach = time.perf_counter() - start
-        env = collector.env
+        for of in (sender, friction_sender):
+            collectors.append(Collector(of.env_fn(lambda: make_playground_cartpole(n)), None, frames_per_batch=n,
+                                        total_frames=-1, weight_sync_schemes=of.schemes()))
+            next(iter(collectors[-1]))
+            if of is sender:
+                attach = time.perf_counter() - start
+        env, friction_env = (c.env for c in collectors)
         for warm in (True, *([False] * pushes)):  # the first of each: warm-up, not counted
             rows = 0.5 + torch.rand(n, generator=generator, dtype=torch.float64)
             config = TensorDict(mass=rows, batch_size=[n])
@@ -92,25 +99,33 @@ def measure(n: int, pushes: int, generator: torch.Generator, rebuilds: int = 1) 
                 "push": _timed(partial(sender.push, config=config, wait="applied")),
                 "apply": _timed(partial(direct.set_physics, ids, mass=rows)),
                 "write": _timed(partial(direct.set_physics, ids, friction=rows)),
+                "friction_push": _timed(
+                    partial(friction_sender.push, config=TensorDict(friction=rows, batch_size=[n]), wait="applied")
+                ),
             }
             held = [env.model.body_mass[:, POLE], direct.model.body_mass[:, POLE]]
             exact.append(all(torch.allclose(h.double(), built * rows, rtol=1e-6) for h in held))
+            friction = friction_env.model.geom_friction.double()
+            exact.append(torch.allclose(friction, built_friction[None] * rows[:, None, None], rtol=1e-6))
             if warm:
-                traces = Counter(env.traces), Counter(direct.traces)
+                traces = Counter(env.traces), Counter(direct.traces), Counter(friction_env.traces)
                 continue
             for key, value in took.items():
                 times[key].append(value)
-        added = sum((env.traces - traces[0]).values()) + sum((direct.traces - traces[1]).values())
+        now = (env.traces, direct.traces, friction_env.traces)
+        added = sum(sum((after - before).values()) for after, before in zip(now, traces, strict=True))
     finally:
-        if collector is not None:
+        for collector in collectors:
             collector.shutdown()
         sender.close()
+        friction_sender.close()
         direct.close()
     rebuild = [rebuild_seconds(n, 0.5 + torch.rand(n, generator=generator)) for _ in range(rebuilds)]
     return {
         "push_s": median(times["push"]),
         "apply_s": median(times["apply"]),
         "write_s": median(times["write"]),
+        "friction_push_s": median(times["friction_push"]),
         "rebuild_s": median(rebuild),
         "attach_s": attach,
         "exact": all(exact),

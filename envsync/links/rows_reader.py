@@ -24,7 +24,7 @@ from envsync.links.records import ROWS, sealed_reply
 from envsync.links.slot_reader import read_request
 from envsync.links.table import Table
 from envsync.protocol import Reply, Request
-from envsync.state import put_rows, take_rows
+from envsync.state import Rows, put_rows, span_of, take_rows
 
 
 class RowsReader:
@@ -110,14 +110,15 @@ class RowsReader:
         version ``since`` (and up to their target) stamped, all under the rows' slot lock:
         one consistent copy."""
         slots = rows + self.first
+        at = span_of(slots)  # every row of the env, or a run of them: slices
         with all_locked(self._distinct, "rows %d.. reading", self.first):
-            versions = self._c["target"][slots].copy()
+            versions = self._c["target"][at].copy()
             config = {
-                name: _rows_of(column, source, slots, self.table.broadcast[("config", name)])
+                name: _rows_of(column, source, at, self.table.broadcast[("config", name)])
                 for name, column, source in self._config
             }
-            stamps = {name: column[slots].copy() for name, column in self._stamps}
-            undo = self._c["undo"][slots].copy()
+            stamps = {name: column[at].copy() for name, column in self._stamps}
+            undo = self._c["undo"][at].copy()
             entries, masks = {}, {}
             for name in names:
                 stamp = stamps.get(name)
@@ -133,20 +134,26 @@ class RowsReader:
     def ack_received(self, rows: np.ndarray, versions: np.ndarray) -> None:
         """Tell the sender these rows saw these versions (armed for their next safe point)."""
         slots = rows + self.first
+        at = span_of(slots)
         received = self._c["received"]
-        newer = versions > received[slots]
-        if newer.any():
-            received[slots[newer]] = versions[newer]  # the counters first: a sender woken reads them
-            self._acks[0].release()
+        newer = versions > received[at]
+        if not newer.any():
+            return
+        # the counters first: a sender woken reads them
+        if newer.all():
+            received[at] = versions
+        else:
+            received[slots[newer]] = versions[newer]
+        self._acks[0].release()
 
     def ack_applied(self, rows: np.ndarray, versions: np.ndarray) -> None:
         """Tell the sender these rows run these versions (gated: they reached them; their
         batched level acknowledges them applied once it holds them too)."""
-        slots = rows + self.first
+        at = span_of(rows + self.first)
         reached = self._c["reached"]
-        reached[slots] = np.maximum(reached[slots], versions)  # never back, as a slot reader's
+        reached[at] = np.maximum(reached[at], versions)  # never back, as a slot reader's
         if not self._gated:
-            self._c["applied"][slots] = versions
+            self._c["applied"][at] = versions
             self._acks[1].release()
         self.ack_received(rows, versions)
 
@@ -161,10 +168,10 @@ class RowsReader:
     def note_versions(self, rows: np.ndarray, ran: np.ndarray | None, obs: np.ndarray) -> None:
         """Record the version each row's next step runs under (``None``: unchanged) and the
         one its observation comes from (the batched env's tags read them)."""
-        slots = rows + self.first
+        at = span_of(rows + self.first)
         if ran is not None:
-            self._c["ran"][slots] = ran
-        self._c["obs"][slots] = obs
+            self._c["ran"][at] = ran
+        self._c["obs"][at] = obs
 
     def is_busy(self) -> bool:
         """Whether the collector drives the env now (its group marks every row)."""
@@ -201,9 +208,9 @@ class RowsReader:
         self._acks[1].release()
 
 
-def _rows_of(column: torch.Tensor, source: np.ndarray, slots: np.ndarray, broadcast: torch.Tensor) -> torch.Tensor:
-    """The values of a leaf for ``slots``: each from its slot, or from the broadcast region
-    where its source mark says a push to every worker wrote it there."""
+def _rows_of(column: torch.Tensor, source: np.ndarray, slots: Rows, broadcast: torch.Tensor) -> torch.Tensor:
+    """The values of a leaf for ``slots`` (indices, or a slice): each from its slot, or from
+    the broadcast region where its source mark says a push to every worker wrote it there."""
     values = take_rows(column, slots)
     shared = np.flatnonzero(source[slots] > 0)
     if shared.size:

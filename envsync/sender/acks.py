@@ -35,8 +35,8 @@ def wait(
         if not pruned:
             core.prune()
         parts = core.fleet.split(chosen)
-    pending = chosen.tolist()
-    located: dict[int, tuple[Attachment, int]] | None = None  # made when an env is looked at alone
+    pending: list[int] | None = None  # the envs still owing, made when an env is looked at alone
+    located: dict[int, tuple[Attachment, int]] | None = None
     deadline = time.monotonic() + timeout
     try:
         # first block (a link returns at once when nothing is owed), then read the counters
@@ -45,9 +45,10 @@ def wait(
         while link is not None:
             if slots is None:
                 located = located if located is not None else _located(parts)
+                pending = pending if pending is not None else chosen.tolist()
                 slots = np.array([located[e][1] for e in pending if located[e][0].link is link], dtype=np.int64)
             woken = _block(link, slots, version, mode, deadline - time.monotonic())
-            if woken and len(slots) == len(pending):
+            if woken and len(slots) == (len(chosen) if pending is None else len(pending)):
                 settled = _settled(core, link, slots, version, mode)
                 if settled:
                     return
@@ -55,6 +56,7 @@ def wait(
                     continue  # nothing failed, nobody left: block again
             # liveness (a syscall per worker) only when no acknowledgement came in a slice
             located = located if located is not None else _located(parts)
+            pending = pending if pending is not None else chosen.tolist()
             link = _progress(core, pending, located, version, mode, check_liveness=not woken)
             slots = None
             if link is not None and time.monotonic() >= deadline:

@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from envsync.errors import ValidationError
 from envsync.links.base import Flat
 from envsync.sender.desired import section
-from envsync.state import Leaf, nest
+from envsync.state import Leaf, nest, span_of
 
 SLACK = 16
 """Records between two prunes at least (``keep`` if larger; a prune reads every env's applied
@@ -143,8 +143,9 @@ class ConfigHistory:
         if not len(envs):
             return
         self._grow(int(envs.max()) + 1)
-        before, before_row = self._latest[envs], self._latest_row[envs]  # copies (indexed by an array)
-        again = (before >= 0) & (self._latest_version[envs] >= version)
+        at = span_of(envs)  # every env of a collector: slices
+        before, before_row = self._latest[at].copy(), self._latest_row[at].copy()  # kept by the record
+        again = (before >= 0) & (self._latest_version[at] >= version)
         if again.any():  # only envs numbered again
             for position in np.flatnonzero(again).tolist():
                 before[position], before_row[position] = self._first_before(
@@ -154,9 +155,9 @@ class ConfigHistory:
         self._next += 1
         alive = np.ones(len(envs), dtype=bool)
         self._records[number] = _Record(version, envs, dict(shared), dict(rows), before, before_row, alive)
-        self._latest[envs] = number
-        self._latest_row[envs] = np.arange(len(envs))
-        self._latest_version[envs] = version
+        self._latest[at] = number
+        self._latest_row[at] = np.arange(len(envs))
+        self._latest_version[at] = version
         self._since_prune += 1
         self._bytes_since += sum(_nbytes(v) for v in rows.values()) + sum(_nbytes(v) for v in shared.values())
         # a prune reads every record: once per max(SLACK, keep) records, a few dozen µs a push

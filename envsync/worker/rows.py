@@ -22,7 +22,6 @@ level (``batched.*``), which its group serves; the rows hand nothing over.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,7 +32,7 @@ from envsync.links.base import RowsHeader, RowsLink
 from envsync.links.locks import ascending
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
 from envsync.spec import ApplySpec
-from envsync.state import put_rows, take_rows
+from envsync.state import put_rows, span_of, take_rows
 from envsync.worker.owner import Owner
 
 
@@ -127,13 +126,13 @@ class RowsReceiver:
             return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.pending())
 
-    def apply_if_idle(self, rows: Sequence[int]) -> None:
-        """With the collector idle: a ``"step"`` version of these rows applies at once (a
-        truncating one waits for the group's reset of those rows)."""
+    def apply_if_idle(self, rows: np.ndarray) -> None:
+        """With the collector idle: a ``"step"`` version of these rows (int64) applies at once
+        (a truncating one waits for the group's reset of those rows)."""
         if self.spec.apply_at is ApplyAt.RESET or self.spec.idle_resets:
             return
-        index = np.asarray(rows, dtype=np.int64)
-        index = index[self.pending()[index]]
+        pending = self.pending()[span_of(rows)]
+        index = rows if pending.all() else rows[pending]
         if not index.size:
             return
         # first make the env's next step take the slow path, then look at "busy": a step
@@ -143,8 +142,12 @@ class RowsReceiver:
             self.apply(index)
 
     def _notice(self, rows: np.ndarray, targets: np.ndarray) -> None:
-        changed = targets != self._seen[rows]
-        if changed.any():
+        at = span_of(rows)
+        changed = targets != self._seen[at]
+        if changed.all():  # a push to every row (or a run of them): no subsets made
+            self._seen[at] = targets
+            self.link.ack_received(rows, targets)
+        elif changed.any():
             self._seen[rows[changed]] = targets[changed]
             self.link.ack_received(rows[changed], targets[changed])
 
@@ -155,7 +158,7 @@ class RowsReceiver:
             return
         with self.owner.lock, self.owner.applying():
             names = [name for name in self.link.state_names if not is_batched(name)]
-            header = self.link.read(rows, self.version[rows], names)
+            header = self.link.read(rows, self.version[span_of(rows)], names)
             self._notice(rows, header.versions)
             self._apply(rows, header)
 
@@ -184,7 +187,7 @@ class RowsReceiver:
             if held is not None:  # pushed again: its first push can no longer be rolled back
                 held[loaded[stamps[loaded] != 0]] = False
             stamps[loaded] = header.stamps[name][mask]
-        self.version[rows] = versions
+        self.version[span_of(rows)] = versions
         self.link.ack_applied(rows, versions)
 
     def _load(

@@ -63,7 +63,7 @@ class Siblings:
         >>> link = LocalLink({("config", "level"): torch.tensor(0)}, 2)
         >>> envs = Siblings(link.handle(), 0, 2)
         >>> link.write(1, 1, {("config", "level"): torch.tensor(3)})
-        >>> envs.pending()
+        >>> envs.pending().tolist()
         [1]
         >>> link.close()
     """
@@ -91,10 +91,11 @@ class Siblings:
         """Copies of :data:`VERSIONS`, per env, read one after the other."""
         return self._first.read_counters(VERSIONS, self.count)
 
-    def pending(self) -> list[int]:
-        """The envs with a version published that they neither reached nor failed."""
+    def pending(self) -> np.ndarray:
+        """The envs with a version published that they neither reached nor failed (int64,
+        ascending: a natively batched env's rows stay an array all the way to their apply)."""
         t, a, f = self._first.read_counters(("target", "reached", "failed"), self.count)
-        return np.flatnonzero((t != a) & (t != f)).tolist()
+        return np.flatnonzero((t != a) & (t != f))
 
     def notice(self) -> None:
         """Acknowledge receipt of every target that changed since the last notice."""
@@ -136,7 +137,7 @@ class Siblings:
 
     def fail_pending(self, text: str) -> None:
         """Every env with a version pending fails it, with ``text``."""
-        pending = np.asarray(self.pending(), dtype=np.int64)
+        pending = self.pending()
         if self._rows is not None:
             self._rows.report_failure(pending, self._rows.targets()[pending], text)
             return

@@ -298,7 +298,7 @@ class Leaves(Protocol):
         (``gated``: under a batched level, which acknowledges their versions as applied);
         return whether any caught up with a version."""
 
-    def apply_now(self, indices: list[int]) -> None:
+    def apply_now(self, indices: np.ndarray) -> None:
         """Apply these envs' pending versions now (the collector is idle; a ``"step"`` version;
         not called when they are in their own loops)."""
 
@@ -336,8 +336,8 @@ class SubEnvs:
         calls = {i: (handle, first_slot + i, first_env + i, self.in_own_loops, gated) for i in range(count)}
         return any(call_leaves(batched, calls, BIND).values())
 
-    def apply_now(self, indices: list[int]) -> None:
-        call_leaves(self._live(), {i: () for i in indices}, APPLY_NOW)
+    def apply_now(self, indices: np.ndarray) -> None:
+        call_leaves(self._live(), {i: () for i in indices.tolist()}, APPLY_NOW)
 
     def serve(self, indices: np.ndarray) -> None:
         if not self.in_own_loops:

@@ -91,8 +91,8 @@ class EnvGroup:
         (:meth:`~envsync.worker.siblings.Siblings.unsettled`)."""
         return self.envs.unsettled(pending=pending)
 
-    def pending(self) -> list[int]:
-        """The sub-envs with a version not applied (nor failed) yet."""
+    def pending(self) -> np.ndarray:
+        """The sub-envs with a version not applied (nor failed) yet (int64, ascending)."""
         return self.envs.pending()
 
     def busy(self) -> AbstractContextManager[None]:
@@ -111,15 +111,14 @@ class EnvGroup:
             for _ in range(MAX_ROUNDS):
                 pending = self.pending()
                 if only is not None:
-                    wanted = set(only)
-                    pending = [i for i in pending if i in wanted]
+                    pending = pending[np.isin(pending, only)]
                 collector = self._collector()
-                if not pending or collector is None:
+                if not len(pending) or collector is None:
                     return
                 if self.spec.idle_resets:
-                    collector.reset(index=pending)
+                    collector.reset(index=pending.tolist())
                 elif self.leaves.in_own_loops:
-                    self.envs.poke(pending)
+                    self.envs.poke(pending.tolist())
                 else:
                     self.leaves.apply_now(pending)
 
@@ -155,7 +154,7 @@ class EnvGroup:
 
     def truncating(self) -> list[int]:
         """The sub-envs whose pending version must end their episode as truncated."""
-        return self.pending() if self.spec.truncates else []
+        return self.pending().tolist() if self.spec.truncates else []
 
     def on_wake(self) -> None:
         """The worker loop was woken: acknowledge what reached the envs; apply and serve if idle."""

@@ -254,7 +254,7 @@ class Rows:
             raise EnvSyncError("the rows of this batched env are not bound")
         return rows
 
-    def apply_now(self, indices: list[int]) -> None:
+    def apply_now(self, indices: np.ndarray) -> None:
         self._receiver().apply_if_idle(indices)
 
     def serve(self, indices: np.ndarray) -> None:
