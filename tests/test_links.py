@@ -412,3 +412,29 @@ def test_the_rows_of_a_group_get_a_request_written_once_and_answer_it_with_one_r
         assert link.reply(2, 5).result["mass"].item() == 2.0  # one row, as a Ray relay reads it
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_that_fail_one_apply_share_one_error_text(kind: str) -> None:
+    """A failure of many rows writes its traceback once, into the first failed row's error
+    area (each other row's ``error_at`` names it: 65,536 failed worlds touch one page of
+    /dev/shm, not 65,536); every row reads that text, and a later failure of one row alone
+    writes its own text without touching the others'."""
+    leaves = {("config", "x"): torch.zeros(())}
+    if kind == "local":
+        link: Any = LocalLink(leaves, 6, group=6)
+    else:
+        link = SharedMemoryLink(leaves, 6, ctx=mp.get_context("spawn"), group=6)
+    try:
+        rows = link.handle().open_rows(0, 6)
+        failed = np.array([1, 3, 4])
+        rows.report_failure(failed, np.array([2, 2, 2]), "Traceback: the rows' apply raised")
+        counters = link.table.counters
+        assert counters["error_len"].tolist()[1:] == [len("Traceback: the rows' apply raised"), 0, 0, 0, 0]
+        assert [link.status(w).failed for w in range(6)] == [NO_FAILURE, 2, NO_FAILURE, 2, 2, NO_FAILURE]
+        assert {link.error_text(w) for w in failed.tolist()} == {"Traceback: the rows' apply raised"}
+        rows.report_failure(np.array([4]), np.array([3]), "Traceback: row 4 alone")
+        assert link.error_text(4) == "Traceback: row 4 alone"
+        assert link.error_text(1) == link.error_text(3) == "Traceback: the rows' apply raised"
+    finally:
+        link.close()

@@ -24,6 +24,7 @@ from torchrl.collectors import Collector, MultiSyncCollector
 
 import envsync
 from envsync import EnvStateSender, WorkerApplyError
+from envsync.links.shared_memory import PREFIX, SHM_DIR
 
 N = 6
 ROUNDS = 12
@@ -186,6 +187,64 @@ def test_a_call_that_fails_gives_every_row_of_it_its_previous_config_back_and_th
         batch = next(iterator)
         assert batch["next", "observation"][..., 0].eq(2.0).all()
         assert sender.config_at(0, v1)["difficulty"].item() == 2.0
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+def _shm_bytes() -> int:
+    """The bytes envsync's files in /dev/shm hold (allocated pages, not their sizes)."""
+    return sum(path.stat().st_blocks * 512 for path in Path(SHM_DIR).glob(f"{PREFIX}*"))
+
+
+def _native_under_a_tripwire(n: int) -> Any:
+    """A natively batched env of ``n`` worlds under a batched level: the model test's
+    tripwire (its ``check``, the level's re-init policy, raises while ``armed``)."""
+    from model_envs import _tripwire
+    from torchrl.envs import TransformedEnv
+
+    return TransformedEnv(make_native_counters(n), _tripwire())
+
+
+@pytest.mark.timeout(180)
+def test_thousands_of_worlds_under_a_batched_level_are_acknowledged_and_failed_as_columns() -> None:
+    """4,096 worlds under their env's own transforms in a spawned-free ``MultiSyncCollector``
+    worker: the level acknowledges every world's version in one vector write (the push returns
+    "applied" with every world on its row), and when the level fails a version every world
+    fails it with one error text, written once (one row's error area, not 4,096), and the push
+    rolls back."""
+    rows = 4096
+    sender = EnvStateSender(
+        config={"difficulty": 0.0},
+        apply="set_difficulty",
+        apply_at="step",
+        reinit={"batched.Tripwire": envsync.reinit.call("check")},
+    )
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            [sender.env_fn(functools.partial(_native_under_a_tripwire, rows))],
+            None,
+            frames_per_batch=2 * rows,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
+        )
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        values = torch.arange(rows, dtype=torch.float32)
+        version = sender.push(config=TensorDict(difficulty=values, batch_size=[rows]), wait="applied")
+        assert set(sender.env_versions()) == {version}
+        batch = next(iterator)
+        tagged = batch["next", "env_version"] == version
+        assert tagged.all()
+        assert torch.equal(batch["next", "observation"][..., 0][tagged], values[batch["env_index"][tagged]])
+        before = _shm_bytes()
+        with pytest.raises(WorkerApplyError) as raised:
+            sender.push(env_state={"batched.armed": torch.ones(())}, wait="applied")
+        assert "the tripwire of the batched level is armed" in raised.value.remote_traceback
+        # one text for every world: a page or two of the link's file, not a page per world (16 MB)
+        assert _shm_bytes() - before < 1 << 20, _shm_bytes() - before
+        assert set(sender.env_versions()) == {raised.value.version + 1}  # the rollback, everywhere
     finally:
         collector.shutdown()
         sender.close()

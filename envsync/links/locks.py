@@ -16,16 +16,8 @@ from typing import Any
 import numpy as np
 
 from envsync.errors import EnvSyncError
-from envsync.links.table import ERROR_BYTES
 
 _LOCK_TIMEOUT = 10.0
-
-
-def write_text(buffer: np.ndarray, lengths: np.ndarray, workers: int | np.ndarray, text: str) -> None:
-    """Write ``text``'s end into the error areas of ``workers`` (one, or many at once)."""
-    data = text.encode("utf-8", errors="replace")[-ERROR_BYTES:]
-    buffer[workers, : len(data)] = np.frombuffer(data, dtype=np.uint8)
-    lengths[workers] = len(data)
 
 
 def acquire(lock: Any, what: str, *args: Any) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from envsync.links.base import RowsHeader
-from envsync.links.locks import all_locked, distinct, write_text
+from envsync.links.locks import all_locked, distinct
 from envsync.links.records import ROWS, sealed_reply
 from envsync.links.slot_reader import read_request
 from envsync.links.table import Table
@@ -160,7 +160,7 @@ class RowsReader:
     def report_failure(self, rows: np.ndarray, versions: np.ndarray, text: str) -> None:
         """Tell the sender these rows failed these versions, with the traceback text."""
         slots = rows + self.first
-        write_text(self.table.error, self._c["error_len"], slots, text)  # every row's, in one write
+        self.table.write_error(slots, text)  # once, for every row
         self._c["failed"][slots] = versions
         self._acks[0].release()
         self._acks[1].release()

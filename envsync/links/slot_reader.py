@@ -15,7 +15,7 @@ import torch
 from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
 from envsync.links.base import Header, Key, Notices
-from envsync.links.locks import locked, take_back, write_text
+from envsync.links.locks import locked, take_back
 from envsync.links.records import request_of, sealed_reply, unseal
 from envsync.links.table import Table, pid_alive
 from envsync.protocol import Reply, Request
@@ -245,7 +245,7 @@ class SlotReader:
         return self._copy_end(relayed=self._relayed, gate=(True, wake_group))
 
     def report_failure(self, version: int, text: str) -> None:
-        write_text(self.table.error, self._c["error_len"], self.worker, text)
+        self.table.write_error(self.worker, text)
         self._c["failed"][self.worker] = version
         self._acks[0].release()
         self._acks[1].release()

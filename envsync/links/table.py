@@ -1,5 +1,6 @@
-"""The slot table both links lay out in one block of bytes: per worker, nineteen int64
-counters, a failed apply's error text, a request area and a reply area (a request and its
+"""The slot table both links lay out in one block of bytes: per worker, twenty int64
+counters, a failed apply's error text (the rows that failed one apply together share the
+first one's: each row's ``error_at`` names it), a request area and a reply area (a request and its
 reply as sealed records, :mod:`envsync.links.records`: the link never reads their kind; the
 rows of a natively batched env get a request written once, in their first asked row's area
 (each row's ``ask_at`` names it), and answer it with one reply for all of them, written
@@ -47,6 +48,7 @@ COUNTERS = (
     "relay_to",
     "reply_at",
     "ask_at",
+    "error_at",
 )
 ALIGN = 64
 MARKS = ("source", "config_source", "writes")
@@ -200,6 +202,22 @@ class Table:
         a rows reply spans them)."""
         return self.areas["reply"][first : last + 1].reshape(-1)
 
+    def write_error(self, workers: int | np.ndarray, text: str) -> None:
+        """Write ``text``'s end as the error of ``workers`` (one, or many: the rows of a
+        natively batched env that failed one apply): once, in the first one's error area,
+        the others' ``error_at`` naming it (a failure of 65,536 rows touches one page, not
+        65,536)."""
+        data = np.frombuffer(text.encode("utf-8", errors="replace")[-ERROR_BYTES:], dtype=np.uint8)
+        rows = np.atleast_1d(np.asarray(workers, dtype=np.int64))
+        head = int(rows[0])
+        self.error[head, : len(data)] = data
+        self.counters["error_len"][head] = len(data)
+        self.counters["error_at"][rows] = head + 1
+        self.counters["error_at"][head] = 0
+
     def error_text(self, worker: int) -> str:
-        length = int(self.counters["error_len"][worker])
-        return bytes(self.error[worker, :length]).decode("utf-8", errors="replace")
+        """The error text of ``worker`` (its own area's, or the one its ``error_at`` names)."""
+        at = int(self.counters["error_at"][worker])
+        source = worker if at == 0 else at - 1
+        length = int(self.counters["error_len"][source])
+        return bytes(self.error[source, :length]).decode("utf-8", errors="replace")

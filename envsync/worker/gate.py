@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from envsync.links.base import End, Header
+from envsync.links.base import End, Header, RowsEnd
 from envsync.protocol import Kind, Reply, Request
 
 
@@ -32,10 +32,13 @@ class GateEnd:
         ends: the ends of every env under the level (a sequence that may open them when
             indexed: the gate reads their counters as columns and touches one end only to
             acknowledge or fail that env), the first one's slot read.
+        rows: the end of the same envs as rows of one natively batched env, if they are:
+            they are then acknowledged and failed by one vector write for all of them.
     """
 
-    def __init__(self, ends: Sequence[End]) -> None:
+    def __init__(self, ends: Sequence[End], rows: RowsEnd | None = None) -> None:
         self._ends = ends
+        self._rows = rows
         self._first = first = ends[0]
         self.worker = first.worker
         self._count = len(ends)
@@ -86,8 +89,12 @@ class GateEnd:
         """
         reached, applied, targets = self._first.read_counters(("reached", "applied", "target"), self._count)
         owed = applied != reached  # one vector read: only these envs are looked at, one by one
-        for i in np.flatnonzero(owed & (reached <= version)).tolist():
-            self._ends[i].ack_applied(int(reached[i]))
+        covered = np.flatnonzero(owed & (reached <= version))
+        if self._rows is not None and covered.size:  # rows: one vector acknowledgement
+            self._rows.ack_applied(covered, reached[covered])
+        else:
+            for i in covered.tolist():
+                self._ends[i].ack_applied(int(reached[i]))
         if holds is None:
             return
         for i in np.flatnonzero(owed & (reached > version) & (reached == targets)).tolist():
@@ -120,7 +127,11 @@ class GateEnd:
         stays unacknowledged until the level holds a version again (the rollback's)."""
         (reached,) = self._first.read_counters(("reached",), self._count)
         text = f"the batched env's own transforms failed to apply version {version}:\n{text}"
-        for i in np.flatnonzero(reached == version).tolist():
+        failed = np.flatnonzero(reached == version)
+        if self._rows is not None and failed.size:  # rows: one write, one text
+            self._rows.report_failure(failed, np.full(failed.size, version, dtype=np.int64), text)
+            return
+        for i in failed.tolist():
             self._ends[i].report_failure(version, text)
 
     def set_busy(self, busy: bool, count: int = 1) -> None:

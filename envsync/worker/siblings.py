@@ -75,7 +75,7 @@ class Siblings:
         # the rows of a native env: acknowledged as columns, and they share one wake-up
         self._rows = handle.open_rows(first_slot, count, claim=False) if rows else None
         self._noticed = np.zeros(count, dtype=np.int64)  # the targets acknowledged as received
-        self.gate = GateEnd(self._ends)
+        self.gate = GateEnd(self._ends, self._rows)
         """The batched level's end over these envs (its receiver's, if it has one)."""
 
     def targets(self) -> np.ndarray:
