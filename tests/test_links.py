@@ -38,6 +38,14 @@ def make(kind: str, workers: int = 2) -> Any:
 KINDS = ["shm", "local"]
 
 
+def make_rows(kind: str, rows: int) -> Any:
+    """A link of the ``rows`` rows of one natively batched env (one group: one lock, one wake-up)."""
+    leaves = {("config", "x"): torch.zeros(())}
+    if kind == "shm":
+        return SharedMemoryLink(leaves, rows, ctx=mp.get_context("spawn"), group=rows)
+    return LocalLink(leaves, rows, group=rows)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_writes_reach_only_the_targeted_worker(kind: str) -> None:
     link = make(kind)
@@ -390,11 +398,7 @@ def test_the_rows_of_a_group_get_a_request_written_once_and_answer_it_with_one_r
     area (the others name it: a request to 65,536 worlds touches one page, not one per world)
     and reads the rows' one reply back as columns, in the rows' order; a row asked alone
     reads the same way."""
-    leaves = {("config", "x"): torch.zeros(())}
-    if kind == "local":
-        link: Any = LocalLink(leaves, 6, group=6)
-    else:
-        link = SharedMemoryLink(leaves, 6, ctx=mp.get_context("spawn"), group=6)
+    link = make_rows(kind, 6)
     try:
         rows = link.handle().open_rows(0, 6)
         request = Request(5, Kind.ATTRIBUTES, {"paths": ["mass"]})
@@ -420,11 +424,7 @@ def test_rows_that_fail_one_apply_share_one_error_text(kind: str) -> None:
     area (each other row's ``error_at`` names it: 65,536 failed worlds touch one page of
     /dev/shm, not 65,536); every row reads that text, and a later failure of one row alone
     writes its own text without touching the others'."""
-    leaves = {("config", "x"): torch.zeros(())}
-    if kind == "local":
-        link: Any = LocalLink(leaves, 6, group=6)
-    else:
-        link = SharedMemoryLink(leaves, 6, ctx=mp.get_context("spawn"), group=6)
+    link = make_rows(kind, 6)
     try:
         rows = link.handle().open_rows(0, 6)
         failed = np.array([1, 3, 4])
