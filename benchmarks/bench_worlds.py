@@ -1039,8 +1039,9 @@ def _run(args: Args) -> dict[str, Any]:
             "of "
             "one step a batch, apply='set_physics', apply_at='step'; a second env of n worlds in this process takes "
             "env.set_physics(ids, mass=rows) (masked write of body_mass and body_inertia + mj_setConst per world) and "
-            "env.set_physics(ids, friction=rows) (the masked write alone), and a second Collector takes a push of the same "
-            "rows as friction factors (config={'friction': 1.0}: nothing derived); pushes, apply and write alternate, the "
+            "env.set_physics(ids, friction=rows) (the masked write alone), and a second Collector takes a push of "
+            "the same rows as friction factors (config={'friction': 1.0}: nothing derived); pushes, apply and write "
+            "alternate, the "
             "first not counted; rebuild: randomisation_fn -> wrap_for_brax_training -> jit reset and step -> first "
             "reset and step (one run per n); 'traces added': JAX traces of both envs over the pushes"
         )
