@@ -107,8 +107,10 @@ class EnvGroup:
         with self._lock:
             if self.spec.apply_at is ApplyAt.RESET:
                 return
-            # again while anything is pending: a push may land while this runs
+            # again while pushes land meanwhile (one integer read tells: no second read of
+            # every env's counters when none did)
             for _ in range(MAX_ROUNDS):
+                pushed = self.envs.pushed()
                 pending = self.pending()
                 if only is not None:
                     pending = pending[np.isin(pending, only)]
@@ -121,6 +123,8 @@ class EnvGroup:
                     self.envs.poke(pending.tolist())
                 else:
                     self.leaves.apply_now(pending)
+                if self.envs.pushed() == pushed:
+                    return
 
     def catch_up(self) -> None:
         """Apply the batched env's own level up to what the worker's envs all applied, and
