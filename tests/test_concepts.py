@@ -14,7 +14,7 @@ DOC = ROOT / "docs" / "concepts.md"
 
 # the layers of the design, lowest first, as the doc names them
 LAYERS: dict[str, set[str]] = {
-    "rules": {"protocol", "errors", "state", "fitting", "buffers", "shutdown", "stats"}
+    "rules": {"protocol", "errors", "state", "indexing", "fitting", "buffers", "shutdown", "stats"}
     | {"configure", "reinit", "levels", "spec"},
     "links": {"links"},
     "core": {"core", "records", "desired", "mirror", "books", "fleet", "history"},

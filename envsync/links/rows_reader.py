@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from envsync.indexing import Rows, put_rows, span_of, take_rows
 from envsync.links.base import RowsHeader
 from envsync.links.locks import all_locked, distinct
 from envsync.links.records import ROWS, sealed_reply
 from envsync.links.slot_reader import read_request
 from envsync.links.table import Table
 from envsync.protocol import Reply, Request
-from envsync.state import Rows, put_rows, span_of, take_rows
 
 
 class RowsReader:

@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from envsync.errors import ValidationError
+from envsync.indexing import put_rows, take_rows
 from envsync.links.base import BROADCAST, Key
 from envsync.links.locks import Released, all_locked, ascending, firsts, locked, numbered, take_back
 from envsync.links.records import ROWS, as_rows, plain, reply_of, seal, unseal
 from envsync.links.table import Table
 from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
-from envsync.state import Leaf, put_rows, take_rows, tensor_of
+from envsync.state import Leaf, tensor_of
 
 DRAIN_EVERY = 1024
 """Pushes between two takes-back of unwaited acknowledgement releases (:meth:`SlotWriter.flush`)."""

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from envsync.indexing import take_rows
 from envsync.links.base import Flat, Key
-from envsync.state import Leaf, take_rows, tensor_of
+from envsync.state import Leaf, tensor_of
 
 NEVER = torch.zeros((), dtype=torch.int64)
 """The stamp of an env-state entry that was never pushed (a worker never loads it)."""

@@ -17,12 +17,13 @@ from tensordict import TensorDict
 
 from envsync import stats
 from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WorkerApplyError
+from envsync.indexing import take_rows
 from envsync.levels import PREFIX, is_batched, selector_level
 from envsync.protocol import ApplyAt, Kind, Request
 from envsync.reinit import STATS, Selector
 from envsync.sender.books import StatsBook
 from envsync.sender.core import Core
-from envsync.state import EnvStateTemplate, state_name, take_rows
+from envsync.state import EnvStateTemplate, state_name
 
 _ANSWER_SLICE = 0.05
 """Longest blocking wait for an answer before the workers' liveness is checked again."""

@@ -33,9 +33,10 @@ import torch
 from tensordict import TensorDict
 
 from envsync.errors import ValidationError
+from envsync.indexing import span_of
 from envsync.links.base import Flat
 from envsync.sender.desired import section
-from envsync.state import Leaf, nest, span_of
+from envsync.state import Leaf, nest
 
 SLACK = 16
 """Records between two prunes at least (``keep`` if larger; a prune reads every env's applied

@@ -16,8 +16,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
+from envsync.indexing import put_rows, take_rows
 from envsync.links.base import Flat, Key
-from envsync.state import Leaf, put_rows, take_rows, tensor_of
+from envsync.state import Leaf, tensor_of
 
 
 class Mirror:

@@ -27,12 +27,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from envsync.indexing import put_rows, span_of, take_rows
 from envsync.levels import is_batched
 from envsync.links.base import RowsHeader, RowsLink
 from envsync.links.locks import ascending
 from envsync.protocol import NO_FAILURE, ApplyAt, Kind, Reply
 from envsync.spec import ApplySpec
-from envsync.state import put_rows, span_of, take_rows
 from envsync.worker.owner import Owner
 
 

@@ -34,6 +34,7 @@ from torchrl.envs import EnvBase
 
 from envsync.configure import config_kwargs, env_state_dict, find_config_method
 from envsync.errors import EnvSyncError, ValidationError
+from envsync.indexing import put_rows
 from envsync.integrations.torchrl.batched import HOOKS, BatchedHooks, Leaves
 from envsync.integrations.torchrl.level import outer_env
 from envsync.integrations.torchrl.paths import held_at
@@ -42,7 +43,7 @@ from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.spec import ApplySpec
-from envsync.state import FlatConfig, flat_names, put_rows, tensor_of
+from envsync.state import FlatConfig, flat_names, tensor_of
 from envsync.worker.rows import RowsReceiver
 
 
