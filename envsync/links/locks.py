@@ -90,7 +90,7 @@ def distinct(locks: Sequence[Any]) -> list[Any]:
 def ascending(numbers: np.ndarray) -> list[int]:
     """The distinct values of ``numbers`` (int64), ascending: a Python set for a few (a push to
     a handful of workers, where ``np.unique``'s dozen calls cost more than the rest of the
-    write), ``np.unique`` for many.
+    write), :func:`firsts` for many.
 
     Examples:
         >>> ascending(np.array([3, 1, 3])), ascending(np.arange(100) // 50)
@@ -98,10 +98,7 @@ def ascending(numbers: np.ndarray) -> list[int]:
     """
     if len(numbers) <= 64:
         return sorted(set(numbers.tolist()))
-    low = int(numbers.min())
-    if low == int(numbers.max()):  # the rows of one env object: two reads, no sort
-        return [low]
-    return np.unique(numbers).tolist()
+    return firsts(numbers)[0].tolist()
 
 
 def firsts(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -134,7 +134,10 @@ class RowsReader:
     def ack_received(self, rows: np.ndarray, versions: np.ndarray) -> None:
         """Tell the sender these rows saw these versions (armed for their next safe point)."""
         slots = rows + self.first
-        at = span_of(slots)
+        self._received(slots, span_of(slots), versions)
+
+    def _received(self, slots: np.ndarray, at: Rows, versions: np.ndarray) -> None:
+        """:meth:`ack_received` of the slots ``slots`` (``at``: them, or their slice)."""
         received = self._c["received"]
         newer = versions > received[at]
         if not newer.any():
@@ -149,13 +152,14 @@ class RowsReader:
     def ack_applied(self, rows: np.ndarray, versions: np.ndarray) -> None:
         """Tell the sender these rows run these versions (gated: they reached them; their
         batched level acknowledges them applied once it holds them too)."""
-        at = span_of(rows + self.first)
+        slots = rows + self.first
+        at = span_of(slots)
         reached = self._c["reached"]
         reached[at] = np.maximum(reached[at], versions)  # never back, as a slot reader's
         if not self._gated:
             self._c["applied"][at] = versions
             self._acks[1].release()
-        self.ack_received(rows, versions)
+        self._received(slots, at, versions)
 
     def report_failure(self, rows: np.ndarray, versions: np.ndarray, text: str) -> None:
         """Tell the sender these rows failed these versions, with the traceback text."""

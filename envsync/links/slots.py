@@ -226,8 +226,7 @@ class SlotWriter:
             if reply is not None:
                 out.append(as_rows(slot, reply))
         rows_at = at[at > 0] - 1
-        heads = [int(rows_at[0])] if rows_at.size and rows_at.min() == rows_at.max() else np.unique(rows_at).tolist()
-        for head in heads:
+        for head in ascending(rows_at):
             bulk = self._rows_reply(head, request)
             if bulk is None:
                 continue

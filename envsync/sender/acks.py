@@ -48,7 +48,8 @@ def wait(
                 pending = pending if pending is not None else chosen.tolist()
                 slots = np.array([located[e][1] for e in pending if located[e][0].link is link], dtype=np.int64)
             woken = _block(link, slots, version, mode, deadline - time.monotonic())
-            if woken and len(slots) == (len(chosen) if pending is None else len(pending)):
+            # (``pending`` not made yet: one collector's slots, every env waited for)
+            if woken and (pending is None or len(slots) == len(pending)):
                 settled = _settled(core, link, slots, version, mode)
                 if settled:
                     return

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from envsync.indexing import put_rows, span_of, take_rows
+from envsync.indexing import Rows, put_rows, span_of, take_rows
 from envsync.levels import is_batched
 from envsync.links.base import RowsHeader, RowsLink
 from envsync.links.locks import ascending
@@ -105,7 +105,7 @@ class RowsReceiver:
         if self.owner.is_applying or not rows.size:
             return
         targets = self.link.targets()[rows]
-        self._notice(rows, targets)
+        self._notice(rows, span_of(rows), targets)
         if self._at_step:
             self.apply(rows[(targets != self.version[rows]) & (targets != self.failed[rows])])
         held = self.version[rows]
@@ -141,8 +141,7 @@ class RowsReceiver:
         if not self.link.is_busy():
             self.apply(index)
 
-    def _notice(self, rows: np.ndarray, targets: np.ndarray) -> None:
-        at = span_of(rows)
+    def _notice(self, rows: np.ndarray, at: Rows, targets: np.ndarray) -> None:
         changed = targets != self._seen[at]
         if changed.all():  # a push to every row (or a run of them): no subsets made
             self._seen[at] = targets
@@ -158,11 +157,12 @@ class RowsReceiver:
             return
         with self.owner.lock, self.owner.applying():
             names = [name for name in self.link.state_names if not is_batched(name)]
-            header = self.link.read(rows, self.version[span_of(rows)], names)
-            self._notice(rows, header.versions)
-            self._apply(rows, header)
+            at = span_of(rows)  # every row, or a run of them: slices
+            header = self.link.read(rows, self.version[at], names)
+            self._notice(rows, at, header.versions)
+            self._apply(rows, at, header)
 
-    def _apply(self, rows: np.ndarray, header: RowsHeader) -> None:
+    def _apply(self, rows: np.ndarray, at: Rows, header: RowsHeader) -> None:
         index = torch.from_numpy(rows)
         versions = header.versions
         live = self.env.state_rows() if header.entries or any(s.any() for s in self._stamps.values()) else {}
@@ -187,7 +187,7 @@ class RowsReceiver:
             if held is not None:  # pushed again: its first push can no longer be rolled back
                 held[loaded[stamps[loaded] != 0]] = False
             stamps[loaded] = header.stamps[name][mask]
-        self.version[span_of(rows)] = versions
+        self.version[at] = versions
         self.link.ack_applied(rows, versions)
 
     def _load(
@@ -241,16 +241,11 @@ class RowsReceiver:
             return "\nwhile restoring the previous state:\n" + traceback.format_exc()
         return ""
 
-    def serve(self, rows: np.ndarray | None = None) -> None:
-        """Answer the rows' pending gathers (their env state, what they hold at attribute
-        paths): the rows asked one request are read together and answered with one reply;
-        a request for the batched env's own entries is its level's (the group's)."""
+    def serve(self) -> None:
+        """Answer every pending gather of the rows (their env state, what they hold at
+        attribute paths): the rows asked one request are read together and answered with one
+        reply; a request for the batched env's own entries is its level's (the group's)."""
         asked, ids = self.link.asked()
-        # ``rows`` were read as asked a moment before: as many rows asked now means the same
-        # ones (or, had another answer come between, rows whose requests are pending too)
-        if rows is not None and len(rows) != len(asked):
-            chosen = np.isin(asked, rows)
-            asked, ids = asked[chosen], ids[chosen]
         distinct = ascending(ids)
         for id_ in distinct:
             which = asked if len(distinct) == 1 else asked[ids == id_]

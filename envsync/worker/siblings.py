@@ -115,7 +115,8 @@ class Siblings:
         waiting = (ask != 0) & (ask != answered)
         if indices is None:
             return np.flatnonzero(waiting)
-        return np.array([i for i in indices if waiting[i]], dtype=np.int64)
+        chosen = np.asarray(indices, dtype=np.int64)
+        return chosen[waiting[chosen]]
 
     def unsettled(self, *, pending: bool) -> np.ndarray:
         """A mask of the envs whose safe point has something to do: a target not yet

@@ -135,11 +135,11 @@ class EnvGroup:
                 level.apply_pending()
                 self.gate.ack_applied(level.version, level.holds)
 
-    def serve(self, only: list[int] | None = None) -> None:
+    def serve(self) -> None:
         """Answer pending gathers: the sub-envs' (unless their receivers serve them) and the
         batched env's own (at a rollout's end, or with the collector idle)."""
         with self._lock:
-            asked = self.envs.asked(only)
+            asked = self.envs.asked()
             if len(asked):
                 self.leaves.serve(asked)
             if self.level is not None and self.gate.request() is not None:

@@ -259,7 +259,7 @@ class Rows:
         self._receiver().apply_if_idle(indices)
 
     def serve(self, indices: np.ndarray) -> None:
-        self._receiver().serve(indices)
+        self._receiver().serve()  # the group asks for every row with a request: all, in one read
 
 
 def prepare_native(env: EnvBase, spec: ApplySpec, initial_config: TensorDictBase) -> None:
