@@ -317,8 +317,8 @@ def test_adr_over_the_mass_per_world_credits_each_episode_to_the_mass_the_simula
                     wrong += not ran(episode, assigned[episode.env, episode.version][1])
             if index == 40:
                 break
-        held = sender.read_attributes(["sim.model.body_mass"])["sim", "model", "body_mass"][:, POLE]
-        runs = [MASS * sender.config_at(env, v)["mass"].item() for env, v in enumerate(sender.env_versions())]
+        versions, held = settled_masses(sender)
+        runs = [MASS * sender.config_at(env, v)["mass"].item() for env, v in enumerate(versions)]
     finally:
         collector.shutdown()
         sender.close()
@@ -329,6 +329,20 @@ def test_adr_over_the_mass_per_world_credits_each_episode_to_the_mass_the_simula
     shrank = any(later > earlier for earlier, later in zip(lows[:-1], lows[1:], strict=True))
     assert shrank, f"the lower boundary never moved back up: {lows}"
     assert adr.range["mass"][1] == pytest.approx(1.5), adr.range
+
+
+def settled_masses(sender: EnvStateSender, tries: int = 100) -> tuple[list[int], torch.Tensor]:
+    """Each world's version and the pole mass its model holds, read while no world changed
+    version: a ``MultiAsyncCollector``'s worker goes on collecting after the loop breaks, and a
+    world that resets between the read and ``env_versions`` takes its pending row (failed 1 of
+    ~9 runs, and once in CI, comparing a read with versions taken after it)."""
+    for _ in range(tries):
+        before = sender.env_versions()
+        held = sender.read_attributes(["sim.model.body_mass"])["sim", "model", "body_mass"][:, POLE]
+        if sender.env_versions() == before:
+            return before, held
+        time.sleep(0.05)
+    raise AssertionError(f"the worlds' versions kept changing over {tries} reads")
 
 
 MASSES = (0.5, 1.0, 1.5)  # the mass factors the levels, lessons and arms set
