@@ -15,13 +15,12 @@ older ones, so past the entry in effect at the env's applied version the history
 the ``keep`` newest entries of each env, and of those only as many as fit in ``keep_bytes``
 (a large config pushed often would otherwise hold ``keep`` payloads). It prunes once
 ``keep_bytes`` were recorded, or once both ``SLACK`` records (``keep`` records, if more) and
-as many entries as the last prune kept were recorded: every kept entry of every record in
-one table, grouped by env by one stable sort, ranked by cumulative sums
-(:meth:`ConfigHistory.prune`), and the records no env needs are dropped. A prune costs a
-few vector passes over the entries it finds, at most twice those it keeps: paid once per
-entry recorded, whatever the number of worlds (a prune every 64 records of 6,554 rows, with
-65,536 worlds, cost 8 ms a push). Between prunes the history holds at most twice the
-entries a prune keeps, plus one record.
+as many entries as the last prune kept were recorded: the records newest first, each ranked
+against per-env running columns (:meth:`ConfigHistory.prune`), and the records no env needs
+are dropped. A prune costs a few vector passes over the entries it finds, at most twice
+those it keeps: paid once per entry recorded, whatever the number of worlds (a sorted table
+of every entry every 64 records cost 8 ms a push with 65,536 worlds, a 10% curriculum).
+Between prunes the history holds at most twice the entries a prune keeps, plus one record.
 
 Leaves are never written after they are recorded: shared ones are the sender's own (never
 changed once published, see :mod:`envsync.sender.desired`), rows are copies.
@@ -66,12 +65,6 @@ class _Record:
 
     def row_bytes(self) -> int:
         return sum(int(v[0].nbytes) for v in self.rows.values()) if len(self.targets) else 0
-
-
-def _within(running: np.ndarray, starts: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """A cumulative sum restarted at each group's start (``running``: the sum over all rows)."""
-    before = np.r_[0, running][starts]  # the sum before each group
-    return running - before[group]
 
 
 def _nbytes(leaf: Leaf) -> int:
@@ -194,48 +187,36 @@ class ConfigHistory:
             self._latest_version = np.concatenate([self._latest_version, np.zeros(more, dtype=np.int64)])
 
     def prune(self, applied: Applied) -> None:
-        """Drop the entries no frame can still carry (see the module docstring): every kept
-        entry of every record in one table, newest record first, grouped by env by one stable
-        sort; the entry in effect, the rank and the bytes of the older ones by cumulative sums
-        within each env's group. A few dozen vector operations, whatever the records."""
-        self._since_prune = self._bytes_since = self._entries_since = self._kept = 0
-        records = [self._records[number] for number in reversed(list(self._records))]
-        if not records:
-            return
-        sizes: list[int] = []
-        counted: set[int] = set()  # a shared leaf counts with the newest entry that holds it
-        for record in records:
+        """Drop the entries no frame can still carry (see the module docstring): the records
+        newest first, each a few vector operations over its rows against per-env running
+        columns (the entry in effect found yet, the older entries and their bytes so far),
+        no sort of the entries (sorting millions of them by env cost half a second)."""
+        self._since_prune = self._bytes_since = self._entries_since = 0
+        size = len(self._latest)
+        reached_version = applied(np.arange(size, dtype=np.int64))
+        found = np.zeros(size, dtype=bool)  # per env: its entry in effect is behind us
+        older = np.zeros(size, dtype=np.int64)  # the entries older than it so far
+        held = np.zeros(size, dtype=np.int64)  # and their bytes
+        counted: set[int] = set()  # a shared leaf counts with the newest record that holds it
+        kept = 0
+        for number in reversed(list(self._records)):
+            record = self._records[number]
             fresh = [leaf for leaf in record.shared.values() if id(leaf) not in counted]
             counted.update(id(leaf) for leaf in fresh)
-            sizes.append(record.row_bytes() + sum(_nbytes(leaf) for leaf in fresh))
-        lengths = np.array([len(record.targets) for record in records])
-        envs = np.concatenate([record.targets for record in records])
-        alive = np.concatenate([record.alive for record in records])
-        versions = np.repeat(np.array([record.version for record in records], dtype=np.int64), lengths)
-        size = np.repeat(np.array(sizes, dtype=np.int64), lengths)
-        reached = versions <= applied(np.arange(len(self._latest), dtype=np.int64))[envs]
-        order = np.argsort(envs, kind="stable")  # each env's entries together, newest first
-        e, live = envs[order], alive[order]
-        starts = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
-        group = np.cumsum(np.r_[False, e[1:] != e[:-1]])
-        at = np.arange(len(e))
-        # the entry in effect: the env's newest live entry at or before its applied version
-        in_effect = np.minimum.reduceat(np.where(reached[order] & live, at, len(e)), starts)[group]
-        past = (at > in_effect) & live  # older than it
-        rank = _within(np.cumsum(past), starts, group)  # 1 for the newest of the older entries
-        held = _within(np.cumsum(np.where(past, size[order], 0)), starts, group)
-        kept_past = past & (rank <= self.keep) & ((rank == 1) | (held <= self.keep_bytes))
-        keep = np.empty(len(e), dtype=bool)
-        keep[order] = live & (~past | kept_past)
-        self._kept = int(np.count_nonzero(keep))
-        ends = np.cumsum(lengths)
-        any_kept = np.logical_or.reduceat(keep, ends - lengths)  # every record has a row
-        numbers = reversed(list(self._records))
-        for number, end, length, kept in zip(numbers, ends.tolist(), lengths.tolist(), any_kept.tolist(), strict=True):
-            if kept:
-                self._records[number].alive = keep[end - length : end]  # a view: the records' rows never overlap
+            envs, live = record.targets, record.alive
+            past = live & found[envs]
+            if past.any():
+                older[envs] += past
+                held[envs] += past * (record.row_bytes() + sum(_nbytes(leaf) for leaf in fresh))
+                rank, bytes_ = older[envs], held[envs]
+                live = live & (~past | ((rank <= self.keep) & ((rank == 1) | (bytes_ <= self.keep_bytes))))
+            found[envs] |= live & (record.version <= reached_version[envs])
+            if live.any():
+                record.alive = live
+                kept += int(np.count_nonzero(live))
             else:
                 del self._records[number]
+        self._kept = kept
 
     def config(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` ran under ``version`` (a ``TensorDict`` shaped like the
