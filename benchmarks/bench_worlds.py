@@ -19,7 +19,7 @@ row per (n, measure):
    rows``, timed directly. Reported in ms and in µs per world above the floor; the env's values
    are checked against the rows after every push.
 4. **curriculum**: frames/s of a loop that after every batch pushes new rows to a random 10% of
-   the worlds (``envs=`` their indices, ``wait=--curriculum-wait``) / the same loop writing the
+   the worlds (``envs=`` their indices, a tensor, ``wait=--curriculum-wait``) / the same loop writing the
    same rows into the env of the collector without envsync (``env.difficulty[ids] = rows``);
    windows taking turns, medians.
 5. **read**: ``sender.read_attributes(["difficulty"])`` of every world against a direct read,
@@ -496,16 +496,16 @@ def _curriculum(n: int, args: Args, with_: Side, without: Side, generator: torch
     wait = None if args.curriculum_wait.lower() == "none" else args.curriculum_wait
     env = without.env
 
-    def pick() -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def pick() -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.randperm(n, generator=generator)[:k].sort().values
-        return ids, ids.tolist(), torch.rand(k, generator=generator)
+        return ids, torch.rand(k, generator=generator)
 
     def push() -> None:
-        _, envs, rows = pick()
-        sender.push(config={"difficulty": rows}, envs=envs, wait=wait, timeout=args.budget)
+        ids, rows = pick()  # the ids as a torch user holds them: a tensor
+        sender.push(config={"difficulty": rows}, envs=ids, wait=wait, timeout=args.budget)
 
     def write() -> None:
-        ids, _, rows = pick()
+        ids, rows = pick()
         env.difficulty[ids] = rows
 
     got = _turns(args, {"without": without, "with": with_}, {"without": write, "with": push})

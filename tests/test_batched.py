@@ -126,7 +126,7 @@ def test_envs_subset_leaves_the_others_untouched(stepping: Any) -> None:
     later = 2 * SETUPS[setup][1] + 1 if SETUPS[setup][0] is MultiAsyncCollector else 2
     before = {e: sender.desired_config(env=e)["difficulty"].item() for e in range(sender.num_envs)}
     old = sender.env_versions()
-    version = sender.push(config={"difficulty": 77.0}, envs=[1], wait="applied")
+    version = sender.push(config={"difficulty": 77.0}, envs=torch.tensor([1]), wait="applied")  # ids as a tensor
     assert sender.env_versions() == [version if e == 1 else old[e] for e in range(sender.num_envs)]
     for _ in range(later):
         batch = next(it)
@@ -143,6 +143,10 @@ def test_bad_addressing_is_refused_in_main(stepping: Any) -> None:
         sender.push(config=TensorDict(difficulty=torch.zeros(7), batch_size=[7]))
     with pytest.raises(ValidationError, match="env 99 does not exist"):
         sender.push(config={"difficulty": 1.0}, envs=[99])
+    with pytest.raises(ValidationError, match="env -1 does not exist"):
+        sender.push(config={"difficulty": 1.0}, envs=torch.tensor([0, -1]))
+    with pytest.raises(ValidationError, match=r"env 0\.5 does not exist"):
+        sender.push(config={"difficulty": 1.0}, envs=torch.tensor([0.5]))
     with pytest.raises(ValidationError, match="not both"):
         sender.push(config={"difficulty": 1.0}, envs=[0], workers=[0])
     with pytest.raises(ValidationError, match="names no entry"):

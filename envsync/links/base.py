@@ -138,7 +138,8 @@ class Acknowledgements(Protocol):
 
     def failed(self) -> np.ndarray:
         """Every worker's latest failed version (:data:`~envsync.protocol.NO_FAILURE`: none),
-        as one int64 column read at once (checked before every push)."""
+        as one int64 column read at once (checked before every push): possibly a read-only
+        view of the live column, to compare at once, not to keep."""
 
     def error_text(self, worker: int) -> str:
         """The traceback text of the worker's latest failure."""

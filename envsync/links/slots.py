@@ -283,7 +283,9 @@ class SlotWriter:
         return self.table.status(worker)
 
     def failed(self) -> np.ndarray:
-        return self.table.counters["failed"].copy()
+        view = self.table.counters["failed"][:]  # compared at once by its readers: no copy of 65,536 rows
+        view.flags.writeable = False
+        return view
 
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
@@ -292,8 +294,10 @@ class SlotWriter:
         """The :data:`~envsync.protocol.Counts` of ``slots`` (distinct), as columns."""
         c = self.table.counters
         acked = c["applied" if applied else "received"]
-        rows: Any = slice(None) if len(slots) == self.num_workers else np.asarray(slots, dtype=np.int64)
-        return c["target"][rows].copy(), acked[rows].copy(), c["failed"][rows].copy()
+        if len(slots) == self.num_workers:
+            return c["target"].copy(), acked.copy(), c["failed"].copy()
+        rows = np.asarray(slots, dtype=np.int64)
+        return c["target"][rows], acked[rows], c["failed"][rows]  # an index array copies
 
     def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
         """Block until an acknowledgement wakes the sender, or ``timeout`` passes; with

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from envsync.errors import ValidationError
 from envsync.links.base import Flat, SenderLink
@@ -263,19 +264,32 @@ class Fleet:
 
 
 def _chosen(requested: Sequence[int], live: np.ndarray, what: str, plural: str) -> np.ndarray:
-    """``requested`` without repeats (first come first), each checked against ``live`` (ascending)."""
+    """``requested`` (ints, or a 1-D integer array or tensor) without repeats (first come
+    first), each checked against ``live`` (ascending). Vector ops throughout: a curriculum
+    names thousands of envs at every push; a live fleet without gaps is checked by its ends,
+    ascending indices need no search for repeats."""
+    if isinstance(requested, torch.Tensor):
+        requested = requested.detach().cpu().numpy()
     values = list(requested) if not isinstance(requested, np.ndarray) else requested
     array = np.asarray(values)
     mixed = array.dtype.kind in "iu" and isinstance(values, list) and bool in set(map(type, values))
     if array.ndim != 1 or mixed or (array.size and array.dtype.kind not in "iu"):
         bad = next((v for v in values if not isinstance(v, int | np.integer) or isinstance(v, bool)), values)
+        bad = bad.item() if isinstance(bad, np.generic) else bad
         raise ValidationError(f"{what} {bad!r} does not exist; {plural} are {_ranges(live.tolist())}")
     array = array.astype(np.int64)
-    at = np.searchsorted(live, array).clip(max=max(len(live) - 1, 0))  # live is ascending
-    known = live[at] == array if len(live) else np.zeros(len(array), dtype=bool)
+    if not len(live):
+        known = np.zeros(len(array), dtype=bool)
+    elif int(live[-1]) - int(live[0]) == len(live) - 1:  # no gaps: its ends decide
+        known = (array >= live[0]) & (array <= live[-1])
+    else:
+        at = np.searchsorted(live, array).clip(max=len(live) - 1)  # live is ascending
+        known = live[at] == array
     if not known.all():
         bad = array[~known][0]
         raise ValidationError(f"{what} {int(bad)!r} does not exist; {plural} are {_ranges(live.tolist())}")
+    if len(array) < 2 or bool((array[1:] > array[:-1]).all()):  # ascending: no repeats
+        return array
     _, first = np.unique(array, return_index=True)
     return array if len(first) == len(array) else array[np.sort(first)]
 

@@ -181,8 +181,8 @@ class Sender(ReadBack):
                 TensorDict with batch size ``[n]``) gives each env its own row.
             env_state: entries of the env's ``state_dict()`` to load, in place.
             workers: the fleet indices of the workers to target (every env of each).
-            envs: the fleet indices of the envs to target (default, with neither: every env
-                of every collector).
+            envs: the fleet indices of the envs to target, as ints or a 1-D integer tensor
+                or array (default, with neither: every env of every collector).
             wait: ``"received"``, ``"applied"`` or ``None``.
             timeout: seconds to wait for acknowledgements.
 
