@@ -259,11 +259,12 @@ class Marks(Protocol):
         :meth:`~envsync.worker.owner.Owner.marks_with`: the worker loops keep off meanwhile); with
         ``count``, the envs of ``count`` slots from this end's (a batched env's, in one write)."""
 
-    def read_counters(self, names: Sequence[str], count: int) -> tuple[np.ndarray, ...]:
+    def read_counters(self, names: Sequence[str], count: int, *, copy: bool = True) -> tuple[np.ndarray, ...]:
         """Copies of the counters ``names`` (``"target"``, ``"reached"``, ``"applied"``,
         ``"failed"``, ``"ran"``, ``"obs"``) of ``count`` slots from this end's: what a batched
         env's gate and group read of the envs under it (only the link's own methods write
-        the table; nothing outside it holds its arrays)."""
+        the table; nothing outside it holds its arrays). ``copy=False``: read-only views, to
+        compare at once and keep nothing (a value read twice may differ between the reads)."""
 
     def pushed(self) -> int:
         """The latest version written to any slot of the link: it moves with every push, so
@@ -302,7 +303,8 @@ class RowsEnd(Protocol):
         """The env-state names a push may carry."""
 
     def targets(self) -> np.ndarray:
-        """A copy of every row's latest target version."""
+        """Every row's latest target version: possibly a read-only view of the live column,
+        to compare or index at once, not to keep."""
 
     def read(self, rows: np.ndarray, since: np.ndarray, names: Sequence[str]) -> RowsHeader:
         """The header of ``rows`` (indices), with the values of the env-state ``names`` that a

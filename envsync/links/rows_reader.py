@@ -96,8 +96,11 @@ class RowsReader:
             c["pid"][self._span] = os.getpid()
 
     def targets(self) -> np.ndarray:
-        """A copy of every row's latest target."""
-        return self._target.copy()
+        """Every row's latest target: a read-only view of the live column, to compare or
+        index at once (no copy of every world's target at every safe point)."""
+        view = self._target[:]
+        view.flags.writeable = False
+        return view
 
     @property
     def state_names(self) -> list[str]:

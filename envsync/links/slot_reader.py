@@ -152,11 +152,18 @@ class SlotReader:
         target: int = self._target_cell[0]
         return target
 
-    def read_counters(self, names: Sequence[str], count: int) -> tuple[np.ndarray, ...]:
+    def read_counters(self, names: Sequence[str], count: int, *, copy: bool = True) -> tuple[np.ndarray, ...]:
         """Copies of the counters ``names`` of ``count`` slots from this end's, read one after
-        the other (each is a single aligned integer per slot, written by one side only)."""
+        the other (each is a single aligned integer per slot, written by one side only);
+        ``copy=False``: read-only views of the live columns, for a reader that compares them
+        at once and keeps nothing (no copy of every world's counters at every wake)."""
         first, c = self.worker, self._c
-        return tuple(c[name][first : first + count].copy() for name in names)
+        if copy:
+            return tuple(c[name][first : first + count].copy() for name in names)
+        views = tuple(c[name][first : first + count] for name in names)
+        for view in views:
+            view.flags.writeable = False
+        return views
 
     def read_header(self) -> Header:
         """The slot's header; a config name not written since the last read is the copy made

@@ -118,7 +118,7 @@ class GateEnd:
 
     def unacknowledged(self) -> bool:
         """Whether some env reached a version not yet acknowledged applied."""
-        applied, reached = self._first.read_counters(("applied", "reached"), self._count)
+        applied, reached = self._first.read_counters(("applied", "reached"), self._count, copy=False)
         return bool((applied != reached).any())
 
     def report_failure(self, version: int, text: str) -> None:
@@ -138,7 +138,7 @@ class GateEnd:
         self._first.set_busy(busy, self._count)  # every env under the level, in one write
 
     def is_busy(self) -> bool:
-        (busy,) = self._first.read_counters(("busy",), self._count)
+        (busy,) = self._first.read_counters(("busy",), self._count, copy=False)
         return bool(busy.any())
 
     def note_versions(self, ran: int | None, obs: int) -> None:

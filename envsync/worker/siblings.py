@@ -79,8 +79,9 @@ class Siblings:
         """The batched level's end over these envs (its receiver's, if it has one)."""
 
     def targets(self) -> np.ndarray:
-        """A copy of every env's latest target (compared to tell whether a push came)."""
-        (targets,) = self._first.read_counters(("target",), self.count)
+        """Every env's latest target, a read-only view to compare at once (to tell whether a
+        push came)."""
+        (targets,) = self._first.read_counters(("target",), self.count, copy=False)
         return targets
 
     def pushed(self) -> int:
@@ -94,24 +95,25 @@ class Siblings:
     def pending(self) -> np.ndarray:
         """The envs with a version published that they neither reached nor failed (int64,
         ascending: a natively batched env's rows stay an array all the way to their apply)."""
-        t, a, f = self._first.read_counters(("target", "reached", "failed"), self.count)
+        t, a, f = self._first.read_counters(("target", "reached", "failed"), self.count, copy=False)
         return np.flatnonzero((t != a) & (t != f))
 
     def notice(self) -> None:
         """Acknowledge receipt of every target that changed since the last notice."""
-        (targets,) = self._first.read_counters(("target",), self.count)
-        changed = np.flatnonzero(targets != self._noticed)
+        (live,) = self._first.read_counters(("target",), self.count, copy=False)
+        changed = np.flatnonzero(live != self._noticed)
+        targets = live[changed]  # read once: what is acknowledged is what is noted
         if self._rows is not None:
-            self._rows.ack_received(changed, targets[changed])
+            self._rows.ack_received(changed, targets)
         else:
-            for i in changed.tolist():
-                self._ends[i].ack_received(int(targets[i]))
-        self._noticed = targets
+            for i, target in zip(changed.tolist(), targets.tolist(), strict=True):
+                self._ends[i].ack_received(target)
+        self._noticed[changed] = targets
 
     def asked(self, indices: Sequence[int] | None = None) -> np.ndarray:
         """The envs (of ``indices``; ``None``: all) with a request not answered yet, as an
         int64 array (one vector read, whatever their number)."""
-        ask, answered = self._first.read_counters(("ask", "answered"), self.count)
+        ask, answered = self._first.read_counters(("ask", "answered"), self.count, copy=False)
         waiting = (ask != 0) & (ask != answered)
         if indices is None:
             return np.flatnonzero(waiting)
@@ -124,7 +126,7 @@ class Siblings:
         noted under yet, and (``pending``) a version neither reached nor failed. The others'
         safe points would change nothing: a batched env walks only these (one vector read)."""
         t, received, reached, failed, ran, obs = self._first.read_counters(
-            ("target", "received", "reached", "failed", "ran", "obs"), self.count
+            ("target", "received", "reached", "failed", "ran", "obs"), self.count, copy=False
         )
         mask = (t != received) | (ran != reached) | (obs != reached)
         if pending:
