@@ -12,7 +12,10 @@ row per (n, measure):
    ``weight_sync_schemes=sender.schemes()``) to its first batch, against the same collector
    without envsync.
 2. **idle**: frames/s with envsync attached and nothing pending / without; the two collectors
-   take turns in windows of about ``--window-s`` seconds; medians.
+   take turns in windows of about ``--window-s`` seconds; medians. Beside it, the tags'
+   floor: the collector without envsync, each batch followed by what any four int64 tags a
+   frame cost whoever writes them (two filled from a column, four copied as the ``Collector``
+   copies each batch it yields): how much of the ratio the tags alone take.
 3. **push**: ``sender.push(config=TensorDict(difficulty=rows, batch_size=[n]), wait="applied")``
    (one row per world) to the idle collector after a batch, median over the pushes after the
    first; the floor is the env's own indexed write of the same rows, ``env.difficulty[ids] =
@@ -70,6 +73,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 from bench_common import RESULTS, Report, fmt, markdown_table, median, parse_args, save_plot, start_method, target
@@ -468,12 +472,31 @@ def _turns(
     return got
 
 
+def _tags_floor(n: int, args: Args) -> Callable[[], None]:
+    """What any per-frame int64 tag costs a batch, whoever writes it: the two version tags
+    filled from a column of n versions, and the four tags (``env_version``, ``env_index``, at
+    the root and under ``"next"``) copied as the ``Collector`` copies every batch it yields."""
+    tags = [torch.empty(n, args.steps_per_batch, dtype=torch.int64) for _ in range(4)]
+    versions = np.arange(n, dtype=np.int64).reshape(-1, 1)
+
+    def body() -> None:
+        for tag in tags[:2]:
+            tag.numpy()[...] = versions
+        for tag in tags:
+            tag.clone()
+
+    return body
+
+
 def _idle(n: int, args: Args, with_: Side, without: Side) -> dict[str, Any]:
-    """Measure 2: frames/s with envsync attached, nothing pending / without."""
-    got = _turns(args, {"without": without, "with": with_}, {"without": None, "with": None})
+    """Measure 2: frames/s with envsync attached, nothing pending / without; and against the
+    collector without envsync whose every batch pays the tags' floor (:func:`_tags_floor`)."""
+    sides = {"without": without, "with": with_, "tags": without}
+    got = _turns(args, sides, {"without": None, "with": None, "tags": _tags_floor(n, args)})
     fps = {name: median(v["fps"]) for name, v in got.items()}
     cpf = {name: median(v["cpf"]) for name, v in got.items()}
     cpu_ratio = _ratio(cpf["with"], cpf["without"])
+    over_tags = _ratio(fps["with"], fps["tags"])
     return _row(
         n,
         "idle",
@@ -482,8 +505,12 @@ def _idle(n: int, args: Args, with_: Side, without: Side) -> dict[str, Any]:
         unit="frames/s",
         ratio=_ratio(fps["with"], fps["without"]),
         samples=len(got["with"]["fps"]),
-        detail=f"nothing pending; frames per CPU s ratio {fmt(cpu_ratio)}; {args.steps_per_batch} steps a batch",
+        detail=f"nothing pending; frames per CPU s ratio {fmt(cpu_ratio)}; {args.steps_per_batch} steps a batch; "
+        f"the tags' floor alone {fmt(_ratio(fps['tags'], fps['without']))}, envsync / the floor {fmt(over_tags)}",
         cpu_ratio=cpu_ratio,
+        tags_floor=fps["tags"],
+        tags_floor_ratio=_ratio(fps["tags"], fps["without"]),
+        over_tags_floor=over_tags,
         raw=got,
     )
 
@@ -732,6 +759,7 @@ SUMMARY_COLUMNS = [
     ("worlds", "worlds"),
     ("attach_s", "attach s (without)"),
     ("idle_ratio", "idle frames/s ratio"),
+    ("tags_floor_ratio", "the tags' floor alone"),
     ("push_ms", "push -> applied ms (floor)"),
     ("push_us_per_world", "push µs/world above floor"),
     ("curriculum_ratio", "10% curriculum ratio"),
@@ -790,6 +818,7 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "worlds": n,
                 "attach_s": _cell(by.get("attach"), "envsync", "baseline"),
                 "idle_ratio": _cell(by.get("idle"), "ratio"),
+                "tags_floor_ratio": _cell(by.get("idle"), "tags_floor_ratio"),
                 "push_ms": _cell(by.get("push"), "envsync", "baseline"),
                 "push_us_per_world": _cell(by.get("push"), "per_world"),
                 "curriculum_ratio": _cell(by.get("curriculum"), "ratio"),
