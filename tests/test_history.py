@@ -97,6 +97,23 @@ def test_older_entries_of_a_large_config_are_kept_within_keep_bytes() -> None:
         ConfigHistory(keep_bytes=-1)
 
 
+def test_lookups_walk_records_chained_as_a_whole_and_row_by_row() -> None:
+    """Pushes to every env in order chain their records by two numbers; a push to some envs,
+    or to every env in another order, chains row by row: look-ups walk both alike."""
+    history = ConfigHistory()
+    values = {0: [0.0, 0.1, 0.2], 1: [1.0, 1.1, 1.2], 3: [3.0, 3.1, 3.2]}
+    for version, row in values.items():
+        history.record(version, {env: leaves(value) for env, value in enumerate(row)})
+    history.record(4, {1: leaves(4.1)})
+    history.record(5, {env: leaves(5.0 + env / 10) for env in (2, 1, 0)})  # another order
+    history.record(6, {env: leaves(6.0 + env / 10) for env in range(3)})
+    expected = {0: [0.0, 1.0, 1.0, 3.0, 3.0, 5.0, 6.0], 1: [0.1, 1.1, 1.1, 3.1, 4.1, 5.1, 6.1]}
+    for env, per_version in expected.items():
+        got = [history.config(env, version)["difficulty"].item() for version in range(7)]
+        assert got == pytest.approx(per_version), env
+    assert history.versions(2) == [0, 1, 3, 5, 6]
+
+
 def test_an_env_numbered_again_starts_over() -> None:
     history = ConfigHistory()
     history.record(0, {0: leaves(0.0)})

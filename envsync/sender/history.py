@@ -5,9 +5,11 @@ together they name the config that produced it, but only while the sender rememb
 published. :class:`ConfigHistory` keeps one *record* per publication: its version, the envs
 it reached and their whole config from then on, as columns (a leaf the same for all of
 them kept once). Each env's records are chained newest first (per env, the record and row
-of its latest entry; per record and row, the one before), so a record costs a few vector
-ops whatever the number of envs, and a look-up walks from the env's newest entry back to
-the version asked for (frames are read soon after they are made: a few steps).
+of its latest entry; per record and row, the one before: two numbers for the whole record
+when its rows' previous entries are one record's rows in order, as after a push to every
+env), so a record costs a few vector ops whatever the number of envs, and a look-up walks
+from the env's newest entry back to the version asked for (frames are read soon after they
+are made: a few steps).
 
 It forgets versions no frame can still carry: an env's frames carry its applied version or
 newer ones, and frames already collected (a batch in flight, a batch the user holds) carry
@@ -36,7 +38,7 @@ import torch
 from tensordict import TensorDict
 
 from envsync.errors import ValidationError
-from envsync.indexing import span_of
+from envsync.indexing import Rows, span_of
 from envsync.links.base import Flat
 from envsync.sender.desired import section
 from envsync.state import Leaf, nest
@@ -53,18 +55,38 @@ Applied = Callable[[np.ndarray], np.ndarray]
 @dataclass
 class _Record:
     version: int
-    targets: np.ndarray
+    targets: Rows  # the envs it reached (a slice when consecutive: every env of a collector)
     shared: dict[str, Leaf]
     rows: dict[str, torch.Tensor]
-    before: np.ndarray  # per row, the number of the env's previous record (-1: none)
-    before_row: np.ndarray  # and its row there
+    before: np.ndarray | int  # per row, the number of the env's previous record (-1: none); one for all
+    before_row: np.ndarray | int  # and its row there; one record's rows in order: the first's
     alive: np.ndarray  # per row, still kept
 
     def config(self, row: int) -> dict[str, Leaf]:
         return {**self.shared, **{k: v[row] for k, v in self.rows.items()}}
 
     def row_bytes(self) -> int:
-        return sum(int(v[0].nbytes) for v in self.rows.values()) if len(self.targets) else 0
+        return sum(int(v[0].nbytes) for v in self.rows.values()) if len(self.alive) else 0
+
+    def previous(self, row: int) -> tuple[int, int]:
+        """The record and row of the env's entry before this one's row ``row``."""
+        before, first = self.before, self.before_row
+        if isinstance(before, np.ndarray) or isinstance(first, np.ndarray):
+            return int(np.asarray(before)[row]), int(np.asarray(first)[row])
+        return before, first + row if before >= 0 else 0
+
+
+def _chain(before: np.ndarray, before_row: np.ndarray) -> tuple[np.ndarray | int, np.ndarray | int]:
+    """The links to the previous entries, kept as two numbers when they all point into one
+    record's rows in order (a push to every env after another one): no 16 bytes an entry."""
+    if not len(before) or before[0] != before[-1] or not bool((before == before[0]).all()):
+        return before, before_row
+    if before[0] < 0:
+        return -1, 0
+    first = int(before_row[0])
+    if bool((before_row == np.arange(first, first + len(before_row))).all()):
+        return int(before[0]), first
+    return before, before_row
 
 
 def _nbytes(leaf: Leaf) -> int:
@@ -155,7 +177,7 @@ class ConfigHistory:
         number = self._next
         self._next += 1
         alive = np.ones(len(envs), dtype=bool)
-        self._records[number] = _Record(version, envs, dict(shared), dict(rows), before, before_row, alive)
+        self._records[number] = _Record(version, at, dict(shared), dict(rows), *_chain(before, before_row), alive)
         self._latest[at] = number
         self._latest_row[at] = np.arange(len(envs))
         self._latest_version[at] = version
@@ -176,7 +198,7 @@ class ConfigHistory:
             if record.version < version:
                 return number, row
             record.alive[row] = False  # replaced: the env starts over
-            number, row = int(record.before[row]), int(record.before_row[row])
+            number, row = record.previous(row)
         return -1, 0
 
     def _grow(self, size: int) -> None:
@@ -238,7 +260,7 @@ class ConfigHistory:
             if record.version <= version:
                 return nest(record.config(row), copy=True)
             oldest = record.version
-            number, row = int(record.before[row]), int(record.before_row[row])
+            number, row = record.previous(row)
         raise ValidationError(
             f"env {env} has no config at version {version}: its oldest kept version is {oldest} "
             f"(older ones were never published to it, or were pruned: raise the sender's config_history.keep)"
@@ -254,5 +276,5 @@ class ConfigHistory:
             if record is None or not record.alive[row]:
                 break
             out.append(record.version)
-            number, row = int(record.before[row]), int(record.before_row[row])
+            number, row = record.previous(row)
         return out[::-1]
