@@ -11,19 +11,23 @@ Rows = np.ndarray | slice
 """Row indices (int64), or the slice they make when they are consecutive (:func:`span_of`)."""
 
 
-def span_of(indices: np.ndarray) -> Rows:
+def span_of(indices: np.ndarray, *, ascending: bool = False) -> Rows:
     """``indices`` (int64) as a slice when they are consecutive and ascending (every row of
     an env, a run of them), else themselves: numpy and torch read and write a slice as one
     copy, an index array element by element (thousands of rows at every push).
+    ``ascending``: the caller knows them strictly ascending (rows found by ``flatnonzero``),
+    so their ends decide, with no pass over them.
 
     Examples:
         >>> span_of(np.array([3, 4, 5])), span_of(np.array([5, 4, 3])).tolist(), span_of(np.array([1, 3])).tolist()
         (slice(3, 6, None), [5, 4, 3], [1, 3])
+        >>> span_of(np.array([3, 4, 5]), ascending=True), span_of(np.array([3, 5]), ascending=True).tolist()
+        (slice(3, 6, None), [3, 5])
     """
     count = len(indices)
     if not count or int(indices[-1]) - int(indices[0]) != count - 1:
         return indices
-    if count > 2 and not bool((np.diff(indices) == 1).all()):
+    if not ascending and count > 2 and not bool((np.diff(indices) == 1).all()):
         return indices
     return slice(int(indices[0]), int(indices[-1]) + 1)
 

@@ -293,7 +293,9 @@ class End(ReceiverLink, Notices, Marks, Protocol):
 class RowsEnd(Protocol):
     """The end of the rows of one natively batched env, as its receiver
     (:class:`~envsync.worker.rows.RowsReceiver`) reads and acknowledges them: columns of rows, one
-    lock and one release for all of them."""
+    lock and one release for all of them. Rows are given as strictly ascending int64 indices
+    (found by ``flatnonzero``, or subsets of such), which a run of them turns into a slice by
+    its ends alone."""
 
     count: int
     one_wake: bool

@@ -113,7 +113,7 @@ class RowsReader:
         version ``since`` (and up to their target) stamped, all under the rows' slot lock:
         one consistent copy."""
         slots = rows + self.first
-        at = span_of(slots)  # every row of the env, or a run of them: slices
+        at = span_of(slots, ascending=True)  # every row of the env, or a run of them: slices
         with all_locked(self._distinct, "rows %d.. reading", self.first):
             versions = self._c["target"][at].copy()
             config = {
@@ -137,7 +137,7 @@ class RowsReader:
     def ack_received(self, rows: np.ndarray, versions: np.ndarray) -> None:
         """Tell the sender these rows saw these versions (armed for their next safe point)."""
         slots = rows + self.first
-        self._received(slots, span_of(slots), versions)
+        self._received(slots, span_of(slots, ascending=True), versions)
 
     def _received(self, slots: np.ndarray, at: Rows, versions: np.ndarray) -> None:
         """:meth:`ack_received` of the slots ``slots`` (``at``: them, or their slice)."""
@@ -156,7 +156,7 @@ class RowsReader:
         """Tell the sender these rows run these versions (gated: they reached them; their
         batched level acknowledges them applied once it holds them too)."""
         slots = rows + self.first
-        at = span_of(slots)
+        at = span_of(slots, ascending=True)
         reached = self._c["reached"]
         reached[at] = np.maximum(reached[at], versions)  # never back, as a slot reader's
         if not self._gated:
@@ -175,7 +175,7 @@ class RowsReader:
     def note_versions(self, rows: np.ndarray, ran: np.ndarray | None, obs: np.ndarray) -> None:
         """Record the version each row's next step runs under (``None``: unchanged) and the
         one its observation comes from (the batched env's tags read them)."""
-        at = span_of(rows + self.first)
+        at = span_of(rows + self.first, ascending=True)
         if ran is not None:
             self._c["ran"][at] = ran
         self._c["obs"][at] = obs

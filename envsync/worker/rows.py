@@ -105,7 +105,7 @@ class RowsReceiver:
         if self.owner.is_applying or not rows.size:
             return
         targets = self.link.targets()[rows]
-        self._notice(rows, span_of(rows), targets)
+        self._notice(rows, span_of(rows, ascending=True), targets)
         if self._at_step:
             self.apply(rows[(targets != self.version[rows]) & (targets != self.failed[rows])])
         held = self.version[rows]
@@ -131,7 +131,7 @@ class RowsReceiver:
         (a truncating one waits for the group's reset of those rows)."""
         if self.spec.apply_at is ApplyAt.RESET or self.spec.idle_resets:
             return
-        pending = self.pending()[span_of(rows)]
+        pending = self.pending()[span_of(rows, ascending=True)]
         index = rows if pending.all() else rows[pending]
         if not index.size:
             return
@@ -157,7 +157,7 @@ class RowsReceiver:
             return
         with self.owner.lock, self.owner.applying():
             names = [name for name in self.link.state_names if not is_batched(name)]
-            at = span_of(rows)  # every row, or a run of them: slices
+            at = span_of(rows, ascending=True)  # every row, or a run of them: slices
             header = self.link.read(rows, self.version[at], names)
             self._notice(rows, at, header.versions)
             self._apply(rows, at, header)
