@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-from envsync.indexing import put_rows, take_rows
+from envsync.indexing import Rows, put_rows, span_of, take_rows
 from envsync.links.base import Flat, Key
 from envsync.state import Leaf, tensor_of
 
@@ -58,25 +58,29 @@ class Mirror:
         written again), and the others as rows (copies)."""
         shared: Flat = {}
         rows: dict[Key, torch.Tensor] = {}
+        at: Rows | None = None
         for key in keys:
             column = self._columns.get(key)
             if column is None:
                 shared[key] = self._shared[key]
             else:
-                rows[key] = take_rows(column, slots)
+                at = span_of(slots) if at is None else at  # every env of the collector: one copy
+                rows[key] = take_rows(column, at)
         return shared, rows
 
     def set(self, slots: np.ndarray, shared: Mapping[Key, Leaf], rows: Mapping[Key, torch.Tensor]) -> None:
         """Give the envs ``slots`` (distinct) the ``shared`` values and one row each of ``rows``."""
         whole = len(slots) == self.count
+        at = span_of(slots)  # every env of the collector, or a run of them: one copy (index_copy_ of
+        # 4,096 rows cost 0.15 ms a push)
         for key, value in shared.items():
             if whole:
                 self._shared[key] = value
                 self._columns.pop(key, None)
             else:
-                put_rows(self._column(key), slots, tensor_of(value))
+                put_rows(self._column(key), at, tensor_of(value))
         for key, values in rows.items():
-            put_rows(self._column(key), slots, values)
+            put_rows(self._column(key), at, values)
 
     def _column(self, key: Key) -> torch.Tensor:
         column = self._columns.get(key)
