@@ -153,10 +153,11 @@ class Core:
                 mirror = attachment.mirror
                 undo.parts.append(Update(rows.targets, *mirror.gather(slots, rows.keys())))
                 attachment.link.write_rows(slots, version, rows.shared, rows.rows, undo=undo_mark)
-                attachment.link.notify(slots)
                 mirror.set(slots, rows.shared, rows.rows)
                 links[id(attachment.link)] = attachment.link
                 self.record_history(version, attachment, slots, pruning=True)
+                # woken last: an in-process worker loop would take the GIL from what is left above
+                attachment.link.notify(slots)
         for link in links.values():
             link.flush(version)
         if default is not None:
