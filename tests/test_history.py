@@ -114,6 +114,30 @@ def test_lookups_walk_records_chained_as_a_whole_and_row_by_row() -> None:
     assert history.versions(2) == [0, 1, 3, 5, 6]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_both_ways_of_pruning_keep_the_same_entries(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prune walks records of many rows and sorts records of a few: on the same random
+    history (pushes to random envs, some to every env in order, a large shared leaf now and
+    then, each env's own applied version) both keep exactly the same versions of every env."""
+    import envsync.sender.history as module
+
+    kept = []
+    for walk in (0, 1 << 30):  # always walk, always sort
+        monkeypatch.setattr(module, "WALK", walk)
+        rng = np.random.default_rng(seed)  # the same history both times
+        history = ConfigHistory(keep=3, keep_bytes=3 << 12)
+        big = torch.zeros(1 << 10)  # 4 KB, shared by the records that carry it
+        for version in range(60):
+            envs = np.arange(8) if version % 7 == 0 else np.sort(rng.choice(8, rng.integers(1, 8), replace=False))
+            shared = {"w": big} if version % 5 == 0 else {"w": torch.full((1 << 10,), float(version))}
+            history.record_rows(version, envs, shared, {"difficulty": torch.rand(len(envs))})
+        applied = rng.integers(20, 60, size=8)
+        history.prune(lambda envs, applied=applied: applied[envs])
+        kept.append([history.versions(env) for env in range(8)])
+    assert kept[0] == kept[1]
+    assert any(len(v) < 10 for v in kept[0]), "something was pruned"
+
+
 def test_an_env_numbered_again_starts_over() -> None:
     history = ConfigHistory()
     history.record(0, {0: leaves(0.0)})

@@ -17,11 +17,13 @@ older ones, so past the entry in effect at the env's applied version the history
 the ``keep`` newest entries of each env, and of those only as many as fit in ``keep_bytes``
 (a large config pushed often would otherwise hold ``keep`` payloads). It prunes once
 ``keep_bytes`` were recorded, or once both ``SLACK`` records (``keep`` records, if more) and
-as many entries as the last prune kept were recorded: the records newest first, each ranked
-against per-env running columns (:meth:`ConfigHistory.prune`), and the records no env needs
-are dropped. A prune costs a few vector passes over the entries it finds, at most twice
-those it keeps: paid once per entry recorded, whatever the number of worlds (a sorted table
-of every entry every 64 records cost 8 ms a push with 65,536 worlds, a 10% curriculum).
+as many entries as the last prune kept were recorded: records of many rows walked newest
+first, each ranked against per-env running columns, records of a few rows in one table
+sorted by env (:meth:`ConfigHistory.prune`), and the records no env needs are dropped. A
+prune costs a few vector passes over the entries it finds, at most twice those it keeps:
+paid once per entry recorded, whatever the number of worlds (the sorted table alone, every
+64 records, cost 8 ms a push with 65,536 worlds and a 10% curriculum; the walk alone 150k
+instructions a push to 4 workers).
 Between prunes the history holds at most twice the entries a prune keeps, plus one record.
 
 Leaves are never written after they are recorded: shared ones are the sender's own (never
@@ -50,6 +52,10 @@ last prune kept."""
 
 Applied = Callable[[np.ndarray], np.ndarray]
 """The version each of these envs (fleet indices) applied."""
+
+WALK = 256
+"""Rows a record holds on average from which a prune walks the records one by one rather than
+sorting every entry by env (see :meth:`ConfigHistory.prune`)."""
 
 
 @dataclass
@@ -91,6 +97,24 @@ def _chain(before: np.ndarray, before_row: np.ndarray) -> tuple[np.ndarray | int
 
 def _nbytes(leaf: Leaf) -> int:
     return int(getattr(leaf, "nbytes", 8))
+
+
+def _sizes(records: list[_Record]) -> list[int]:
+    """The bytes an entry of each record (newest first) counts: its row, and its shared
+    leaves no newer record holds (a shared leaf counts with the newest record that holds it)."""
+    counted: set[int] = set()
+    sizes = []
+    for record in records:
+        fresh = [leaf for leaf in record.shared.values() if id(leaf) not in counted]
+        counted.update(id(leaf) for leaf in fresh)
+        sizes.append(record.row_bytes() + sum(_nbytes(leaf) for leaf in fresh))
+    return sizes
+
+
+def _within(running: np.ndarray, starts: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """A cumulative sum restarted at each group's start (``running``: the sum over all rows)."""
+    before = np.r_[0, running][starts]  # the sum before each group
+    return running - before[group]
 
 
 class ConfigHistory:
@@ -209,36 +233,73 @@ class ConfigHistory:
             self._latest_version = np.concatenate([self._latest_version, np.zeros(more, dtype=np.int64)])
 
     def prune(self, applied: Applied) -> None:
-        """Drop the entries no frame can still carry (see the module docstring): the records
-        newest first, each a few vector operations over its rows against per-env running
-        columns (the entry in effect found yet, the older entries and their bytes so far),
-        no sort of the entries (sorting millions of them by env cost half a second)."""
-        self._since_prune = self._bytes_since = self._entries_since = 0
-        size = len(self._latest)
-        reached_version = applied(np.arange(size, dtype=np.int64))
+        """Drop the entries no frame can still carry (see the module docstring). Records of
+        many rows (:data:`WALK` on average or more: a curriculum over thousands of worlds) are
+        walked newest first, a few vector operations each; records of a few rows (a push to a
+        few workers) go into one table sorted by env, a few dozen vector operations in all
+        (the walk would make a few per record: 150k instructions a push at 4 workers)."""
+        self._since_prune = self._bytes_since = self._entries_since = self._kept = 0
+        records = [self._records[number] for number in reversed(list(self._records))]
+        if not records:
+            return
+        sizes = _sizes(records)
+        reached_version = applied(np.arange(len(self._latest), dtype=np.int64))
+        if sum(len(record.alive) for record in records) >= WALK * len(records):
+            keeps = self._walk(records, sizes, reached_version)
+        else:
+            keeps = self._sorted(records, sizes, reached_version)
+        for number, keep in zip(list(reversed(list(self._records))), keeps, strict=True):
+            if keep.any():
+                self._records[number].alive = keep
+                self._kept += int(np.count_nonzero(keep))
+            else:
+                del self._records[number]
+
+    def _walk(self, records: list[_Record], sizes: list[int], reached_version: np.ndarray) -> list[np.ndarray]:
+        """Per record (newest first), its rows kept: each record against per-env running
+        columns (the entry in effect found yet, the older entries and their bytes so far)."""
+        size = len(reached_version)
         found = np.zeros(size, dtype=bool)  # per env: its entry in effect is behind us
         older = np.zeros(size, dtype=np.int64)  # the entries older than it so far
         held = np.zeros(size, dtype=np.int64)  # and their bytes
-        counted: set[int] = set()  # a shared leaf counts with the newest record that holds it
-        kept = 0
-        for number in reversed(list(self._records)):
-            record = self._records[number]
-            fresh = [leaf for leaf in record.shared.values() if id(leaf) not in counted]
-            counted.update(id(leaf) for leaf in fresh)
+        keeps = []
+        for record, nbytes in zip(records, sizes, strict=True):
             envs, live = record.targets, record.alive
             past = live & found[envs]
             if past.any():
                 older[envs] += past
-                held[envs] += past * (record.row_bytes() + sum(_nbytes(leaf) for leaf in fresh))
+                held[envs] += past * nbytes
                 rank, bytes_ = older[envs], held[envs]
                 live = live & (~past | ((rank <= self.keep) & ((rank == 1) | (bytes_ <= self.keep_bytes))))
             found[envs] |= live & (record.version <= reached_version[envs])
-            if live.any():
-                record.alive = live
-                kept += int(np.count_nonzero(live))
-            else:
-                del self._records[number]
-        self._kept = kept
+            keeps.append(live)
+        return keeps
+
+    def _sorted(self, records: list[_Record], sizes: list[int], reached_version: np.ndarray) -> list[np.ndarray]:
+        """:meth:`_walk`'s answer from one table of every entry (newest record first) grouped
+        by env by one stable sort: the entry in effect, the rank and the bytes of the older
+        ones by cumulative sums within each env's group."""
+        lengths = np.array([len(record.alive) for record in records])
+        envs = np.concatenate([np.arange(len(reached_version))[record.targets] for record in records])
+        alive = np.concatenate([record.alive for record in records])
+        versions = np.repeat(np.array([record.version for record in records], dtype=np.int64), lengths)
+        size = np.repeat(np.array(sizes, dtype=np.int64), lengths)
+        reached = versions <= reached_version[envs]
+        order = np.argsort(envs, kind="stable")  # each env's entries together, newest first
+        e, live = envs[order], alive[order]
+        starts = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
+        group = np.cumsum(np.r_[False, e[1:] != e[:-1]])
+        at = np.arange(len(e))
+        # the entry in effect: the env's newest live entry at or before its applied version
+        in_effect = np.minimum.reduceat(np.where(reached[order] & live, at, len(e)), starts)[group]
+        past = (at > in_effect) & live  # older than it
+        rank = _within(np.cumsum(past), starts, group)  # 1 for the newest of the older entries
+        held = _within(np.cumsum(np.where(past, size[order], 0)), starts, group)
+        kept_past = past & (rank <= self.keep) & ((rank == 1) | (held <= self.keep_bytes))
+        keep = np.empty(len(e), dtype=bool)
+        keep[order] = live & (~past | kept_past)
+        ends = np.cumsum(lengths)
+        return [keep[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist(), strict=True)]
 
     def config(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` ran under ``version`` (a ``TensorDict`` shaped like the
