@@ -120,8 +120,14 @@ class Target(NamedTuple):
     kind: str
     ids: tuple[int, ...] = ()
 
-    def kwargs(self) -> dict[str, list[int]]:
-        return {} if self.kind == "all" else {self.kind: list(self.ids)}
+    def kwargs(self) -> dict[str, Any]:
+        """The push's keyword; ``envs=`` ids as a tensor for every odd sum of them (a user's
+        ids are often a tensor; no draw of its own: each cell keeps its histories)."""
+        if self.kind == "all":
+            return {}
+        if self.kind == "envs" and sum(self.ids) % 2:
+            return {"envs": torch.tensor(self.ids)}
+        return {self.kind: list(self.ids)}
 
     def envs(self, cell: Cell) -> list[int]:
         if self.kind == "all":

@@ -23,8 +23,8 @@ sorted by env (:meth:`ConfigHistory.prune`), and the records no env needs are dr
 prune costs a few vector passes over the entries it finds, at most twice those it keeps:
 paid once per entry recorded, whatever the number of worlds (the sorted table alone, every
 64 records, cost 8 ms a push with 65,536 worlds and a 10% curriculum; the walk alone 150k
-instructions a push to 4 workers).
-Between prunes the history holds at most twice the entries a prune keeps, plus one record.
+instructions a push to 4 workers). Between prunes the history holds at most twice the
+entries a prune keeps, plus one record.
 
 Leaves are never written after they are recorded: shared ones are the sender's own (never
 changed once published, see :mod:`envsync.sender.desired`), rows are copies.
@@ -76,10 +76,9 @@ class _Record:
 
     def previous(self, row: int) -> tuple[int, int]:
         """The record and row of the env's entry before this one's row ``row``."""
-        before, first = self.before, self.before_row
-        if isinstance(before, np.ndarray) or isinstance(first, np.ndarray):
-            return int(np.asarray(before)[row]), int(np.asarray(first)[row])
-        return before, first + row if before >= 0 else 0
+        if isinstance(self.before, int):  # one record's rows in order (:func:`_chain`): both numbers
+            return self.before, int(self.before_row) + row if self.before >= 0 else 0
+        return int(self.before[row]), int(self.before_row[row])  # type: ignore[index]
 
 
 def _chain(before: np.ndarray, before_row: np.ndarray) -> tuple[np.ndarray | int, np.ndarray | int]:
@@ -93,6 +92,11 @@ def _chain(before: np.ndarray, before_row: np.ndarray) -> tuple[np.ndarray | int
     if bool((before_row == np.arange(first, first + len(before_row))).all()):
         return int(before[0]), first
     return before, before_row
+
+
+def _indices(targets: Rows) -> np.ndarray:
+    """A record's envs as indices (its slice's, when it names a run of them)."""
+    return np.arange(targets.start, targets.stop, dtype=np.int64) if isinstance(targets, slice) else targets
 
 
 def _nbytes(leaf: Leaf) -> int:
@@ -280,7 +284,7 @@ class ConfigHistory:
         by env by one stable sort: the entry in effect, the rank and the bytes of the older
         ones by cumulative sums within each env's group."""
         lengths = np.array([len(record.alive) for record in records])
-        envs = np.concatenate([np.arange(len(reached_version))[record.targets] for record in records])
+        envs = np.concatenate([_indices(record.targets) for record in records])
         alive = np.concatenate([record.alive for record in records])
         versions = np.repeat(np.array([record.version for record in records], dtype=np.int64), lengths)
         size = np.repeat(np.array(sizes, dtype=np.int64), lengths)
