@@ -41,7 +41,7 @@ row per (n, measure):
    python): MuJoCo Playground's Cartpole as envsync's ``PlaygroundWorlds`` (MJX, JAX on the
    CPU) of ``--playground-worlds`` worlds, ``push(wait="applied")`` of one mass factor per
    world (``apply="set_physics"``) against the env's own ``set_physics`` of the same rows
-   (the masked write and ``mj_setConst`` per world), the masked write alone (a friction
+   (the masked write and the derived constants of every row), the masked write alone (a friction
    push: no constants), and the rebuild a Playground user does today (randomise, wrap for
    training, jit, first reset and step with compilation); see ``worlds_playground.py``.
 
@@ -780,7 +780,7 @@ MJLAB_COLUMNS = [
 PLAYGROUND_COLUMNS = [
     ("worlds", "worlds"),
     ("push_ms", "push -> applied ms"),
-    ("apply_ms", "set_physics ms (write + mj_setConst)"),
+    ("apply_ms", "set_physics ms (write + constants)"),
     ("write_ms", "masked write alone ms"),
     ("friction_push_ms", "friction push -> applied ms"),
     ("friction_ratio", "friction push / masked write"),
@@ -1067,7 +1067,8 @@ def _run(args: Args) -> dict[str, Any]:
             "playground: CartpoleBalance as envsync's PlaygroundWorlds (MJX impl='jax', XLA on the CPU), a Collector "
             "of "
             "one step a batch, apply='set_physics', apply_at='step'; a second env of n worlds in this process takes "
-            "env.set_physics(ids, mass=rows) (masked write of body_mass and body_inertia + mj_setConst per world) and "
+            "env.set_physics(ids, mass=rows) (masked write of body_mass and body_inertia + the derived constants "
+            "of the rows) and "
             "env.set_physics(ids, friction=rows) (the masked write alone), and a second Collector takes a push of "
             "the same rows as friction factors (config={'friction': 1.0}: nothing derived); pushes, apply and write "
             "alternate, the "

@@ -4,8 +4,8 @@
 * **push -> applied**: ``sender.push(config=TensorDict(mass=rows, batch_size=[n]),
   wait="applied")`` to an idle ``Collector`` (``apply="set_physics"``, ``apply_at="step"``);
 * **the env's own apply**: ``env.set_physics(ids, mass=rows)`` called directly (the masked
-  write of ``body_mass`` and ``body_inertia`` and the constants ``mj_setConst`` derives per
-  world); and the **write alone**: ``env.set_physics(ids, friction=rows)`` (``geom_friction``
+  write of ``body_mass`` and ``body_inertia`` and the constants MuJoCo derives, computed for
+  every changed world at once); and the **write alone**: ``env.set_physics(ids, friction=rows)`` (``geom_friction``
   derives nothing: one jitted masked select, nothing else);
 * **friction push -> applied**: the same push of a friction factor per world to a second
   ``Collector`` (``config={"friction": 1.0}``): envsync's cost over the write alone, with

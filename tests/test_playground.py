@@ -221,6 +221,14 @@ def test_a_name_or_a_factor_that_does_not_fit_is_refused_at_attach(config: dict[
     sender.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_per_world_field_that_moves_the_geometry_is_refused_when_the_worlds_are_built() -> None:
+    """The constants are recomputed for masses, inertias, armatures and gears: a field that
+    moves the Jacobians (``body_ipos``) cannot be per world, and the error names it."""
+    with pytest.raises(ValidationError, match="'body_ipos' cannot be per world"):
+        make_cartpole(4, scales={"shift": ("body_ipos",)})
+
+
 # ---- every frame names the physics its world ran, in collectors ------------------------------
 
 

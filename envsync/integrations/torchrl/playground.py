@@ -27,9 +27,11 @@ MuJoCo derives constants from the masses, inertias and gears when it compiles a 
 (``mj_setConst``): ``body_subtreemass``, ``body_invweight0`` and ``dof_invweight0`` (the
 constraint solver scales its regularisation by them: MJX's joint limits, contacts and
 friction loss read them at every step), ``actuator_acc0`` (dampratio gains) and
-``tendon_invweight0``. MJX has no ``set_const``: the constants of each changed world are
-recomputed on the host by ``mujoco.mj_setConst`` on a spare ``MjModel`` holding that world's
-fields, and written with them. Friction and damping need none.
+``tendon_invweight0``. MJX has no ``set_const``: the constants of the changed worlds are
+computed on the host for all of them at once, by
+:class:`~envsync.integrations.torchrl.mjx_constants.WorldConstants` (batched float64 linear
+algebra: equal to ``mj_setConst``'s to ~1e-14), and written with them. Friction and damping
+need none.
 
 This module is the only one that imports JAX, MuJoCo and Playground, and only when an env is
 built (``pip install "envsync[playground]"``).
@@ -37,7 +39,6 @@ built (``pip install "envsync[playground]"``).
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,6 +49,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.envs.libs.mujoco_playground import MujocoPlaygroundWrapper
 
 from envsync.errors import ValidationError
+from envsync.integrations.torchrl.mjx_constants import CONSTANTS, DERIVING, WorldConstants
 
 SCALES: dict[str, tuple[str, ...]] = {
     "mass": ("body_mass", "body_inertia"),
@@ -57,9 +59,6 @@ SCALES: dict[str, tuple[str, ...]] = {
 }
 """Each scale factor :meth:`PlaygroundWorlds.set_physics` takes, and the model fields it
 scales (a denser body of the same shape: its mass and its rotational inertia)."""
-
-CONSTANTS = ("body_subtreemass", "body_invweight0", "dof_invweight0", "actuator_acc0", "tendon_invweight0")
-"""What ``mj_setConst`` derives that MJX reads at a step, recomputed per world."""
 
 FREE_OF_CONSTANTS = frozenset({"geom_friction", "dof_damping", "dof_frictionloss", "geom_solref", "geom_solimp"})
 """Fields from which MuJoCo derives no constant: writing them needs no ``mj_setConst``."""
@@ -130,13 +129,17 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         if self._agent_mapping is not None:
             raise ValidationError("PlaygroundWorlds: agent_mapping is not supported")
         import jax
-        import mujoco
 
         n, model = int(self.batch_size[0]), self._env.unwrapped.mjx_model
         scaled = [f for fields in self._scales.values() for f in fields]
         for name in scaled:
             if not hasattr(model, name):
                 raise ValidationError(f"PlaygroundWorlds: the MJX model has no field {name!r}")
+            if name not in FREE_OF_CONSTANTS and name not in DERIVING:
+                raise ValidationError(
+                    f"PlaygroundWorlds: {name!r} cannot be per world: the constants MuJoCo derives are recomputed "
+                    f"for {sorted(DERIVING)} (and {sorted(FREE_OF_CONSTANTS)} derive none)"
+                )
         self._needs_constants = any(f not in FREE_OF_CONSTANTS for f in scaled)
         derived = [c for c in CONSTANTS if self._needs_constants and np.asarray(getattr(model, c)).size]
         self._per_world = list(dict.fromkeys(scaled + derived))
@@ -145,8 +148,7 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         self._jax_device = jax.local_devices()[0]
         self._fields = {f: self._commit(np.repeat(v[None], n, 0)) for f, v in as_built.items()}
         self._staging = {f: np.zeros((n, *v.shape), v.dtype) for f, v in as_built.items()}  # rows of a write
-        self._scratch = copy.copy(self._env.mj_model)  # mj_setConst computes on it, one world at a time
-        self._scratch_data = mujoco.MjData(self._scratch)
+        self._derive = WorldConstants(self._env.mj_model) if self._needs_constants else None
         self._jit_step = jax.jit(jax.vmap(self._world_step))
         self._jit_reset = jax.jit(self._reset_rows)
         self._jit_write = jax.jit(self._masked_write)
@@ -284,25 +286,12 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         return rows
 
     def _constants(self, ids: np.ndarray, rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The derived constants of worlds ``ids`` with ``rows`` written: ``mj_setConst`` on
-        a spare model holding each world's per-world fields."""
-        import mujoco
-
-        rows = {f: v for f, v in rows.items() if f not in FREE_OF_CONSTANTS}
-        held = {f: np.asarray(self._fields[f]) for f in self._per_world
-                if f not in CONSTANTS and f not in FREE_OF_CONSTANTS and f not in rows}
-        derived = [c for c in CONSTANTS if c in self._fields]
-        out = {c: np.zeros((ids.shape[0], *self._built[c].shape)) for c in derived}
-        scratch, data = self._scratch, self._scratch_data
-        for i, world in enumerate(ids.tolist()):
-            for field, values in rows.items():
-                getattr(scratch, field)[...] = values[i]
-            for field, values in held.items():
-                getattr(scratch, field)[...] = values[world]
-            mujoco.mj_setConst(scratch, data)
-            for c in derived:
-                out[c][i] = getattr(scratch, c)
-        return out
+        """The derived constants of worlds ``ids`` with ``rows`` written, the fields not written
+        read from what the worlds hold."""
+        assert self._derive is not None
+        held = {f: np.asarray(self._fields[f])[ids] for f in self._per_world if f in DERIVING and f not in rows}
+        derived = self._derive({f: v for f, v in rows.items() if f in DERIVING}, held)
+        return {c: derived[c] for c in CONSTANTS if c in self._fields}
 
     def _write(self, ids: np.ndarray, rows: Mapping[str, np.ndarray]) -> None:
         """One jitted masked select over every per-world field (full-size arrays: one shape
