@@ -110,15 +110,11 @@ class Siblings:
                 self._ends[i].ack_received(target)
         self._noticed[changed] = targets
 
-    def asked(self, indices: Sequence[int] | None = None) -> np.ndarray:
-        """The envs (of ``indices``; ``None``: all) with a request not answered yet, as an
-        int64 array (one vector read, whatever their number)."""
+    def asked(self) -> np.ndarray:
+        """The envs with a request not answered yet, as an int64 array (one vector read,
+        whatever their number)."""
         ask, answered = self._first.read_counters(("ask", "answered"), self.count, copy=False)
-        waiting = (ask != 0) & (ask != answered)
-        if indices is None:
-            return np.flatnonzero(waiting)
-        chosen = np.asarray(indices, dtype=np.int64)
-        return chosen[waiting[chosen]]
+        return np.flatnonzero((ask != 0) & (ask != answered))
 
     def unsettled(self, *, pending: bool) -> np.ndarray:
         """A mask of the envs whose safe point has something to do: a target not yet
