@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from envsync.errors import ValidationError
-from envsync.links.base import Flat, SenderLink
+from envsync.links.base import Flat, Key, SenderLink
 from envsync.sender import desired
 from envsync.sender.books import StatsBooks
 from envsync.sender.desired import Undo, Update
@@ -123,12 +123,25 @@ class Core:
 
     # ---- publishing ----------------------------------------------------------------------------
 
-    def record_history(self, version: int, attachment: Attachment, slots: np.ndarray, *, pruning: bool) -> None:
+    def record_history(
+        self,
+        version: int,
+        attachment: Attachment,
+        slots: np.ndarray,
+        *,
+        pruning: bool,
+        pushed: Mapping[Key, torch.Tensor] | None = None,
+    ) -> None:
         """Note in the config history that the envs ``slots`` of ``attachment`` run, from
         ``version`` on, the config its mirror holds for them now (``pruning``: the history may
-        prune, reading what every env applied)."""
+        prune, reading what every env applied). ``pushed``: rows just written to the mirror
+        at ``slots`` (the push's own copies, never written again), recorded as they are
+        rather than copied out of the mirror a second time."""
         mirror = attachment.mirror
-        shared, columns = mirror.gather(slots, mirror.config_keys())
+        keys = mirror.config_keys()
+        fresh = {} if pushed is None else {k: pushed[k] for k in keys if k in pushed}
+        shared, gathered = mirror.gather(slots, [k for k in keys if k not in fresh])
+        columns = {k: fresh[k] if k in fresh else gathered[k] for k in keys if k not in shared}
         self.history.record_rows(
             version,
             slots + attachment.offset,
@@ -155,7 +168,7 @@ class Core:
                 attachment.link.write_rows(slots, version, rows.shared, rows.rows, undo=undo_mark)
                 mirror.set(slots, rows.shared, rows.rows)
                 links[id(attachment.link)] = attachment.link
-                self.record_history(version, attachment, slots, pruning=True)
+                self.record_history(version, attachment, slots, pruning=True, pushed=rows.rows)
                 # woken last: an in-process worker loop would take the GIL from what is left above
                 attachment.link.notify(slots)
         for link in links.values():

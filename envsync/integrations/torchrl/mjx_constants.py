@@ -67,7 +67,7 @@ class WorldConstants:
         model = copy.copy(model)
         data = mujoco.MjData(model)
         nv, nbody = model.nv, model.nbody
-        self.built = {f: np.asarray(getattr(model, f), np.float64).copy() for f in DERIVING}
+        self._built = {f: np.asarray(getattr(model, f), np.float64).copy() for f in DERIVING}
         # subtree masses: body b's own mass counts in b and in each of its ancestors
         self._subtree = np.zeros((nbody, nbody))
         for body in range(nbody):
@@ -151,7 +151,7 @@ class WorldConstants:
 
         def field(name: str) -> np.ndarray:
             value = rows.get(name, held.get(name))
-            return np.broadcast_to(self.built[name], (k, *self.built[name].shape)) if value is None else value
+            return np.broadcast_to(self._built[name], (k, *self._built[name].shape)) if value is None else value
 
         mass = np.asarray(field("body_mass"), np.float64)
         theta = np.concatenate(

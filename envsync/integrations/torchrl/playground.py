@@ -30,7 +30,7 @@ friction loss read them at every step), ``actuator_acc0`` (dampratio gains) and
 ``tendon_invweight0``. MJX has no ``set_const``: the constants of the changed worlds are
 computed on the host for all of them at once, by
 :class:`~envsync.integrations.torchrl.mjx_constants.WorldConstants` (batched float64 linear
-algebra: equal to ``mj_setConst``'s to ~1e-14), and written with them. Friction and damping
+algebra: equal to ``mj_setConst``'s to 1e-10, tested), and written with them. Friction and damping
 need none.
 
 This module is the only one that imports JAX, MuJoCo and Playground, and only when an env is
@@ -61,7 +61,7 @@ SCALES: dict[str, tuple[str, ...]] = {
 scales (a denser body of the same shape: its mass and its rotational inertia)."""
 
 FREE_OF_CONSTANTS = frozenset({"geom_friction", "dof_damping", "dof_frictionloss", "geom_solref", "geom_solimp"})
-"""Fields from which MuJoCo derives no constant: writing them needs no ``mj_setConst``."""
+"""Fields from which MuJoCo derives no constant: writing them recomputes none."""
 
 
 class PlaygroundWorlds(MujocoPlaygroundWrapper):
@@ -140,15 +140,15 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
                     f"PlaygroundWorlds: {name!r} cannot be per world: the constants MuJoCo derives are recomputed "
                     f"for {sorted(DERIVING)} (and {sorted(FREE_OF_CONSTANTS)} derive none)"
                 )
-        self._needs_constants = any(f not in FREE_OF_CONSTANTS for f in scaled)
-        derived = [c for c in CONSTANTS if self._needs_constants and np.asarray(getattr(model, c)).size]
+        deriving = any(f in DERIVING for f in scaled)
+        derived = [c for c in CONSTANTS if deriving and np.asarray(getattr(model, c)).size]
         self._per_world = list(dict.fromkeys(scaled + derived))
         as_built = {f: np.asarray(getattr(model, f)) for f in self._per_world}
         self._built = {f: v.astype(np.float64) for f, v in as_built.items()}  # what factors scale
         self._jax_device = jax.local_devices()[0]
         self._fields = {f: self._commit(np.repeat(v[None], n, 0)) for f, v in as_built.items()}
         self._staging = {f: np.zeros((n, *v.shape), v.dtype) for f, v in as_built.items()}  # rows of a write
-        self._derive = WorldConstants(self._env.mj_model) if self._needs_constants else None
+        self._derive = WorldConstants(self._env.mj_model) if deriving else None
         self._jit_step = jax.jit(jax.vmap(self._world_step))
         self._jit_reset = jax.jit(self._reset_rows)
         self._jit_write = jax.jit(self._masked_write)
@@ -264,8 +264,8 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
         """
         ids = np.asarray(env_ids.cpu() if isinstance(env_ids, torch.Tensor) else env_ids, dtype=np.int64).reshape(-1)
         rows = self._scaled_rows(ids, factors)
-        if self._needs_constants and any(f not in FREE_OF_CONSTANTS for f in rows):
-            rows.update(self._constants(ids, rows))
+        if self._derive is not None and any(f in DERIVING for f in rows):
+            rows.update(self._constants(self._derive, ids, rows))
         self._write(ids, rows)
 
     def _scaled_rows(self, ids: np.ndarray, factors: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -285,12 +285,13 @@ class PlaygroundWorlds(MujocoPlaygroundWrapper):
                 rows[field] = built[None] * value.reshape(value.shape + (1,) * (built.ndim + 1 - value.ndim))
         return rows
 
-    def _constants(self, ids: np.ndarray, rows: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _constants(
+        self, derive: WorldConstants, ids: np.ndarray, rows: Mapping[str, np.ndarray]
+    ) -> dict[str, np.ndarray]:
         """The derived constants of worlds ``ids`` with ``rows`` written, the fields not written
         read from what the worlds hold."""
-        assert self._derive is not None
         held = {f: np.asarray(self._fields[f])[ids] for f in self._per_world if f in DERIVING and f not in rows}
-        derived = self._derive({f: v for f, v in rows.items() if f in DERIVING}, held)
+        derived = derive({f: v for f, v in rows.items() if f in DERIVING}, held)
         return {c: derived[c] for c in CONSTANTS if c in self._fields}
 
     def _write(self, ids: np.ndarray, rows: Mapping[str, np.ndarray]) -> None:
