@@ -48,6 +48,11 @@ row per (n, measure):
    (the masked write and the derived constants of every row), the masked write alone (a friction
    push: no constants), and the rebuild a Playground user does today (randomise, wrap for
    training, jit, first reset and step with compilation); see ``worlds_playground.py``.
+9. **multisync / multiasync** (``--across``, on by default): the n worlds as 2 forked workers
+   of n / 2 in a ``MultiSyncCollector`` and in a ``MultiAsyncCollector``: seconds to the first
+   batch, the ``/dev/shm`` file of envsync's link (its size a world, and the bytes it holds: a
+   sparse file's untouched pages hold none), one push of a row per world to applied, and
+   ``read_attributes`` of every world checked equal to it.
 
 The current envsync is slow at large n, so each n has a time budget (``--budget`` s): an n
 whose attach or first push takes longer skips its remaining measures (their rows say so), a
@@ -89,6 +94,8 @@ from envsync import AckTimeout, EnvStateSender
 
 NAME = "worlds"
 MEASURES = ("attach", "idle", "push", "curriculum", "read", "memory")
+ACROSS = ("multisync", "multiasync")
+"""The multi-process collectors measure 9 attaches the n worlds to, as 2 workers of n / 2."""
 MJLAB = "mjlab push"
 PLAYGROUND = "playground push"
 SIMULATORS = (MJLAB, PLAYGROUND)
@@ -114,6 +121,7 @@ class Args:
     playground_worlds: list[int] = field(default_factory=lambda: [1024, 4096])
     playground_pushes: int = 10
     playground_only: bool = False  # measure 8 alone
+    across: bool = True  # measure 9: the n worlds in a MultiSync- and a MultiAsyncCollector of 2 workers
     threads: int = 1  # torch intra-op threads (0: torch's default); see the notes
     seed: int = 0
     start_method: str = "fork"
@@ -173,6 +181,16 @@ def _shm_files() -> dict[str, int]:
         except OSError:
             continue
     return files
+
+
+def _shm_allocated(paths: Sequence[str]) -> int:
+    """The bytes /dev/shm actually holds for ``paths`` (their allocated blocks: a sparse file's
+    untouched pages hold none)."""
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            total += os.stat(path).st_blocks * 512
+    return total
 
 
 def _shm_held() -> set[str]:
@@ -600,6 +618,68 @@ def _curriculum(n: int, args: Args, with_: Side, without: Side, generator: torch
     )
 
 
+def _across(n: int, args: Args, kind: str, generator: torch.Generator) -> dict[str, Any]:
+    """Measure 9: ``n`` worlds in a multi-process collector of 2 workers of ``n / 2`` worlds
+    (forked): build to the first batch, the /dev/shm file envsync's link makes (its size and
+    the bytes it holds), one push of a row per world to applied, checked exact with
+    ``read_attributes`` of every world."""
+    from torchrl.collectors import MultiAsyncCollector, MultiSyncCollector
+
+    cls = MultiSyncCollector if kind == "multisync" else MultiAsyncCollector
+    half = n // 2
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    files_before = _shm_files()
+    collector = None
+    try:
+        start = time.perf_counter()
+        with start_method(args.start_method):
+            collector = cls(
+                [sender.env_fn(partial(make_worlds_env, half))] * 2,
+                None,
+                frames_per_batch=2 * n,
+                total_frames=-1,
+                weight_sync_schemes=sender.schemes(),
+            )
+        batches = iter(collector)
+        next(batches)
+        attach_s = time.perf_counter() - start
+        new = {path: size for path, size in _shm_files().items() if path not in files_before}
+        ours = sorted(set(new) & _shm_held())
+        size = sum(new[path] for path in ours)
+        held = _shm_allocated(ours)
+        rows = torch.rand(2 * half, generator=generator)
+        start = time.perf_counter()
+        sender.push(config=TensorDict(difficulty=rows, batch_size=[2 * half]), wait="applied", timeout=args.budget)
+        push_s = time.perf_counter() - start
+        got = sender.read_attributes(["difficulty"], timeout=args.budget)["difficulty"]
+        exact = got.shape == rows.shape and bool(torch.equal(got.to(rows.dtype), rows))
+    except Exception as error:
+        return _row(n, kind, unit="s", status=_error(error))
+    finally:
+        if collector is not None:
+            with contextlib.suppress(Exception):
+                collector.shutdown()
+        sender.close()
+        _trim()
+    return _row(
+        n,
+        kind,
+        envsync=attach_s,
+        unit="s",
+        per_world=size / n,
+        per_world_unit="B",
+        exact=exact,
+        samples=1,
+        detail=f"{cls.__name__} of 2 forked workers x {half:,} worlds: attach to the first batch; /dev/shm: "
+        f"{len(ours)} file(s) of {size / n:,.0f} B a world, {held / n:,.0f} B a world held (allocated); one "
+        f"push of a row per world to applied {push_s * 1e3:.1f} ms, read_attributes of every world equal to it",
+        shm_bytes=size,
+        shm_held_bytes=held,
+        shm_held_per_world=held / n,
+        push_ms=push_s * 1e3,
+    )
+
+
 def _one_n(n: int, args: Args, generator: torch.Generator) -> list[dict[str, Any]]:
     """Every measure of one n, in the order of ``MEASURES``; skipped ones say why."""
     rows: dict[str, dict[str, Any]] = {}
@@ -640,7 +720,12 @@ def _one_n(n: int, args: Args, generator: torch.Generator) -> list[dict[str, Any
             except Exception as error:  # a collector that cannot shut down must not stop the run
                 print(f"[{NAME}] n={n}: shutdown failed: {_error(error)}", flush=True)
         _trim()
-    return [rows[m] for m in MEASURES]
+    out = [rows[m] for m in MEASURES]
+    if args.across:
+        for kind in ACROSS:
+            print(f"[{NAME}] n={n}: {kind}", flush=True)
+            out.append(_across(n, args, kind, generator))
+    return out
 
 
 def _warm_up(args: Args) -> None:
@@ -813,6 +898,8 @@ SUMMARY_COLUMNS = [
     ("frame_per_world", "of it frame tags"),
     ("state_per_world", "of it envsync's state"),
     ("shm_per_world", "/dev/shm B/world"),
+    ("across_attach_s", "2 workers, MultiSync / MultiAsync: attach s"),
+    ("across_shm", "their /dev/shm B/world (held)"),
 ]
 
 MJLAB_COLUMNS = [
@@ -854,6 +941,15 @@ def _cell(row: dict[str, Any] | None, key: str, paired: str | None = None) -> An
     return f"{fmt(row[key])} ({fmt(row[paired])})"
 
 
+def _across_cell(row: dict[str, Any] | None, key: str) -> Any:
+    """A cell of measure 9: its attach seconds, or its /dev/shm bytes a world (held), or why none."""
+    if row is None or row["status"] != "ok":
+        return _cell(row, key)
+    if key == "shm":
+        return f"{fmt(row['per_world'])} ({fmt(row['shm_held_per_world'])})"
+    return fmt(row[key]) + ("" if row["exact"] else " (not exact)")
+
+
 def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per n of the native measures: the short table for docs/performance.md."""
     out = []
@@ -877,6 +973,8 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "frame_per_world": _cell(memory, "frame_bytes_per_world") if counted else "-",
                 "state_per_world": _cell(memory, "state_per_world") if counted else "-",
                 "shm_per_world": _cell(memory, "shm_bytes_per_world") if memory and "shm_bytes" in memory else "-",
+                "across_attach_s": " / ".join(str(_across_cell(by.get(kind), "envsync")) for kind in ACROSS),
+                "across_shm": " / ".join(str(_across_cell(by.get(kind), "shm")) for kind in ACROSS),
             }
         )
     return out
@@ -988,6 +1086,22 @@ def _targets(rows: list[dict[str, Any]], args: Args) -> list[dict[str, Any]]:
         if n == READ_TARGET_WORLDS:
             read = by.get("read")
             out.append(one(f"{n} worlds: read_attributes of every world", read, "envsync", 10.0, False, " ms"))
+            for kind in ACROSS:
+                row = by.get(kind)
+                if row is not None and row.get("exact") is False:
+                    row = None  # attached, but the push did not reach every world: not met
+                name = "MultiSyncCollector" if kind == "multisync" else "MultiAsyncCollector"
+                out.append(
+                    one(
+                        f"{n} worlds in a {name} of 2 x {n // 2:,}: attach to the first batch (a push then applied "
+                        "to every world, read back exact)",
+                        row,
+                        "envsync",
+                        args.budget,
+                        False,
+                        " s",
+                    )
+                )
     return out
 
 
