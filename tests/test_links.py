@@ -96,7 +96,6 @@ def test_acks_and_failure_text_travel_back(kind: str) -> None:
         link.close()
 
 
-
 def settled_rule(link: Any, slots: list[int], version: int) -> Any:
     """The waiter's rule acks.py gives a link: no slot of ``slots`` owes ``version``."""
     return lambda: not any_owing(link.counts(slots, applied=True), version)
@@ -394,8 +393,9 @@ def test_an_acknowledgement_of_an_older_version_never_moves_reached_back(kind: s
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_rows_of_a_group_get_a_request_written_once_and_answer_it_with_one_reply(kind: str) -> None:
-    """A gather of every row of a natively batched env writes its request into one row's
-    area (the others name it: a request to 65,536 worlds touches one page, not one per world)
+    """A gather of every row of a natively batched env writes its request once, in the rows'
+    mailbox (each row's ``ask_at`` names the first asked: a request to 65,536 worlds touches
+    one page, not one per world)
     and reads the rows' one reply back as columns, in the rows' order; a row asked alone
     reads the same way."""
     link = make_rows(kind, 6)
@@ -406,7 +406,7 @@ def test_the_rows_of_a_group_get_a_request_written_once_and_answer_it_with_one_r
         link.send_request(asked, request)
         counters = link.table.counters
         assert counters["ask_len"][asked].tolist() == [counters["ask_len"][1], 0, 0, 0]
-        assert counters["ask_at"][asked].tolist() == [2, 2, 2, 2]  # slot 1's area, for all
+        assert counters["ask_at"][asked].tolist() == [2, 2, 2, 2]  # slot 1's, for all (in the rows' mailbox)
         which, ids = rows.asked()
         assert which.tolist() == asked.tolist() and ids.tolist() == [5] * 4
         assert rows.request(4) == request
@@ -419,19 +419,72 @@ def test_the_rows_of_a_group_get_a_request_written_once_and_answer_it_with_one_r
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_rows_of_a_group_share_one_mailbox_not_one_per_world(kind: str) -> None:
+    """The rows of one natively batched env get one error, request and reply area between
+    them, sized for their rows: a link of 65,536 worlds takes ~1.3 KB of table a world (a
+    mailbox per world took ~115 KB of address space, and as much of /dev/shm's file size),
+    and a read of every world's value still fits its one reply."""
+    worlds = 65536
+    link = make_rows(kind, worlds)
+    try:
+        size = link.table.raw.numel()
+        assert size / worlds < 2048, size / worlds
+        if kind == "shm":
+            assert os.path.getsize(link.path) / worlds < 2048
+        rows = link.handle().open_rows(0, worlds)
+        link.send_request(np.arange(worlds), Request(7, Kind.ATTRIBUTES, {"paths": ["mass"]}))
+        which, _ = rows.asked()
+        assert rows.request(int(which[0])) is not None
+        masses = torch.arange(worlds, dtype=torch.float64)
+        rows.reply(which, Reply(7, {"mass": masses}))
+        [(slots, reply)] = link.replies(np.arange(worlds), 7)
+        assert reply.error is None and torch.equal(reply.result["mass"], masses) and len(slots) == worlds
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_request_a_newer_one_overwrote_in_the_rows_mailbox_is_dropped_not_read_again(kind: str) -> None:
+    """Two gathers to disjoint rows of one env, the first not answered before the second was
+    written over it in the rows' one mailbox: the first's rows mark it answered (no reply:
+    its sender gives up at its timeout) instead of decoding the other request at every safe
+    point; the second is answered as usual."""
+    link = make_rows(kind, 6)
+    try:
+        rows = link.handle().open_rows(0, 6)
+        link.send_request(np.array([0, 1, 2]), Request(3, Kind.ATTRIBUTES, {"paths": ["mass"]}))
+        link.send_request(np.array([3, 4]), Request(4, Kind.ATTRIBUTES, {"paths": ["mass"]}))
+        which, ids = rows.asked()
+        assert which.tolist() == [0, 1, 2, 3, 4] and ids.tolist() == [3, 3, 3, 4, 4]
+        assert rows.request(0) is None  # the mailbox holds request 4 now
+        which, ids = rows.asked()
+        assert which.tolist() == [3, 4] and ids.tolist() == [4, 4]
+        assert rows.request(3) == Request(4, Kind.ATTRIBUTES, {"paths": ["mass"]})
+        rows.reply(which, Reply(4, {"mass": torch.tensor([3.0, 4.0])}))
+        assert link.replies(np.array([0, 1, 2]), 3) == []
+        [(slots, reply)] = link.replies(np.array([3, 4]), 4)
+        assert slots.tolist() == [3, 4] and reply.result["mass"].tolist() == [3.0, 4.0]
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_rows_that_fail_one_apply_share_one_error_text(kind: str) -> None:
-    """A failure of many rows writes its traceback once, into the first failed row's error
-    area (each other row's ``error_at`` names it: 65,536 failed worlds touch one page of
-    /dev/shm, not 65,536); every row reads that text, and a later failure of one row alone
-    writes its own text without touching the others'."""
+    """A failure of many rows writes its traceback once, into the rows' one mailbox (each
+    failed row's ``error_at`` names where: 65,536 failed worlds touch one page of /dev/shm,
+    not 65,536); every row reads that text, and a later failure of one row alone writes its
+    own text after it, without touching the others'."""
     link = make_rows(kind, 6)
     try:
         rows = link.handle().open_rows(0, 6)
         failed = np.array([1, 3, 4])
-        rows.report_failure(failed, np.array([2, 2, 2]), "Traceback: the rows' apply raised")
+        text = "Traceback: the rows' apply raised"
+        rows.report_failure(failed, np.array([2, 2, 2]), text)
         counters = link.table.counters
-        assert counters["error_len"].tolist()[1:] == [len("Traceback: the rows' apply raised"), 0, 0, 0, 0]
+        assert counters["error_end"].tolist() == [4 + len(text), 0, 0, 0, 0, 0]  # one record, written once
+        assert set(counters["error_at"][failed].tolist()) == {1} and counters["error_at"][[0, 2, 5]].tolist() == [0] * 3
         assert [link.status(w).failed for w in range(6)] == [NO_FAILURE, 2, NO_FAILURE, 2, 2, NO_FAILURE]
+        assert link.error_text(0) == ""
         assert {link.error_text(w) for w in failed.tolist()} == {"Traceback: the rows' apply raised"}
         rows.report_failure(np.array([4]), np.array([3]), "Traceback: row 4 alone")
         assert link.error_text(4) == "Traceback: row 4 alone"

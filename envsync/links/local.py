@@ -46,8 +46,8 @@ class LocalLink(SlotWriter):
         alive: Callable[[int], bool] = lambda w: True,
         group: int = 1,
     ) -> None:
-        fields, size = plan(leaves, num_workers)
-        table = Table(_zeroed(size, fields), fields, num_workers)
+        fields, size = plan(leaves, num_workers, group)
+        table = Table(_zeroed(size, fields), fields, num_workers, group=group)
         groups = -(-num_workers // group)  # one lock, wake-up and relay per group of slots (a native env's rows)
         group_locks = [threading.Lock() for _ in range(groups)]
         group_wakes = [threading.Semaphore(0) for _ in range(2 * groups)]

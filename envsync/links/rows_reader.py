@@ -192,21 +192,33 @@ class RowsReader:
 
     def request(self, row: int) -> Request | None:
         """Row ``row``'s request not answered yet, or ``None`` (the request a gather sends to
-        every row is decoded once, not once per row)."""
-        self._request = read_request(self.table, self.first + row, self._locks[row], self._request)
+        every row is decoded once, not once per row). A request a newer one overwrote in the
+        rows' mailbox before they answered it (sent to other rows of theirs) is dropped: its
+        rows are marked answered, with no reply (its sender had stopped waiting for it, or
+        waits until its timeout), so that no safe point reads it again."""
+        slot = self.first + row
+        ask = int(self._c["ask"][slot])
+        self._request = read_request(self.table, slot, self._locks[row], self._request)
+        if self._request is None and ask != 0 and ask != int(self._c["answered"][slot]):
+            with all_locked(self._distinct, "rows %d.. dropping a request", self.first):
+                dropped = self.first + np.flatnonzero(self._c["ask"][self._span] == ask)
+                self._c["reply_at"][dropped] = 0
+                self._c["reply_len"][dropped] = 0  # answered with nothing: the sender reads no reply
+                self._c["answered"][dropped] = ask
         return self._request
 
     def reply(self, rows: np.ndarray, reply: Reply) -> None:
         """Answer the request of ``rows`` (sorted) with one reply whose values hold one row per
-        row of ``rows``: written once, across the reply areas from the first row's on, and
-        read back by the sender once (:meth:`~envsync.links.slots.SlotWriter.replies`). A reply
-        larger than those areas is sent as a failure that says so."""
+        row of ``rows``: written once, in the rows' mailbox (across the reply areas from the
+        first row's on, on a link with a mailbox per slot), and read back by the sender once
+        (:meth:`~envsync.links.slots.SlotWriter.replies`). A reply larger than that room is
+        sent as a failure that says so."""
         slots = self.first + rows
         head = int(slots[0])
         span = self.table.reply_span(head, self.first + self.count - 1)
         if reply.error is None:
             reply = Reply(reply.id, {ROWS: torch.from_numpy(slots), **reply.result})
-        data = sealed_reply(reply, len(span), "the rows' reply areas")
+        data = sealed_reply(reply, len(span), "the rows' reply room (read fewer paths, or fewer envs, at a time)")
         with all_locked(self._distinct, "rows %d.. replying", self.first):
             span[: len(data)] = np.frombuffer(data, dtype=np.uint8)
             self._c["reply_len"][head] = len(data)
@@ -223,5 +235,3 @@ def _rows_of(column: torch.Tensor, source: np.ndarray, slots: Rows, broadcast: t
     if shared.size:
         put_rows(values, shared, broadcast)
     return values
-
-

@@ -166,7 +166,7 @@ class SharedMemoryLink(SlotWriter):
     ) -> None:
         sweep_stale()
         self.num_workers = num_workers
-        fields, size = plan(leaves, num_workers)
+        fields, size = plan(leaves, num_workers, group)
         token = f"{os.getpid()}-{secrets.token_hex(6)}"
         self.path = os.path.join(SHM_DIR, f"{PREFIX}{token}")
         # locked under a name no sweep looks at, then renamed: a sweep never sees it unlocked
@@ -249,7 +249,7 @@ class SharedMemoryHandle:
         table = _MAPPED.get(self.path)
         if table is None:
             raw = torch.from_file(self.path, shared=True, size=self.size, dtype=torch.uint8)
-            table = _MAPPED[self.path] = Table(raw, self.fields, self.num_workers, name=self.path)
+            table = _MAPPED[self.path] = Table(raw, self.fields, self.num_workers, group=self.group, name=self.path)
         return table
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -35,7 +35,7 @@ def read_request(table: Table, slot: int, lock: Any, held: Request | None) -> Re
         source = int(c["ask_at"][slot]) - 1  # the slot whose area holds it (a group's first asked)
         source = slot if source < 0 else source
         length = int(c["ask_len"][source])
-        data = bytes(table.areas["request"][source, :length])
+        data = bytes(table.area("request", source)[:length])
     request = request_of(unseal(data))
     return request if request.id == ask else None  # overwritten by a newer request: not this one
 
@@ -43,10 +43,10 @@ def read_request(table: Table, slot: int, lock: Any, held: Request | None) -> Re
 def write_reply(table: Table, slot: int, lock: Any, acks: Any, reply: Reply) -> None:
     """Answer ``slot``'s request with ``reply`` and wake the sender; a reply larger than the
     slot's reply area is sent as a failure that says so."""
-    area = table.areas["reply"]
-    data = sealed_reply(reply, area.shape[1], "a slot's reply area")
+    area = table.area("reply", slot)
+    data = sealed_reply(reply, len(area), "a slot's reply area")
     with locked(lock, "worker %d replying", slot):
-        area[slot, : len(data)] = np.frombuffer(data, dtype=np.uint8)
+        area[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         table.counters["reply_len"][slot] = len(data)
         table.counters["reply_at"][slot] = 0  # in its own area
         table.counters["answered"][slot] = reply.id

@@ -194,21 +194,23 @@ class SlotWriter:
         if sealed[0] != request.id:  # a request goes to many slots (every env of a gather): sealed once
             sealed = self._sealed = (request.id, np.frombuffer(seal(plain(request)), dtype=np.uint8))
         data = sealed[1]
-        area = self.table.areas["request"]
+        table = self.table
+        area = table.areas["request"]
         if len(data) > area.shape[1]:
             raise ValidationError(
                 f"a {request.kind.name} request of {len(data)} bytes does not fit a slot's request area "
                 f"({area.shape[1]} bytes): ask for fewer names or paths at a time"
             )
         slots = np.asarray(workers, dtype=np.int64)
-        # once per group of slots that share a lock (the rows of a natively batched env), in
-        # its first asked slot's area: a request to 65,536 rows touches one page, not 65,536
+        # once per group of slots that share a lock and a mailbox (the rows of a natively
+        # batched env), in its mailbox, each slot's ``ask_at`` naming its first asked slot: a
+        # request to 65,536 rows touches one page, not 65,536
         groups = self._lock_of[slots]
         numbers, first = firsts(groups)
         heads = slots[first]
-        counters = self.table.counters
+        counters = table.counters
         with all_locked([self._locks[number] for number in numbers.tolist()], "asking worker %d", int(slots[0])):
-            area[heads, : len(data)] = data
+            area[heads // table.group, : len(data)] = data
             counters["ask_len"][heads] = len(data)
             counters["ask_at"][slots] = heads[np.searchsorted(numbers, groups)] + 1
             counters["ask"][slots] = request.id
@@ -258,11 +260,11 @@ class SlotWriter:
             return Reply(bulk.id, {k: v[at] for k, v in bulk.result.items() if k != ROWS})
         with locked(self._locks[worker], "reading worker %d's reply", worker):
             length = int(c["reply_len"][worker])
-            data = bytes(self.table.areas["reply"][worker, :length])
-        return reply_of(unseal(data))
+            data = bytes(self.table.area("reply", worker)[:length])
+        return reply_of(unseal(data)) if length else None  # none: a request its rows dropped
 
     def _rows_reply(self, head: int, request: int) -> Reply | None:
-        """The rows reply written from slot ``head`` on, if it answers ``request``."""
+        """The rows reply written from slot ``head``'s mailbox on, if it answers ``request``."""
         with locked(self._locks[head], "reading the rows reply at worker %d", head):
             length = int(self.table.counters["reply_len"][head])
             data = bytes(self.table.reply_span(head, self.num_workers - 1)[:length])

@@ -1,12 +1,15 @@
-"""The slot table both links lay out in one block of bytes: per worker, twenty int64
-counters, a failed apply's error text (the rows that failed one apply together share the
-first one's: each row's ``error_at`` names it), a request area and a reply area (a request and its
-reply as sealed records, :mod:`envsync.links.records`: the link never reads their kind; the
-rows of a natively batched env get a request written once, in their first asked row's area
-(each row's ``ask_at`` names it), and answer it with one reply for all of them, written
-across their consecutive reply areas (each row's ``reply_at`` names the slot it starts at)),
-one view per leaf of the desired state, and for every config name a write count (a worker
-copies out only the names written since it last read). After the slots, one broadcast region per config
+"""The slot table both links lay out in one block of bytes: per worker (slot), twenty int64
+counters and one view per leaf of the desired state, and for every config name a write
+count (a worker copies out only the names written since it last read); per group of slots
+(the rows of one natively batched env in one process; a slot alone otherwise) one mailbox: an
+error area, a request area and a reply area (a request and its reply as sealed records,
+:mod:`envsync.links.records`: the link never reads their kind). The rows that failed one
+apply share one error text (each row's ``error_at`` names where it lies: a mailbox keeps its
+latest failures' texts one after the other); a request to rows is written once (each row's
+``ask_at`` names the slot that holds it), and the rows answer it with one reply for all of
+them (each row's ``reply_at`` names the slot whose mailbox holds it): no area per world, so a
+group's mailbox is sized for its rows (:func:`reply_bytes` for the first,
+:func:`row_reply_bytes` for each other). After the slots, one broadcast region per config
 name and env-state entry: a value pushed to every worker of the link is written there once,
 and each worker's "source" mark tells it to read that name from the region (config and env
 state take the same path).
@@ -26,6 +29,10 @@ from envsync.protocol import WorkerStatus
 from envsync.state import Leaf, numpy_view, tensor_of
 
 ERROR_BYTES = 16384
+"""The most of a failure's traceback text kept (its end, with its length)."""
+ERROR_AREA = 2 * ERROR_BYTES
+"""Bytes of a mailbox's error area: the texts of its latest failures, one after the other
+(each a length and the text; wrapping to the start when the next does not fit)."""
 REQUEST_BYTES = 16384
 """Bytes of a sealed request (its kind and payload: names, paths)."""
 COUNTERS = (
@@ -33,7 +40,7 @@ COUNTERS = (
     "received",
     "applied",
     "failed",
-    "error_len",
+    "error_end",
     "pid",
     "busy",
     "undo",
@@ -51,6 +58,8 @@ COUNTERS = (
     "error_at",
 )
 ALIGN = 64
+_LENGTH = 4
+"""Bytes of an error text's length, before it in a mailbox's error area."""
 MARKS = ("source", "config_source", "writes")
 """The sections of per-worker int64 marks (beside the leaves of the desired state)."""
 
@@ -88,22 +97,29 @@ class Field:
         return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def plan(leaves: Mapping[Key, Leaf], num_workers: int) -> tuple[list[Field], int]:
-    """Lay out counters, error buffer and leaves, each 64-byte aligned; return fields and size.
+def plan(leaves: Mapping[Key, Leaf], num_workers: int, group: int = 1) -> tuple[list[Field], int]:
+    """Lay out counters, mailboxes (one per ``group`` consecutive slots) and leaves, each
+    64-byte aligned; return fields and size.
 
     Examples:
         >>> fields, size = plan({("config", "x"): torch.zeros(2)}, 3)
         >>> [f.key for f in fields][-3:], size % 64
         ([('leaf', 'writes', 'x'), ('leaf', 'config_source', 'x'), ('broadcast', 'config', 'x')], 0)
+        >>> _, alone = plan({("config", "x"): torch.zeros(())}, 4096)
+        >>> _, rows = plan({("config", "x"): torch.zeros(())}, 4096, group=4096)
+        >>> alone // 4096 > 100_000, rows // 4096 < 2_000   # bytes a slot: a mailbox each, or one for all
+        (True, True)
     """
     fields = [Field(("pushed",), torch.int64, (1,), 0)]  # the latest version written to any slot
     offset = ALIGN
     for name in COUNTERS:
         fields.append(Field((name,), torch.int64, (num_workers,), offset))
         offset = align(offset + 8 * num_workers)
-    for text, size in (("error", ERROR_BYTES), ("request", REQUEST_BYTES), ("reply", reply_bytes(leaves))):
-        fields.append(Field((text,), torch.uint8, (num_workers, size), offset))
-        offset = align(offset + num_workers * size)
+    groups = -(-num_workers // group)
+    reply = reply_bytes(leaves) + (group - 1) * row_reply_bytes(leaves)
+    for text, size in (("error", ERROR_AREA), ("request", REQUEST_BYTES), ("reply", reply)):
+        fields.append(Field((text,), torch.uint8, (groups, size), offset))
+        offset = align(offset + groups * size)
     mark = torch.zeros((), dtype=torch.int64)
     marks = {("source", k[1]): mark for k in leaves if k[0] == "env_state"}
     marks |= {(kind, k[1]): mark for k in leaves if k[0] == "config" for kind in ("writes", "config_source")}
@@ -126,6 +142,24 @@ ATTRIBUTE_BYTES = 65536
 masses, a gravity), with their names."""
 
 
+ROW_ATTRIBUTE_BYTES = 1024
+"""Room in a rows reply for each row beyond the first, beyond its env-state entries: its
+values at attribute paths (a world's masses and inertias, say); a read of more a world is
+answered with a failure that says so (ask for fewer paths, or fewer envs, at a time)."""
+
+
+def row_reply_bytes(leaves: Mapping[Key, Leaf]) -> int:
+    """Bytes a rows reply may take for each row beyond the first: its index, its env-state
+    entries and :data:`ROW_ATTRIBUTE_BYTES` of values at attribute paths (the names and the
+    record's header are the reply's once, in :func:`reply_bytes`' room).
+
+    Examples:
+        >>> row_reply_bytes({("env_state", "loc"): torch.zeros(4)})
+        1048
+    """
+    return 8 + ROW_ATTRIBUTE_BYTES + sum(tensor_of(v).nbytes for k, v in leaves.items() if k[0] == "env_state")
+
+
 def reply_bytes(leaves: Mapping[Key, Leaf]) -> int:
     """Bytes of a slot's reply area: room for every env-state entry with its name, or for
     :data:`ATTRIBUTE_BYTES` of values at attribute paths, or a traceback.
@@ -146,10 +180,14 @@ class Table:
     leaves and marks move through numpy, which costs far less than a torch call when the
     caches are cold."""
 
-    def __init__(self, raw: torch.Tensor, fields: list[Field], num_workers: int, *, name: str = "") -> None:
+    def __init__(
+        self, raw: torch.Tensor, fields: list[Field], num_workers: int, *, group: int = 1, name: str = ""
+    ) -> None:
         self.raw = raw
         self.name = name or f"memory-{id(self)}"  # the link's, the same in every process that maps it
         self.num_workers = num_workers
+        self.group = group
+        """Consecutive slots that share one mailbox (:func:`plan`'s ``group``)."""
         arrays = {f.key: raw[f.offset : f.offset + f.nbytes].view(f.dtype).view(f.shape) for f in fields}
         self.counters = {name: arrays[(name,)].numpy() for name in COUNTERS}
         self.pushed = arrays[("pushed",)].numpy()
@@ -197,27 +235,39 @@ class Table:
         target, received, applied = int(c["target"][worker]), int(c["received"][worker]), int(c["applied"][worker])
         return WorkerStatus(worker, target, received, applied, int(c["failed"][worker]), int(c["reached"][worker]))
 
+    def area(self, kind: str, slot: int) -> np.ndarray:
+        """The ``"request"`` or ``"reply"`` area of ``slot``'s mailbox (a view; its group's)."""
+        return self.areas[kind][slot // self.group]
+
     def reply_span(self, first: int, last: int) -> np.ndarray:
-        """The reply areas of slots ``first`` to ``last`` (included) as one byte buffer (a view:
-        a rows reply spans them)."""
-        return self.areas["reply"][first : last + 1].reshape(-1)
+        """The reply areas of the mailboxes of slots ``first`` to ``last`` (included) as one
+        byte buffer (a view: a rows reply spans them; one mailbox for the rows of a group)."""
+        return self.areas["reply"][first // self.group : last // self.group + 1].reshape(-1)
 
     def write_error(self, workers: int | np.ndarray, text: str) -> None:
         """Write ``text``'s end as the error of ``workers`` (one, or many: the rows of a
-        natively batched env that failed one apply): once, in the first one's error area,
-        the others' ``error_at`` naming it (a failure of 65,536 rows touches one page, not
-        65,536)."""
-        data = np.frombuffer(text.encode("utf-8", errors="replace")[-ERROR_BYTES:], dtype=np.uint8)
+        natively batched env that failed one apply): once, after the latest text in the first
+        one's mailbox, every one's ``error_at`` naming where (a failure of 65,536 rows touches
+        one page, not 65,536; the earlier failures of the mailbox's other rows keep their texts
+        until :data:`ERROR_AREA` bytes of newer ones have come after them)."""
+        data = text.encode("utf-8", errors="replace")[-(ERROR_BYTES - _LENGTH) :]
         rows = np.atleast_1d(np.asarray(workers, dtype=np.int64))
-        head = int(rows[0])
-        self.error[head, : len(data)] = data
-        self.counters["error_len"][head] = len(data)
-        self.counters["error_at"][rows] = head + 1
-        self.counters["error_at"][head] = 0
+        box = int(rows[0]) // self.group
+        first = box * self.group  # the mailbox's cursor is its first slot's counter
+        start = int(self.counters["error_end"][first])
+        if start + _LENGTH + len(data) > ERROR_AREA:
+            start = 0
+        record = len(data).to_bytes(_LENGTH, "little") + data
+        self.error[box, start : start + len(record)] = np.frombuffer(record, dtype=np.uint8)
+        self.counters["error_end"][first] = start + len(record)
+        self.counters["error_at"][rows] = box * ERROR_AREA + start + 1
 
     def error_text(self, worker: int) -> str:
-        """The error text of ``worker`` (its own area's, or the one its ``error_at`` names)."""
+        """The error text of ``worker`` (where its ``error_at`` names; none before a failure)."""
         at = int(self.counters["error_at"][worker])
-        source = worker if at == 0 else at - 1
-        length = int(self.counters["error_len"][source])
-        return bytes(self.error[source, :length]).decode("utf-8", errors="replace")
+        if at == 0:
+            return ""
+        area = self.error.reshape(-1)
+        start = at - 1
+        length = int.from_bytes(bytes(area[start : start + _LENGTH]), "little")
+        return bytes(area[start + _LENGTH : start + _LENGTH + length]).decode("utf-8", errors="replace")
