@@ -48,7 +48,7 @@ row per (n, measure):
    (the masked write and the derived constants of every row), the masked write alone (a friction
    push: no constants), and the rebuild a Playground user does today (randomise, wrap for
    training, jit, first reset and step with compilation); see ``worlds_playground.py``.
-9. **multisync / multiasync** (``--across``, on by default): the n worlds as 2 forked workers
+9. **multisync / multiasync** (unless ``--no-across``): the n worlds as 2 forked workers
    of n / 2 in a ``MultiSyncCollector`` and in a ``MultiAsyncCollector``: seconds to the first
    batch, the ``/dev/shm`` file of envsync's link (its size a world, and the bytes it holds: a
    sparse file's untouched pages hold none), one push of a row per world to applied, and
@@ -121,7 +121,7 @@ class Args:
     playground_worlds: list[int] = field(default_factory=lambda: [1024, 4096])
     playground_pushes: int = 10
     playground_only: bool = False  # measure 8 alone
-    across: bool = True  # measure 9: the n worlds in a MultiSync- and a MultiAsyncCollector of 2 workers
+    no_across: bool = False  # skip measure 9 (the n worlds in a MultiSync- and a MultiAsyncCollector of 2 workers)
     threads: int = 1  # torch intra-op threads (0: torch's default); see the notes
     seed: int = 0
     start_method: str = "fork"
@@ -721,7 +721,7 @@ def _one_n(n: int, args: Args, generator: torch.Generator) -> list[dict[str, Any
                 print(f"[{NAME}] n={n}: shutdown failed: {_error(error)}", flush=True)
         _trim()
     out = [rows[m] for m in MEASURES]
-    if args.across:
+    if not args.no_across:
         for kind in ACROSS:
             print(f"[{NAME}] n={n}: {kind}", flush=True)
             out.append(_across(n, args, kind, generator))
