@@ -38,6 +38,8 @@ OBSERVATION = 4
 """Numbers per observation: ``[difficulty, label, step, table]``."""
 TABLE = 1 << 18
 """Floats of the ``table`` config value (1 MB: ``envsync.buffers.Buffers.MIN_BYTES``)."""
+WIDE_TABLE = 16
+"""Floats of the ``table`` value in a cell of thousands of rows (1 MB a row would be GBs)."""
 
 
 def uniform(table: torch.Tensor) -> float:
@@ -119,9 +121,9 @@ class LabelEnv(CounterEnv):
 class NativeLabelEnv(NativeCounterEnv):
     """A natively batched env (``batch_size=[2]``) taking per-row config through ``env_ids``."""
 
-    def __init__(self, n: int, horizon: int, first_label: int) -> None:
+    def __init__(self, n: int, horizon: int, first_label: int, table: int = TABLE) -> None:
         super().__init__(n, horizon, first_label)
-        self.table = torch.zeros(n, TABLE)
+        self.table = torch.zeros(n, table)
         self.observation_spec = Composite(observation=Unbounded((n, OBSERVATION), dtype=torch.float32), shape=(n,))
 
     def set_difficulty(  # type: ignore[override]
@@ -204,26 +206,30 @@ def make_batched(kind: str, first_label: int) -> Any:
     return TransformedEnv(ParallelEnv(SUB_ENVS, fns, mp_start_method="fork"), _tripwire())
 
 
-def make_native(first_label: int) -> Any:
-    """A natively batched env of :data:`SUB_ENVS` labelled rows, under the batched level's tripwire."""
+def make_native(first_label: int, rows: int = SUB_ENVS, table: int = TABLE) -> Any:
+    """A natively batched env of ``rows`` labelled rows (``table`` floats of table each), under
+    the batched level's tripwire."""
     from torchrl.envs import TransformedEnv
 
-    env = NativeLabelEnv(SUB_ENVS, horizon=3, first_label=first_label)
-    env.horizons = torch.tensor([horizon_of(first_label + i) for i in range(SUB_ENVS)])
+    env = NativeLabelEnv(rows, horizon=3, first_label=first_label, table=table)
+    env.horizons = torch.tensor([horizon_of(first_label + i) for i in range(rows)])
     return TransformedEnv(env, _tripwire())
 
 
-def factories(env_kind: str, workers: int) -> list[Callable[[], Any]]:
-    """One factory per worker; the envs they build are labelled with their fleet indices."""
+def factories(env_kind: str, workers: int, rows: int = SUB_ENVS, table: int = TABLE) -> list[Callable[[], Any]]:
+    """One factory per worker; the envs they build are labelled with their fleet indices (a
+    natively batched env of ``rows`` rows with ``table`` floats of table each)."""
     if env_kind == "plain":
         return [partial(make_label_env, w) for w in range(workers)]
     if env_kind == "native":
-        return [partial(make_native, SUB_ENVS * w) for w in range(workers)]
+        return [partial(make_native, rows * w, rows, table) for w in range(workers)]
     return [partial(make_batched, env_kind, SUB_ENVS * w) for w in range(workers)]
 
 
-def envs_per_worker(env_kind: str) -> int:
-    return 1 if env_kind == "plain" else SUB_ENVS
+def envs_per_worker(env_kind: str, rows: int = SUB_ENVS) -> int:
+    """Envs per worker: 1 for a plain env, :data:`SUB_ENVS` for a ``SerialEnv`` or a
+    ``ParallelEnv``, ``rows`` for a natively batched env."""
+    return 1 if env_kind == "plain" else rows if env_kind == "native" else SUB_ENVS
 
 
 def has_env_state(env_kind: str) -> bool:

@@ -33,8 +33,10 @@ from hypothesis.stateful import RuleBasedStateMachine
 from model_envs import (
     LOC_KEY,
     OBSERVATION,
+    SUB_ENVS,
     TABLE,
     TRIPWIRE,
+    WIDE_TABLE,
     arm_read,
     disarm_reads,
     envs_per_worker,
@@ -70,9 +72,18 @@ class Cell:
     """Whether a batched env's own level runs a ``reinit`` policy (the tripwire's check) at every
     version; without one, an env whose version asks nothing of its level is applied as soon as
     it holds it (the gate's early acknowledgement), and the level cannot be made to fail."""
+    rows: int = SUB_ENVS
+    """Rows of each worker's natively batched env (thousands: worlds by the thousand, each row
+    with a table of :data:`WIDE_TABLE` floats instead of 1 MB)."""
 
     def __str__(self) -> str:
-        return f"{self.kind}-{self.env_kind}-{self.mode}" + ("" if self.level_reinit else "-bare-level")
+        rows = "" if self.rows == SUB_ENVS else f"-{self.rows}-rows"
+        return f"{self.kind}-{self.env_kind}-{self.mode}" + ("" if self.level_reinit else "-bare-level") + rows
+
+    @property
+    def table(self) -> int:
+        """Floats of the ``table`` config value."""
+        return TABLE if self.rows == SUB_ENVS else WIDE_TABLE
 
     @property
     def ray(self) -> bool:
@@ -89,7 +100,7 @@ class Cell:
 
     @property
     def per_worker(self) -> int:
-        return envs_per_worker(self.env_kind)
+        return envs_per_worker(self.env_kind, self.rows)
 
     @property
     def num_envs(self) -> int:
@@ -138,7 +149,7 @@ class Target(NamedTuple):
 
 
 def make_sender(cell: Cell) -> EnvStateSender:
-    config = {"difficulty": 0.0, "delay": 0.0, "table": torch.zeros(TABLE)}
+    config = {"difficulty": 0.0, "delay": 0.0, "table": torch.zeros(cell.table)}
     # a batched env's own level checks its tripwire at every version it reaches
     rules = {"batched.Tripwire": reinit.call("check")} if cell.env_kind != "plain" and cell.level_reinit else None
     return EnvStateSender(config=config, apply="set_difficulty", apply_at=cell.mode, reinit=rules)
@@ -156,7 +167,7 @@ def make_collector(cell: Cell, sender: EnvStateSender) -> Any:
         return build(
             cell.kind,
             sender,
-            factories(cell.env_kind, cell.workers),
+            factories(cell.env_kind, cell.workers, cell.rows, cell.table),
             workers=cell.workers,
             frames_per_batch=cell.frames_per_batch,
         )
@@ -173,7 +184,7 @@ def make_ray_collector(cell: Cell, sender: EnvStateSender) -> Any:
 
     nodes = ("n0", "n0") if cell.inner in TWO_ON_ONE_NODE else ("n0", "n1")
     return RayCollector(
-        [sender.env_fn(f) for f in factories(cell.env_kind, cell.workers)],
+        [sender.env_fn(f) for f in factories(cell.env_kind, cell.workers, cell.rows, cell.table)],
         None,
         collector_class=KINDS[cell.inner],
         num_workers_per_collector=1,
@@ -315,13 +326,13 @@ class ModelMachine(RuleBasedStateMachine):
         config: Any
         if rows == "one":
             config = {"difficulty": difficulties[0]} | ({} if delay is None else {"delay": delay})
-            config |= {"table": torch.full((TABLE,), difficulties[0])} if table else {}
+            config |= {"table": torch.full((self.cell.table,), difficulties[0])} if table else {}
         else:
             columns = {"difficulty": torch.tensor(difficulties)}
             if delay is not None:
                 columns["delay"] = torch.full((n,), delay)
             if table:
-                columns["table"] = torch.tensor(difficulties).unsqueeze(1).expand(n, TABLE).contiguous()
+                columns["table"] = torch.tensor(difficulties).unsqueeze(1).expand(n, self.cell.table).contiguous()
             config = TensorDict(columns, batch_size=[n]) if rows == "tensordict" else columns
         loc_value = 1000.0 + version if loc else None
         env_state = None if loc_value is None else {LOC_KEY: torch.full((OBSERVATION,), loc_value)}

@@ -41,17 +41,22 @@ CELLS = [Cell(kind, env_kind, mode) for kind in KINDS for env_kind in ENV_KINDS 
 # batched levels without a reinit in "reset" mode: each env applied at its own reset, its level
 # acknowledging it at once (appended: the cells above keep their seeds)
 CELLS += [Cell(kind, env_kind, "reset", level_reinit=False) for kind in KINDS for env_kind in ENV_KINDS[1:]]
+# worlds by the thousand: a natively batched env of 1,024 rows per worker, in each collector
+# kind, "step" and "reset" mode (appended: the cells above keep their seeds)
+CELLS += [Cell(kind, "native", mode, rows=1024) for kind in KINDS for mode in ("step", "reset")]
 COVERING = [
     Cell("single", "plain", "reset"),
     Cell("sync", "parallel", "step"),
     Cell("async", "serial", "truncate"),
     Cell("sync", "native", "truncate"),
     Cell("async", "plain", "step"),
+    Cell("sync", "native", "step", rows=1024),
 ]
 """The cells ``make test`` runs: every collector kind, env kind and apply mode; a plain env (the
 only kind whose resume may load gathered state) and envs with state (gather, sync_stats) under
 a single collector and under both Multi* ones; a collector idle between batches in "reset"
-mode (whose waits for "applied" are left out) and collectors that take applied waits."""
+mode (whose waits for "applied" are left out) and collectors that take applied waits; and
+two workers of 1,024 worlds each (``make wide`` runs every collector kind and mode of them)."""
 SEED = int(os.environ.get("ENVSYNC_MODEL_SEED", "18"))
 EXAMPLES = int(os.environ.get("ENVSYNC_MODEL_EXAMPLES", "3"))
 STEPS = int(os.environ.get("ENVSYNC_MODEL_STEPS", "8"))

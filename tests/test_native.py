@@ -146,7 +146,10 @@ def test_every_row_a_safe_point_changes_is_given_its_config_in_one_call() -> Non
     n = 512
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = Collector(
-        sender.env_fn(lambda: CountingCounters(n)), None, frames_per_batch=2 * n, total_frames=-1,
+        sender.env_fn(lambda: CountingCounters(n)),
+        None,
+        frames_per_batch=2 * n,
+        total_frames=-1,
         weight_sync_schemes=sender.schemes(),
     )
     try:
@@ -168,7 +171,10 @@ def test_a_call_that_fails_gives_every_row_of_it_its_previous_config_back_and_th
     n = 64
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = Collector(
-        sender.env_fn(lambda: CountingCounters(n)), None, frames_per_batch=2 * n, total_frames=-1,
+        sender.env_fn(lambda: CountingCounters(n)),
+        None,
+        frames_per_batch=2 * n,
+        total_frames=-1,
         weight_sync_schemes=sender.schemes(),
     )
     try:
@@ -187,6 +193,45 @@ def test_a_call_that_fails_gives_every_row_of_it_its_previous_config_back_and_th
         batch = next(iterator)
         assert batch["next", "observation"][..., 0].eq(2.0).all()
         assert sender.config_at(0, v1)["difficulty"].item() == 2.0
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_push_fails_only_its_own_rows_when_another_pushs_rows_reset_with_them() -> None:
+    """Two pushes pending in ``"reset"`` mode on disjoint rows, the second marked to fail, and
+    one reset of every row: the first call (both versions' rows) fails; each version is then
+    applied alone, so the good push holds its rows and only the bad one fails and rolls back
+    (found by the model-based test's 1,024-row cells: a failing push failed the version that
+    reset beside it)."""
+    n = 8
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
+    collector = Collector(
+        sender.env_fn(lambda: CountingCounters(n)),
+        None,
+        frames_per_batch=n,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    try:
+        next(iter(collector))
+        env = collector.env
+        good = sender.push(config=TensorDict(difficulty=torch.full((4,), 5.0), batch_size=[4]), envs=[0, 1, 2, 3])
+        bad_rows = torch.full((4,), 6.0)
+        bad_rows[1] = -1.0
+        bad = sender.push(config=TensorDict(difficulty=bad_rows, batch_size=[4]), envs=[4, 5, 6, 7])
+        env.calls.clear()
+        collector.reset()  # every row resets at once: both versions' rows in one safe point
+        with pytest.raises(WorkerApplyError) as raised:
+            sender.wait(bad, until="applied", timeout=30)
+        assert raised.value.version == bad
+        every, first, second = list(range(8)), [0, 1, 2, 3], [4, 5, 6, 7]
+        # together (and restored), then each version alone: the good one holds, the bad one restored
+        assert env.calls == [every, every, first, second, second]
+        assert env.difficulty[:4].tolist() == [5.0] * 4  # the good push holds its rows
+        assert env.difficulty[4:].tolist() == [0.0] * 4  # the bad one's rows are back on their config
+        assert sender.env_versions()[:4] == [good] * 4
     finally:
         collector.shutdown()
         sender.close()

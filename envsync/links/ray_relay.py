@@ -20,8 +20,8 @@ from envsync.links.base import SenderLink
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, connect
 from envsync.links.ray_wire import CAUGHT_UP, Acks, Rows, Traffic, leaf_bytes, read_post, share_id
-from envsync.links.records import one_row, plain
-from envsync.protocol import NO_FAILURE, Reply
+from envsync.links.records import plain
+from envsync.protocol import NO_FAILURE, Reply, Request
 
 HEARTBEAT = 0.5
 """Seconds between a relay's reports when nothing changes."""
@@ -149,12 +149,19 @@ class Relay:
         raise TimeoutError(f"the mailbox never held post {seq}'s share of node {node}")
 
     def _ask(self, ask: Ask) -> None:
+        """Hand each request to the local workers it goes to, in one write for all of them (the
+        rows of a natively batched env share one mailbox: asked together, they answer with
+        one reply; asked one by one, a row's reply would write over another's)."""
+        asked: dict[int, tuple[Request, list[int]]] = {}
         for worker, request in ask.requests.items():
             local = worker - self.first
             if 0 <= local < self.count:
+                asked.setdefault(request.id, (request, []))[1].append(local)
+        for request, workers in asked.values():
+            for local in workers:
                 self._asked[local] = request.id  # before the worker can answer
-                self.link.send_request([local], request)
-                self.link.notify([local])
+            self.link.send_request(workers, request)
+            self.link.notify(workers)
 
     def _down(self) -> None:
         assert self._channel is not None
@@ -196,18 +203,29 @@ class Relay:
                 last = now
 
     def _statuses(self) -> list[Acks]:
+        self._read_replies()
         out = []
         for w in range(self.count):
             s = self.link.status(w)
             out.append((s.received, s.applied, s.failed, self.link.alive(w), self._answered(w), s.reached))
         return out
 
+    def _read_replies(self) -> None:
+        """Read the replies that came to the requests not reported yet: once per request for
+        every worker that waits on it (a rows reply is decoded once, not once per row)."""
+        waiting: dict[int, list[int]] = {}
+        for w, asked in self._asked.items():
+            if asked > self._replied[w] and w not in self._fresh:
+                waiting.setdefault(asked, []).append(w)
+        for asked, workers in waiting.items():
+            for rows, reply in self.link.replies(np.array(workers, dtype=np.int64), asked):
+                for at, w in enumerate(rows.tolist()):
+                    self._fresh[w] = (
+                        reply if reply.failed else reply._replace(result={k: v[at] for k, v in reply.result.items()})
+                    )
+
     def _answered(self, w: int) -> int:
         """The latest request worker ``w`` replied to (its reply read, to go in the next report)."""
-        asked = self._asked.get(w, 0)
-        if asked > self._replied[w] and w not in self._fresh:
-            for _, reply in self.link.replies(np.array([w], dtype=np.int64), asked):
-                self._fresh[w] = one_row(reply)
         fresh = self._fresh.get(w)
         return self._replied[w] if fresh is None else fresh.id
 

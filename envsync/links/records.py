@@ -76,11 +76,6 @@ def as_rows(worker: int, reply: Reply) -> tuple[np.ndarray, Reply]:
     return np.array([worker], dtype=np.int64), Reply(reply.id, values, reply.error)
 
 
-def one_row(reply: Reply) -> Reply:
-    """The reverse of :func:`as_rows`: a reply of one row as that worker's own reply."""
-    return reply._replace(result={k: v[0] for k, v in reply.result.items()})
-
-
 def sealed_reply(reply: Reply, room: int, where: str) -> bytes:
     """``reply`` sealed for a reply area of ``room`` bytes (``where`` names the area): a
     traceback's end, as a failure's; a reply that does not fit is sent as a failure that says so."""

@@ -152,7 +152,9 @@ class RowsReceiver:
 
     def apply(self, rows: np.ndarray) -> None:
         """Apply the latest desired state of ``rows`` (indices) in one call; on failure give
-        them their previous state back and report it."""
+        them their previous state back and report it (rows of several versions: each
+        version's rows again in a call of their own, so that a failing push fails only its
+        own rows, not the rows of another push that reset with them)."""
         if not rows.size:
             return
         with self.owner.lock, self.owner.applying():
@@ -176,7 +178,14 @@ class RowsReceiver:
             for name, values in header.entries.items():
                 replaced[name] = self._load(name, rows[header.masks[name]], values, live[name])
         except Exception:
-            text = traceback.format_exc() + self._restore(index, previous, replaced, live)
+            restored = self._restore(index, previous, replaced, live)
+            if not restored and len(distinct := np.unique(versions)) > 1:
+                # rows of several versions in one call (each pending since its own push, at one
+                # reset): each version applies alone, so that only the one that fails fails
+                for version in distinct.tolist():
+                    self.apply(rows[versions == version])
+                return
+            text = traceback.format_exc() + restored
             self.failed[rows] = versions
             self.link.report_failure(rows, versions, text)
             return
@@ -248,10 +257,14 @@ class RowsReceiver:
         asked, ids = self.link.asked()
         distinct = ascending(ids)
         for id_ in distinct:
-            which = asked if len(distinct) == 1 else asked[ids == id_]
-            request = self.link.request(int(which[0]))
+            request = self.link.request(int(asked[np.argmax(ids == id_)]))
             if request is None or request.kind is Kind.BATCHED_STATE:
                 continue
+            # the rows asked it, read again now that its request was read under the rows' lock:
+            # the sender wrote every row's ask under that lock, so none is missing (answered
+            # in two replies, the second would write over the first in the rows' one mailbox)
+            asked, ids = self.link.asked()
+            which = asked[ids == id_]
             try:
                 reply = Reply(request.id, self._answer(which, request.kind, request.payload))
             except Exception:
