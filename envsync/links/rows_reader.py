@@ -185,10 +185,16 @@ class RowsReader:
         return bool(self._c["busy"][self.first])
 
     def asked(self) -> tuple[np.ndarray, np.ndarray]:
-        """The rows with a request not answered yet, and each one's request id (one vector read)."""
+        """The rows with a request not answered yet, and each one's request id: one vector
+        read, and where any row is asked, one more under the rows' lock (the sender writes
+        every asked row's id under it: a request's rows are seen all or none, and answered in
+        one reply in their one mailbox)."""
         ask, answered = self._c["ask"][self._span], self._c["answered"][self._span]
-        rows = np.flatnonzero((ask != 0) & (ask != answered))
-        return rows, ask[rows]
+        if not ((ask != 0) & (ask != answered)).any():
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        with all_locked(self._distinct, "rows %d.. reading their asks", self.first):
+            rows = np.flatnonzero((ask != 0) & (ask != answered))
+            return rows, ask[rows]
 
     def request(self, row: int) -> Request | None:
         """Row ``row``'s request not answered yet, or ``None`` (the request a gather sends to

@@ -210,7 +210,7 @@ class SlotWriter:
         heads = slots[first]
         counters = table.counters
         with all_locked([self._locks[number] for number in numbers.tolist()], "asking worker %d", int(slots[0])):
-            area[heads // table.group, : len(data)] = data
+            area[table.box(heads), : len(data)] = data
             counters["ask_len"][heads] = len(data)
             counters["ask_at"][slots] = heads[np.searchsorted(numbers, groups)] + 1
             counters["ask"][slots] = request.id

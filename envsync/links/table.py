@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -235,14 +236,18 @@ class Table:
         target, received, applied = int(c["target"][worker]), int(c["received"][worker]), int(c["applied"][worker])
         return WorkerStatus(worker, target, received, applied, int(c["failed"][worker]), int(c["reached"][worker]))
 
+    def box(self, slots: Any) -> Any:
+        """The mailbox of ``slots`` (an int, or an int64 array): its group's number."""
+        return slots // self.group
+
     def area(self, kind: str, slot: int) -> np.ndarray:
-        """The ``"request"`` or ``"reply"`` area of ``slot``'s mailbox (a view; its group's)."""
-        return self.areas[kind][slot // self.group]
+        """The ``"request"`` or ``"reply"`` area of ``slot``'s mailbox (a view)."""
+        return self.areas[kind][self.box(slot)]
 
     def reply_span(self, first: int, last: int) -> np.ndarray:
         """The reply areas of the mailboxes of slots ``first`` to ``last`` (included) as one
         byte buffer (a view: a rows reply spans them; one mailbox for the rows of a group)."""
-        return self.areas["reply"][first // self.group : last // self.group + 1].reshape(-1)
+        return self.areas["reply"][self.box(first) : self.box(last) + 1].reshape(-1)
 
     def write_error(self, workers: int | np.ndarray, text: str) -> None:
         """Write ``text``'s end as the error of ``workers`` (one, or many: the rows of a
@@ -252,7 +257,7 @@ class Table:
         until :data:`ERROR_AREA` bytes of newer ones have come after them)."""
         data = text.encode("utf-8", errors="replace")[-(ERROR_BYTES - _LENGTH) :]
         rows = np.atleast_1d(np.asarray(workers, dtype=np.int64))
-        box = int(rows[0]) // self.group
+        box = self.box(int(rows[0]))
         first = box * self.group  # the mailbox's cursor is its first slot's counter
         start = int(self.counters["error_end"][first])
         if start + _LENGTH + len(data) > ERROR_AREA:

@@ -257,14 +257,10 @@ class RowsReceiver:
         asked, ids = self.link.asked()
         distinct = ascending(ids)
         for id_ in distinct:
-            request = self.link.request(int(asked[np.argmax(ids == id_)]))
+            which = asked if len(distinct) == 1 else asked[ids == id_]
+            request = self.link.request(int(which[0]))
             if request is None or request.kind is Kind.BATCHED_STATE:
                 continue
-            # the rows asked it, read again now that its request was read under the rows' lock:
-            # the sender wrote every row's ask under that lock, so none is missing (answered
-            # in two replies, the second would write over the first in the rows' one mailbox)
-            asked, ids = self.link.asked()
-            which = asked[ids == id_]
             try:
                 reply = Reply(request.id, self._answer(which, request.kind, request.payload))
             except Exception:
