@@ -293,3 +293,48 @@ def test_thousands_of_worlds_under_a_batched_level_are_acknowledged_and_failed_a
     finally:
         collector.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [N, 1024])  # 1,024 rows x 16 frames: tags filled by one torch call
+def test_tags_of_a_reused_buffer_are_written_again_after_the_user_changes_them_in_place(n: int) -> None:
+    """With ``return_same_td=True`` the batch is the collector's buffer: a rollout whose rows
+    kept their versions may leave the tags it holds as they are, but never tags the user
+    changed in place."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    factory = sender.env_fn(functools.partial(make_native_counters, n))
+    collector = Collector(
+        factory,
+        None,
+        frames_per_batch=16 * n,
+        total_frames=-1,
+        return_same_td=True,
+        weight_sync_schemes=sender.schemes(),
+    )
+    try:
+        batches = iter(collector)
+        next(batches)
+        odd = torch.arange(1, n, 2)
+        sender.push(config=TensorDict(difficulty=torch.ones(len(odd)), batch_size=[len(odd)]), envs=odd, wait="applied")
+        expected = torch.zeros(n, dtype=torch.int64)
+        expected[odd] = 1  # rows at different versions: filled from a column
+        next(batches)  # its first root observations came from before the push
+        for round_ in range(4):
+            batch = next(batches)
+            for key in ("env_version", ("next", "env_version")):
+                tags = batch.get(key)
+                assert (tags == expected.unsqueeze(-1)).all(), (round_, key)
+                observed = batch.get(("next", "observation"))[..., 0]  # each row's difficulty
+                assert (observed == expected.unsqueeze(-1).float()).all(), round_
+                tags.fill_(-1) if round_ % 2 else tags.zero_()  # the user's own in-place change
+        sender.push(config={"difficulty": 2.0}, wait="applied")  # every row at one version: a memset
+        next(batches)
+        for round_ in range(3):
+            batch = next(batches)
+            version = sender.versions()[0]
+            for key in ("env_version", ("next", "env_version")):
+                assert (batch.get(key) == version).all(), (round_, key)
+                batch.get(key).add_(5)
+    finally:
+        collector.shutdown()
+        sender.close()

@@ -26,6 +26,9 @@ from envsync.links.slot_reader import read_request
 from envsync.links.table import Table
 from envsync.protocol import Reply, Request
 
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
 
 class RowsReader:
     """The end of the ``count`` rows of one env, from slot ``first`` on.
@@ -92,6 +95,7 @@ class RowsReader:
         }
         self._stamps = [(key[1], table.columns_of(key)) for key in columns if key[0] == "stamp"]
         self._request: Request | None = None  # the latest request read, decoded once
+        self._none_asked = -1  # the link's request count when the rows last had none unanswered
         if claim:  # this process serves the rows (what the sender's liveness check reads)
             c["pid"][self._span] = os.getpid()
 
@@ -185,13 +189,18 @@ class RowsReader:
         return bool(self._c["busy"][self.first])
 
     def asked(self) -> tuple[np.ndarray, np.ndarray]:
-        """The rows with a request not answered yet, and each one's request id: one vector
-        read, and where any row is asked, one more under the rows' lock (the sender writes
-        every asked row's id under it: a request's rows are seen all or none, and answered in
-        one reply in their one mailbox)."""
+        """The rows with a request not answered yet, and each one's request id: one integer
+        read while no request came since the rows last had none; else one vector read, and
+        where any row is asked, one more under the rows' lock (the sender writes every asked
+        row's id under it: a request's rows are seen all or none, and answered in one reply in
+        their one mailbox)."""
+        count = int(self.table.asked[0])  # before the asks: a request written meanwhile moves it
+        if count == self._none_asked:  # no request since the rows had none: one integer read
+            return _NONE, _NONE
         ask, answered = self._c["ask"][self._span], self._c["answered"][self._span]
         if not ((ask != 0) & (ask != answered)).any():
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+            self._none_asked = count
+            return _NONE, _NONE
         with all_locked(self._distinct, "rows %d.. reading their asks", self.first):
             rows = np.flatnonzero((ask != 0) & (ask != answered))
             return rows, ask[rows]

@@ -214,6 +214,7 @@ class SlotWriter:
             counters["ask_len"][heads] = len(data)
             counters["ask_at"][slots] = heads[np.searchsorted(numbers, groups)] + 1
             counters["ask"][slots] = request.id
+            table.asked[0] += 1  # after the asks: a reader that sees it moved sees them (requests come one at a time)
 
     def replies(self, workers: np.ndarray, request: int) -> list[tuple[np.ndarray, Reply]]:
         """The replies to ``request`` from ``workers`` that came (see the protocol): a slot's

@@ -111,7 +111,10 @@ def plan(leaves: Mapping[Key, Leaf], num_workers: int, group: int = 1) -> tuple[
         >>> alone // 4096 > 100_000, rows // 4096 < 2_000   # bytes a slot: a mailbox each, or one for all
         (True, True)
     """
-    fields = [Field(("pushed",), torch.int64, (1,), 0)]  # the latest version written to any slot
+    fields = [
+        Field(("pushed",), torch.int64, (1,), 0),  # the latest version written to any slot
+        Field(("asked",), torch.int64, (1,), 8),  # how many requests were written to any slots
+    ]
     offset = ALIGN
     for name in COUNTERS:
         fields.append(Field((name,), torch.int64, (num_workers,), offset))
@@ -194,6 +197,9 @@ class Table:
         self.pushed = arrays[("pushed",)].numpy()
         """The latest version written to any slot (one integer: whether anything was pushed
         to a worker's envs since it last looked costs one read, whatever their number)."""
+        self.asked = arrays[("asked",)].numpy()
+        """How many requests were written to any slots (one integer: whether a gather came to a
+        worker's envs since they last found none asked costs one read)."""
         self.error = arrays[("error",)].numpy()
         self.areas = {area: arrays[(area,)].numpy() for area in ("request", "reply")}
         leaves = {(k[1], k[2]): v for k, v in arrays.items() if k[0] == "leaf"}

@@ -112,7 +112,10 @@ class Siblings:
 
     def asked(self) -> np.ndarray:
         """The envs with a request not answered yet, as an int64 array (one vector read,
-        whatever their number)."""
+        whatever their number; the rows of a native env: one integer read while no request
+        came since they last had none)."""
+        if self._rows is not None:
+            return self._rows.asked()[0]
         ask, answered = self._first.read_counters(("ask", "answered"), self.count, copy=False)
         return np.flatnonzero((ask != 0) & (ask != answered))
 

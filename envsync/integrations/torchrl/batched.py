@@ -34,7 +34,7 @@ from envsync.configure import apply_config
 from envsync.errors import EnvSyncError, ValidationError
 from envsync.integrations.torchrl.adapter import EnvHooks, serve_env
 from envsync.integrations.torchrl.level import outer_env
-from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, Columns, set_tag, truncate_at
+from envsync.integrations.torchrl.tags import INDEX_KEY, VERSION_KEY, Columns, Filled, set_tag, truncate_at
 from envsync.links.base import LinkHandle
 from envsync.spec import ApplySpec
 from envsync.worker.owner import Owner
@@ -141,6 +141,7 @@ class BatchedHooks:
         self.owner.settled = True
         self._root = Columns(np.zeros(self.num_envs, dtype=np.int64))
         self._next = Columns(np.zeros(self.num_envs, dtype=np.int64))
+        self._filled = Filled()  # what the batch's version tags hold from the last rollout
         self._step = env._step
         self._reset = env._reset
         self._step_and_maybe_reset = env.step_and_maybe_reset
@@ -233,10 +234,18 @@ class BatchedHooks:
     def begin(self) -> None:
         """A rollout starts: frames count from 0; tags carry over from the leaves' state."""
         self.frame = 0
-        if self.group is None:
+        group = self.group
+        if group is None:
             return
-        self.group.catch_up()  # what the worker's envs applied while idle
-        _, obs, applied, settled = self.group.read()
+        settled_at = group.settled_at
+        if settled_at is not None and self.owner.settled and group.unchanged():
+            # settled, and no push since: every env is where the group last read it (no read
+            # of every env's counters at every rollout of thousands of worlds)
+            self._root = Columns(settled_at)
+            self._next = Columns(settled_at)
+            return
+        group.catch_up()  # what the worker's envs applied while idle
+        _, obs, applied, settled = group.read()
         self._root = Columns(obs)
         self._next = Columns(applied)
         # settled, with no push since: the rollout's steps take the fast path from the first
@@ -250,7 +259,7 @@ class BatchedHooks:
             if out is None:
                 out = torch.empty(shape, dtype=torch.int64)
                 set_tag(batch, key, out)
-            columns.fill(out)
+            self._filled.fill(key, out, columns)
         for key in (INDEX_KEY, ("next", INDEX_KEY)):  # the same every rollout: written once into the buffer
             if batch.get(key, None) is None:
                 index = torch.arange(first_env, first_env + self.num_envs, dtype=torch.int64)
@@ -273,6 +282,9 @@ class Group(Protocol):
     def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """Per sub-env (columns): the version its last step ran under, its observation's, its
         applied one; and whether every sub-env is settled."""
+
+    settled_at: np.ndarray | None
+    """Every sub-env's version when the group last read them all settled."""
 
     def catch_up(self) -> None:
         """Load the batched env's own entries the worker's envs all applied."""

@@ -39,6 +39,12 @@ def fill_changes(out: torch.Tensor, changes: Changes) -> None:
             out[..., frame:end] = version
 
 
+LARGE = 8192
+"""Tags of at least this many frames are filled by one torch call when a rollout's versions
+did not change (a contiguous copy or a memset: at 4,096 worlds x 16 frames 2 to 4x faster
+than numpy's broadcast, which wins below a few thousand frames)."""
+
+
 class Columns:
     """The versions of every env of a batched env over one rollout, as columns: the frames at
     which any env's version changed, each with the versions of all of them from that frame
@@ -72,16 +78,27 @@ class Columns:
         else:
             self._changes.append((frame, np.array(versions, dtype=np.int64)))
 
+    def constant(self) -> np.ndarray | None:
+        """Every env's version, where none changed during the rollout; else ``None``."""
+        return self._changes[0][1] if len(self._changes) == 1 else None
+
     def fill(self, out: torch.Tensor) -> None:
         """Write each change's versions into ``out`` (leading dim: the envs; last: the frames)
         from its frame to the next change's."""
         steps = out.shape[-1]
         shape = (-1, *([1] * (out.ndim - 1)))
-        # through numpy where the tags live on the CPU: a broadcast copy costs a torch call
-        # milliseconds at thousands of envs, numpy microseconds
+        changes = self._changes
+        if len(changes) == 1 and out.numel() >= LARGE:  # one version per env for the whole rollout
+            versions = changes[0][1]
+            if versions.min() == versions.max():  # and the same for all: a memset
+                out.fill_(int(versions[0]))
+            else:
+                out.copy_(torch.from_numpy(versions.reshape(shape)).expand_as(out))
+            return
+        # small tags, and the frames between changes, through numpy (a torch call costs more
+        # than numpy's whole copy at a few envs)
         on_cpu = out.device.type == "cpu"
         target = out.numpy() if on_cpu else None
-        changes = self._changes
         for i, (frame, versions) in enumerate(changes):
             end = changes[i + 1][0] if i + 1 < len(changes) else steps
             if frame >= steps:
@@ -91,6 +108,41 @@ class Columns:
                 target[..., frame:end] = column
             else:
                 out[..., frame:end] = torch.from_numpy(column).to(out.device)
+
+
+class Filled:
+    """The version tags a batched env last wrote into its collector's rollout buffer, so
+    that a rollout whose every env kept the version the buffer's tags already hold writes
+    nothing (at 65,536 worlds x 16 frames, 16 MB not rewritten at every batch of a run with
+    nothing pushed).
+
+    A tag is skipped only if it is the same tensor as last written, unchanged since (its
+    version counter, which every in-place torch op moves: a batch a user changed in place,
+    or a buffer torchrl reset, is written again), and the versions are the same.
+    """
+
+    __slots__ = ("_held",)
+
+    def __init__(self) -> None:
+        self._held: dict[Any, tuple[torch.Tensor, int, np.ndarray]] = {}
+
+    def fill(self, key: Any, out: torch.Tensor, columns: Columns) -> None:
+        """Write ``columns`` into ``out``, the tag ``key`` (unless it holds them already)."""
+        versions = columns.constant()
+        held = self._held.get(key)
+        if (
+            versions is not None
+            and held is not None
+            and held[0] is out
+            and held[1] == out._version  # the tensor's own in-place counter: no public name
+            and np.array_equal(held[2], versions)
+        ):
+            return
+        columns.fill(out)
+        if versions is None:
+            self._held.pop(key, None)
+        else:
+            self._held[key] = (out, out._version, versions)
 
 
 TAG_KEYS: tuple[Any, ...] = (VERSION_KEY, INDEX_KEY, ("next", VERSION_KEY), ("next", INDEX_KEY))
