@@ -31,6 +31,11 @@ CHEAPEST = [
     Cell("ray-async", "native", "truncate"),
 ]
 """One cell per collector kind in ``make test``, each env kind but ``parallel`` and each mode once."""
+AT_SCALE = [Cell("ray-sync", "native", "reset", rows=1024), Cell("ray-async", "native", "step", rows=1024)]
+"""Two workers of a natively batched env of 1,024 rows over Ray (``make wide``; ``make soak``
+draws them with the others): each node's relay answers gathers and reads of 1,024 rows of
+its worker in one reply, every frame of 2,048 worlds checked against the reference model."""
+RAY_CELLS += AT_SCALE
 SEED = int(os.environ.get("ENVSYNC_MODEL_SEED", "18"))
 SOAK_SECONDS = float(os.environ.get("ENVSYNC_MODEL_RAY_SECONDS", "0"))
 
@@ -38,6 +43,13 @@ SOAK_SECONDS = float(os.environ.get("ENVSYNC_MODEL_RAY_SECONDS", "0"))
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cell", CHEAPEST, ids=str)
 def test_model_over_ray(cluster: Any, cell: Cell) -> None:
+    run(cell, seed_value=SEED * 1000 + 500 + RAY_CELLS.index(cell), examples=1, steps=STEPS)
+
+
+@pytest.mark.wide
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cell", AT_SCALE, ids=str)
+def test_model_over_ray_at_scale(cluster: Any, cell: Cell) -> None:
     run(cell, seed_value=SEED * 1000 + 500 + RAY_CELLS.index(cell), examples=1, steps=STEPS)
 
 
