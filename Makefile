@@ -25,6 +25,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check envsync tests examples benchmarks
+	$(BIN)/ruff format --check envsync tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -56,8 +56,11 @@ def step_times(worlds: int, steps: int) -> None:
     for _ in range(steps):
         td = env.rand_step(td)
     wrapped = (time.perf_counter() - start) / steps
-    print(f"{worlds:>6} worlds  build {built:5.2f} s  mjlab step {raw * 1e3:7.1f} ms  "
-          f"torchrl step {wrapped * 1e3:7.1f} ms  {worlds / wrapped:8.0f} frames/s", flush=True)
+    print(
+        f"{worlds:>6} worlds  build {built:5.2f} s  mjlab step {raw * 1e3:7.1f} ms  "
+        f"torchrl step {wrapped * 1e3:7.1f} ms  {worlds / wrapped:8.0f} frames/s",
+        flush=True,
+    )
     env.close()
 
 
@@ -125,17 +128,24 @@ def push_costs(worlds: int, repeats: int) -> None:
     env.close()
     apply = envsync.apply.scales(targets, finish=envsync.apply.recompute_constants())
     sender = EnvStateSender(config={"mass": 1.0}, apply=apply, apply_at="step")
-    collector = Collector(sender.env_fn(partial(make_env, worlds)), None, frames_per_batch=worlds, total_frames=-1,
-                          weight_sync_schemes=sender.schemes())
+    collector = Collector(
+        sender.env_fn(partial(make_env, worlds)),
+        None,
+        frames_per_batch=worlds,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
     try:
         next(iter(collector))
         pushed = timed(lambda: sender.push(config={"mass": 0.5 + torch.rand(worlds)}, wait="applied"), repeats)
     finally:
         collector.shutdown()
         sender.close()
-    print(f"{worlds:>6} worlds  write all rows {batched * 1e3:8.3f} ms  row by row {one_by_one * 1e3:9.1f} ms  "
-          f"finish {finished * 1e3:7.2f} ms  push->applied {pushed * 1e3:8.1f} ms  env step {step * 1e3:7.1f} ms",
-          flush=True)
+    print(
+        f"{worlds:>6} worlds  write all rows {batched * 1e3:8.3f} ms  row by row {one_by_one * 1e3:9.1f} ms  "
+        f"finish {finished * 1e3:7.2f} ms  push->applied {pushed * 1e3:8.1f} ms  env step {step * 1e3:7.1f} ms",
+        flush=True,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

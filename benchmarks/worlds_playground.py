@@ -55,10 +55,12 @@ def rebuild_seconds(n: int, factors: torch.Tensor) -> float:
 
     def randomize(model: Any) -> tuple[Any, Any]:
         axes = jax.tree_util.tree_map(lambda _: None, model).tree_replace({"body_mass": 0, "body_inertia": 0})
-        batched = model.tree_replace({
-            "body_mass": model.body_mass[None] * rows[:, None],
-            "body_inertia": model.body_inertia[None] * rows[:, None, None],
-        })
+        batched = model.tree_replace(
+            {
+                "body_mass": model.body_mass[None] * rows[:, None],
+                "body_inertia": model.body_inertia[None] * rows[:, None, None],
+            }
+        )
         return batched, axes
 
     start = time.perf_counter()
@@ -86,8 +88,15 @@ def measure(n: int, pushes: int, generator: torch.Generator, rebuilds: int = 1) 
     try:
         start = time.perf_counter()
         for of in (sender, friction_sender):
-            collectors.append(Collector(of.env_fn(lambda: make_playground_cartpole(n)), None, frames_per_batch=n,
-                                        total_frames=-1, weight_sync_schemes=of.schemes()))
+            collectors.append(
+                Collector(
+                    of.env_fn(lambda: make_playground_cartpole(n)),
+                    None,
+                    frames_per_batch=n,
+                    total_frames=-1,
+                    weight_sync_schemes=of.schemes(),
+                )
+            )
             next(iter(collectors[-1]))
             if of is sender:
                 attach = time.perf_counter() - start

@@ -235,4 +235,3 @@ def failure_to_raise(status: WorkerStatus, reported: int, waited: int | None = N
     if status.failed != NO_FAILURE and (status.failed > reported or status.failed == waited):
         return status.failed
     return None
-

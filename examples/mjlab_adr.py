@@ -83,8 +83,17 @@ class Args:
     @classmethod
     def smoke(cls) -> Args:
         """A tiny budget for CI: short episodes, and thresholds every return passes (the ranges widen)."""
-        return cls(worlds=16, batches=6, steps_per_batch=20, episode_s=1.0, epochs=1, minibatch=160, queue=1,
-                   low_return=-1e9, high_return=-1e9)
+        return cls(
+            worlds=16,
+            batches=6,
+            steps_per_batch=20,
+            episode_s=1.0,
+            epochs=1,
+            minibatch=160,
+            queue=1,
+            low_return=-1e9,
+            high_return=-1e9,
+        )
 
 
 def physics(env: Any) -> torch.Tensor:
@@ -131,8 +140,9 @@ def make_env(args: Args) -> Any:
 
     wp.config.log_level = wp.LOG_WARNING  # no line per Warp module loaded (warp 1.19 ignores config.quiet)
     cfg = load_env_cfg(TASK)
-    cfg.observations["physics"] = ObservationGroupCfg({"physics": ObservationTermCfg(func=physics)},
-                                                      enable_corruption=False)
+    cfg.observations["physics"] = ObservationGroupCfg(
+        {"physics": ObservationTermCfg(func=physics)}, enable_corruption=False
+    )
     cfg.terminations["fallen"] = TerminationTermCfg(func=pole_fallen, params={"limit": args.fall})
     cfg.episode_length_s = args.episode_s
     return own_done_flags(MJLabEnv)(TASK, cfg=cfg, num_envs=args.worlds, device="cpu")
@@ -143,15 +153,28 @@ def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
     observation, action = env.observation_spec["actor"].shape[-1], env.action_spec.shape[-1]
     actor = ProbabilisticActor(
         TensorDictModule(
-            nn.Sequential(MLP(in_features=observation, out_features=2 * action, num_cells=[64, 64],
-                              activation_class=nn.Tanh), NormalParamExtractor()),
-            in_keys=["actor"], out_keys=["loc", "scale"],
+            nn.Sequential(
+                MLP(in_features=observation, out_features=2 * action, num_cells=[64, 64], activation_class=nn.Tanh),
+                NormalParamExtractor(),
+            ),
+            in_keys=["actor"],
+            out_keys=["loc", "scale"],
         ),
-        spec=env.action_spec, in_keys=["loc", "scale"], distribution_class=TanhNormal,
-        distribution_kwargs={"low": -1.0, "high": 1.0}, return_log_prob=True,
+        spec=env.action_spec,
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
+        distribution_kwargs={"low": -1.0, "high": 1.0},
+        return_log_prob=True,
     )
-    value = ValueOperator(MLP(in_features=env.observation_spec["critic"].shape[-1], out_features=1,
-                              num_cells=[64, 64], activation_class=nn.Tanh), in_keys=["critic"])
+    value = ValueOperator(
+        MLP(
+            in_features=env.observation_spec["critic"].shape[-1],
+            out_features=1,
+            num_cells=[64, 64],
+            activation_class=nn.Tanh,
+        ),
+        in_keys=["critic"],
+    )
     return actor, value
 
 
@@ -195,8 +218,11 @@ class Log:
 def check_episode(episode: Episode, log: Log) -> None:
     """Over every step of the episode the simulator held its config's factors times the model as built."""
     factors = {"mass": episode.config["mass"].item(), "friction": episode.config["friction"].item()}
-    for name, factor in (("pole_mass", factors["mass"]), ("subtree_mass", factors["mass"]),
-                         ("friction", factors["friction"])):
+    for name, factor in (
+        ("pole_mass", factors["mass"]),
+        ("subtree_mass", factors["mass"]),
+        ("friction", factors["friction"]),
+    ):
         want = log.built[name] * factor
         for end in ("min", "max"):
             got = episode.measures[f"{name}_{end}"]
@@ -230,16 +256,29 @@ def train(args: Args) -> Log:
         finish=envsync.apply.recompute_constants(),
     )
     sender = EnvStateSender(config={"mass": 1.0, "friction": 1.0}, apply=apply, apply_at="reset")
-    adr = ADR(sender, ranges={"mass": (1.0, 1.0), "friction": (1.0, 1.0)},
-              bounds={"mass": (0.5, 2.0), "friction": (0.3, 2.0)}, delta=0.1, boundary_fraction=0.4,
-              queue=args.queue, thresholds=(args.low_return, args.high_return), seed=args.seed, measures=MEASURES)
+    adr = ADR(
+        sender,
+        ranges={"mass": (1.0, 1.0), "friction": (1.0, 1.0)},
+        bounds={"mass": (0.5, 2.0), "friction": (0.3, 2.0)},
+        delta=0.1,
+        boundary_fraction=0.4,
+        queue=args.queue,
+        thresholds=(args.low_return, args.high_return),
+        seed=args.seed,
+        measures=MEASURES,
+    )
     loss = ClipPPOLoss(actor, value, clip_epsilon=0.2, entropy_coeff=1e-3)
     gae = GAE(gamma=args.gamma, lmbda=0.95, value_network=value, average_gae=True)
     optim = torch.optim.Adam(loss.parameters(), lr=args.lr)
     frames = args.worlds * args.steps_per_batch
-    collector = Collector(sender.env_fn(lambda: make_env(args)), actor, frames_per_batch=frames,
-                          total_frames=frames * args.batches, weight_sync_schemes=sender.schemes(),
-                          auto_register_policy_transforms=False)  # the actor needs no InitTracker
+    collector = Collector(
+        sender.env_fn(lambda: make_env(args)),
+        actor,
+        frames_per_batch=frames,
+        total_frames=frames * args.batches,
+        weight_sync_schemes=sender.schemes(),
+        auto_register_policy_transforms=False,
+    )  # the actor needs no InitTracker
     log = Log(built=dict(zip(PHYSICS, built, strict=True)))
     try:
         for batch in collector:
@@ -283,9 +322,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     for record, ranges, mean in zip(log.ranges, shown, log.mean_return, strict=True):
         ret = "   n/a" if mean is None else f"{mean:6.2f}"
         print(f"frames {record['frames']:>7}  mean return {ret}  mass {ranges['mass']}  friction {ranges['friction']}")
-    print(f"{log.episodes_checked} episodes checked against the simulator's physics; {log.worlds_read_back} worlds "
-          f"read back hold the config of the version they run; final ranges: mass {shown[-1]['mass']}, "
-          f"friction {shown[-1]['friction']}")
+    print(
+        f"{log.episodes_checked} episodes checked against the simulator's physics; {log.worlds_read_back} worlds "
+        f"read back hold the config of the version they run; final ranges: mass {shown[-1]['mass']}, "
+        f"friction {shown[-1]['friction']}"
+    )
     if log.episodes_checked == 0:
         log.failures.append("no episode finished")
     if log.failures:

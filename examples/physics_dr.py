@@ -78,8 +78,17 @@ class Args:
     @classmethod
     def smoke(cls) -> Args:
         """A tiny budget for CI: short episodes, and thresholds every return passes (the ranges widen)."""
-        return cls(workers=2, total_frames=2_048, frames_per_batch=256, episode_steps=32, epochs=1, minibatch=128,
-                   queue=1, low_return=-1e9, high_return=-1e9)
+        return cls(
+            workers=2,
+            total_frames=2_048,
+            frames_per_batch=256,
+            episode_steps=32,
+            epochs=1,
+            minibatch=128,
+            queue=1,
+            low_return=-1e9,
+            high_return=-1e9,
+        )
 
 
 class PhysicsObservation(gym.Wrapper):
@@ -93,8 +102,11 @@ class PhysicsObservation(gym.Wrapper):
 
     def _with_physics(self, obs: np.ndarray) -> dict[str, np.ndarray]:
         model = self.unwrapped.model  # type: ignore[attr-defined]
-        return {"observation": obs, "mass": model.body_mass.sum(keepdims=True),
-                "friction": model.geom_friction[:, :1].sum(0)}
+        return {
+            "observation": obs,
+            "mass": model.body_mass.sum(keepdims=True),
+            "friction": model.geom_friction[:, :1].sum(0),
+        }
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         obs, info = self.env.reset(**kwargs)
@@ -108,13 +120,16 @@ class PhysicsObservation(gym.Wrapper):
 def make_env(episode_steps: int) -> TransformedEnv:
     """HalfCheetah in the transforms of torchrl's ``sota-implementations/ppo/utils_mujoco.py``."""
     base = GymWrapper(PhysicsObservation(gym.make("HalfCheetah-v5", max_episode_steps=episode_steps)))
-    return TransformedEnv(base, Compose(
-        VecNorm(in_keys=["observation"], decay=0.99999, eps=1e-2),
-        ClipTransform(in_keys=["observation"], low=-10, high=10),
-        RewardSum(),
-        StepCounter(),
-        DoubleToFloat(in_keys=["observation"]),
-    ))
+    return TransformedEnv(
+        base,
+        Compose(
+            VecNorm(in_keys=["observation"], decay=0.99999, eps=1e-2),
+            ClipTransform(in_keys=["observation"], low=-10, high=10),
+            RewardSum(),
+            StepCounter(),
+            DoubleToFloat(in_keys=["observation"]),
+        ),
+    )
 
 
 def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
@@ -122,16 +137,23 @@ def make_agent(env: Any) -> tuple[ProbabilisticActor, ValueOperator]:
     observation, action = env.observation_spec["observation"].shape[-1], env.action_spec.shape[-1]
     actor = ProbabilisticActor(
         TensorDictModule(
-            nn.Sequential(MLP(in_features=observation, out_features=2 * action, num_cells=[64, 64],
-                              activation_class=nn.Tanh), NormalParamExtractor()),
-            in_keys=["observation"], out_keys=["loc", "scale"],
+            nn.Sequential(
+                MLP(in_features=observation, out_features=2 * action, num_cells=[64, 64], activation_class=nn.Tanh),
+                NormalParamExtractor(),
+            ),
+            in_keys=["observation"],
+            out_keys=["loc", "scale"],
         ),
-        spec=env.action_spec, in_keys=["loc", "scale"], distribution_class=TanhNormal,
+        spec=env.action_spec,
+        in_keys=["loc", "scale"],
+        distribution_class=TanhNormal,
         distribution_kwargs={"low": env.action_spec.space.low, "high": env.action_spec.space.high},
         return_log_prob=True,
     )
-    value = ValueOperator(MLP(in_features=observation, out_features=1, num_cells=[64, 64], activation_class=nn.Tanh),
-                          in_keys=["observation"])
+    value = ValueOperator(
+        MLP(in_features=observation, out_features=1, num_cells=[64, 64], activation_class=nn.Tanh),
+        in_keys=["observation"],
+    )
     return actor, value
 
 
@@ -191,10 +213,17 @@ def train(args: Args) -> Log:
         finish=envsync.apply.mj_set_const,
     )
     sender = EnvStateSender(config={"mass": 1.0, "friction": 1.0}, apply=physics)
-    adr = ADR(sender, ranges={"mass": (1.0, 1.0), "friction": (1.0, 1.0)},
-              bounds={"mass": (0.5, 2.0), "friction": (0.3, 2.0)}, delta=0.1, boundary_fraction=0.4,
-              queue=args.queue, thresholds=(args.low_return, args.high_return), seed=args.seed,
-              measures={"mass": Measure(("next", "mass"), "mean"), "friction": Measure(("next", "friction"), "mean")})
+    adr = ADR(
+        sender,
+        ranges={"mass": (1.0, 1.0), "friction": (1.0, 1.0)},
+        bounds={"mass": (0.5, 2.0), "friction": (0.3, 2.0)},
+        delta=0.1,
+        boundary_fraction=0.4,
+        queue=args.queue,
+        thresholds=(args.low_return, args.high_return),
+        seed=args.seed,
+        measures={"mass": Measure(("next", "mass"), "mean"), "friction": Measure(("next", "friction"), "mean")},
+    )
     actor, value = make_agent(factory())
     loss = ClipPPOLoss(actor, value, clip_epsilon=0.2, entropy_coeff=0.0)
     gae = GAE(gamma=args.gamma, lmbda=0.95, value_network=value, average_gae=True)
@@ -238,9 +267,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "physics_dr.json").write_text(json.dumps(dataclasses.asdict(log), indent=2))
     last = log.ranges[-1] if log.ranges else {}
-    print(f"{log.episodes_checked} episodes checked against the simulator's physics; "
-          f"final ranges: mass {last.get('mass')}, friction {last.get('friction')}; "
-          f"each env's total mass, read back: {[round(m, 3) for m in log.held_mass]}")
+    print(
+        f"{log.episodes_checked} episodes checked against the simulator's physics; "
+        f"final ranges: mass {last.get('mass')}, friction {last.get('friction')}; "
+        f"each env's total mass, read back: {[round(m, 3) for m in log.held_mass]}"
+    )
     if log.episodes_checked == 0:
         log.failures.append("no episode finished")
     if log.failures:

@@ -43,4 +43,3 @@ def merged_stats_of(state: dict[str, Any]) -> tuple[int, torch.Tensor]:
 def loc_key(sender: EnvStateSender) -> str:
     """The env-state key of the ObservationNorm's ``loc``."""
     return next(k for k in sender.env_state_template().keys if k.endswith("loc"))
-

@@ -50,14 +50,16 @@ def falling_cartpole_class() -> type:
         def _get_obs(self, data: Any, info: Any) -> Any:
             model = self.mjx_model  # this world's, inside PlaygroundWorlds' step and reset
             inertia = mjx.full_m(model, data)
-            physics = jp.stack([
-                inertia[1, 1],
-                inertia[0, 0],
-                model.body_subtreemass[CART],
-                model.dof_invweight0[0],
-                model.geom_friction[:, 0].sum(),
-                data.qpos[1],
-            ])
+            physics = jp.stack(
+                [
+                    inertia[1, 1],
+                    inertia[0, 0],
+                    model.body_subtreemass[CART],
+                    model.dof_invweight0[0],
+                    model.geom_friction[:, 0].sum(),
+                    data.qpos[1],
+                ]
+            )
             return {"state": super()._get_obs(data, info), "physics": physics}
 
         def reset(self, rng: Any) -> Any:

@@ -85,4 +85,3 @@ def test_a_rollback_puts_back_each_workers_live_statistics() -> None:
     finally:
         collector.shutdown()
         sender.close()
-

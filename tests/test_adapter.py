@@ -69,7 +69,6 @@ def test_a_reset_that_fails_after_an_idle_truncate_apply_is_a_failure_not_a_succ
         sender.close()
 
 
-
 @pytest.mark.timeout(180)
 def test_a_transformed_env_rewrapped_for_max_frames_per_traj_is_refused_with_the_reason() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
@@ -78,4 +77,3 @@ def test_a_transformed_env_rewrapped_for_max_frames_per_traj_is_refused_with_the
             build("single", sender, make_normed_counter_env, frames_per_batch=10, max_frames_per_traj=4)
     finally:
         sender.close()
-

@@ -1,4 +1,4 @@
-""""Applied" covers the batched level: a batched env's own transforms (a ``TransformedEnv``
+""" "Applied" covers the batched level: a batched env's own transforms (a ``TransformedEnv``
 around a ``SerialEnv``/``ParallelEnv``, or a natively batched env's) hold a version before
 ``wait="applied"`` returns, and a failure there is raised by that push, rolled back at every
 level, and never tags a frame.

@@ -236,4 +236,3 @@ def test_a_checkpoint_of_a_row_not_applied_yet_gives_the_baseline_of_that_row() 
     finally:
         collector.shutdown()
         sender.close()
-

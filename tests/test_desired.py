@@ -32,4 +32,3 @@ def test_pushed_tensors_are_copied_at_the_push() -> None:
     finally:
         first.shutdown()
         sender.close()
-

@@ -202,8 +202,6 @@ def test_cell(kind: str, env_kind: str) -> None:
     run_cell(kind, env_kind)
 
 
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("kind", "env_kind"),

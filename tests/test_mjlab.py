@@ -97,8 +97,13 @@ def test_a_push_to_every_world_is_one_indexed_write_per_field_and_one_finish() -
     finish = apply.finish
     apply.finish = lambda inner: (finishes.append(inner), finish(inner))
     sender = EnvStateSender(config={"mass": 1.0}, apply=apply, apply_at="reset")
-    collector = Collector(sender.env_fn(lambda: make_cartpole(16)), None, frames_per_batch=32, total_frames=-1,
-                          weight_sync_schemes=sender.schemes())
+    collector = Collector(
+        sender.env_fn(lambda: make_cartpole(16)),
+        None,
+        frames_per_batch=32,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
     try:
         next(iter(collector))
         version = sender.push(config={"mass": torch.linspace(0.5, 2.0, 16)})  # every world, at its reset
@@ -143,7 +148,8 @@ def test_a_path_a_value_or_a_shared_array_that_does_not_fit_is_refused_at_attach
 @pytest.mark.timeout(120)
 def test_from_env_reads_one_world_so_version_0_is_the_model_as_built() -> None:
     sender = EnvStateSender.from_env(
-        lambda: make_cartpole(4), config=["sim.model.body_mass", "sim.model.geom_friction"],
+        lambda: make_cartpole(4),
+        config=["sim.model.body_mass", "sim.model.geom_friction"],
         apply=envsync.apply.attributes(),
     )
     config = sender.desired_config()
@@ -300,11 +306,21 @@ def test_adr_over_the_mass_per_world_credits_each_episode_to_the_mass_the_simula
     worlds that ran it."""
     sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="reset")
     with start_method("fork"):
-        collector = COLLECTORS[kind](sender, frames_per_batch=64 * 4, total_frames=-1,
-                                     weight_sync_schemes=sender.schemes())
-    adr = curriculum.ADR(sender, ranges={"mass": (1.0, 1.0)}, bounds={"mass": (0.5, 1.5)}, delta=0.1,
-                         boundary_fraction=0.5, queue=4, thresholds=(0.75 * MASS, 0.75 * MASS),
-                         objective="pole_mass", measures=PHYSICS, seed=0)
+        collector = COLLECTORS[kind](
+            sender, frames_per_batch=64 * 4, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
+    adr = curriculum.ADR(
+        sender,
+        ranges={"mass": (1.0, 1.0)},
+        bounds={"mass": (0.5, 1.5)},
+        delta=0.1,
+        boundary_fraction=0.5,
+        queue=4,
+        thresholds=(0.75 * MASS, 0.75 * MASS),
+        objective="pole_mass",
+        measures=PHYSICS,
+        seed=0,
+    )
     episodes = wrong = credited = 0
     try:
         for index, batch in enumerate(collector):
@@ -351,21 +367,31 @@ MASSES = (0.5, 1.0, 1.5)  # the mass factors the levels, lessons and arms set
 def plr(sender: EnvStateSender) -> curriculum.PLR:
     """Scores a level by its episodes' simulated pole mass: each level's score ends as minus
     its own mass."""
-    return curriculum.PLR(sender, [{"mass": m} for m in MASSES], score=lambda e: -e.measures["pole_mass"],
-                          measures=PHYSICS, seed=0)
+    return curriculum.PLR(
+        sender, [{"mass": m} for m in MASSES], score=lambda e: -e.measures["pole_mass"], measures=PHYSICS, seed=0
+    )
 
 
 def lessons(sender: EnvStateSender) -> curriculum.Lessons:
     """Moves on when the simulated pole mass of its episodes passes each lesson's threshold."""
-    steps = [curriculum.Lesson({"mass": m}, measure="pole_mass", threshold=0.9 * MASS * m, min_lesson_length=30,
-                               signal_smoothing=False) for m in (1.0, 1.5)]
+    steps = [
+        curriculum.Lesson(
+            {"mass": m}, measure="pole_mass", threshold=0.9 * MASS * m, min_lesson_length=30, signal_smoothing=False
+        )
+        for m in (1.0, 1.5)
+    ]
     return curriculum.Lessons(sender, [*steps, curriculum.Lesson({"mass": 0.5})], measures=PHYSICS)
 
 
 def bandit(sender: EnvStateSender) -> curriculum.Bandit:
     """Rewards an arm by its episodes' simulated pole mass: the heaviest arm pays 1."""
-    return curriculum.Bandit(sender, [{"mass": m} for m in MASSES], reward=lambda e: e.measures["pole_mass"],
-                             reward_range=(0.0, MASS * MASSES[-1]), measures=PHYSICS)
+    return curriculum.Bandit(
+        sender,
+        [{"mass": m} for m in MASSES],
+        reward=lambda e: e.measures["pole_mass"],
+        reward_range=(0.0, MASS * MASSES[-1]),
+        measures=PHYSICS,
+    )
 
 
 def choices(strategy: Any) -> dict[tuple[int, int], float]:
@@ -388,8 +414,9 @@ def test_plr_lessons_and_bandit_drive_worlds_and_each_world_runs_its_choice(
     ran, by the simulator's account, the mass the strategy chose for its (env, version)."""
     sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="reset")
     with start_method("fork"):
-        collector = COLLECTORS["single"](sender, frames_per_batch=64 * 4, total_frames=-1,
-                                         weight_sync_schemes=sender.schemes())
+        collector = COLLECTORS["single"](
+            sender, frames_per_batch=64 * 4, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
     strategy = make(sender)
     chosen = {(env, 0): 1.0 for env in range(64)} | choices(strategy)
     episodes: list[curriculum.Episode] = []
@@ -449,8 +476,9 @@ def test_a_world_that_applied_its_row_at_its_own_reset_is_acknowledged_while_ano
     """World 0 resets and applies its row; world 1, given a row by the same push, has not reset
     yet. World 0 runs the new version (read from its model), and the sender says so."""
     sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="reset")
-    collector = Collector(sender.env_fn(make), None, frames_per_batch=8, total_frames=-1,
-                          weight_sync_schemes=sender.schemes())
+    collector = Collector(
+        sender.env_fn(make), None, frames_per_batch=8, total_frames=-1, weight_sync_schemes=sender.schemes()
+    )
     try:
         next(iter(collector))
         version = sender.push(config={"mass": torch.tensor([2.0, 3.0])}, envs=[0, 1], wait="received")
@@ -475,8 +503,13 @@ def test_applied_means_every_world_of_the_model_holds_its_row_and_a_later_user_w
     Fails on 1090c66: 15 worlds still held the previous mass, and 448 of 480 user rows were
     overwritten."""
     sender = EnvStateSender(config={"mass": 1.0}, apply=mass_scales(), apply_at="step")
-    collector = Collector(sender.env_fn(lambda: make_cartpole(16)), None, frames_per_batch=32, total_frames=-1,
-                          weight_sync_schemes=sender.schemes())
+    collector = Collector(
+        sender.env_fn(lambda: make_cartpole(16)),
+        None,
+        frames_per_batch=32,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
     try:
         next(iter(collector))
         model = sim_of(collector.env).model
@@ -505,8 +538,13 @@ def test_the_mjlab_adr_example_widens_mass_and_friction_and_every_world_holds_it
     episode's simulated pole mass, subtree mass and friction are its config's, each world's
     model read back holds the config of the version it runs, and both ranges widened."""
     script = Path(__file__).resolve().parents[1] / "examples" / "mjlab_adr.py"
-    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=280, check=False)
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     log = json.loads((tmp_path / "mjlab_adr.json").read_text())
     assert log["failures"] == [] and log["episodes_checked"] >= 50 and log["worlds_read_back"] == 16

@@ -76,8 +76,12 @@ MASS, FRICTION = BUILT.body_mass.copy(), BUILT.geom_friction.copy()
 
 
 def physics(mass_scale: float, friction_scale: float) -> dict[str, Any]:
-    return {"model": {"body_mass": torch.from_numpy(MASS * mass_scale),
-                      "geom_friction": torch.from_numpy(FRICTION * friction_scale)}}
+    return {
+        "model": {
+            "body_mass": torch.from_numpy(MASS * mass_scale),
+            "geom_friction": torch.from_numpy(FRICTION * friction_scale),
+        }
+    }
 
 
 def totals(config: dict[str, Any]) -> tuple[float, float]:
@@ -181,8 +185,9 @@ def deviation_after_push(apply: Any) -> float:
     env.set_seed(0)
     actions = torch.tensor([i % 3 == 0 for i in range(20)], dtype=torch.long)
     steps = iter(actions)
-    rollout = env.rollout(20, lambda td: td.set("action", torch.nn.functional.one_hot(next(steps), 2)),
-                          break_when_any_done=False)
+    rollout = env.rollout(
+        20, lambda td: td.set("action", torch.nn.functional.one_hot(next(steps), 2)), break_when_any_done=False
+    )
     sender.close()
     assert (rollout["next", "env_version"] == 1).all()
     reference = consistent_cartpole(1.0, 0.3)
@@ -251,8 +256,15 @@ def test_each_frame_names_the_physics_its_simulator_ran(cheetahs: tuple[str, Env
     check_frames(next(batches), expected)
     rows = {0: physics(1.5, 0.5), 1: physics(2.0, 1.5)}
     if kind == "parallel":  # one worker holding two sub-envs: one row per sub-env
-        config = TensorDict({"model": {k: torch.stack([torch.as_tensor(rows[i]["model"][k]) for i in (0, 1)])
-                                       for k in ("body_mass", "geom_friction")}}, batch_size=[2])
+        config = TensorDict(
+            {
+                "model": {
+                    k: torch.stack([torch.as_tensor(rows[i]["model"][k]) for i in (0, 1)])
+                    for k in ("body_mass", "geom_friction")
+                }
+            },
+            batch_size=[2],
+        )
         first = sender.push(config=config, envs=[0, 1])
         second = sender.push(config=physics(3.0, 0.25), envs=[1])
     else:
@@ -302,8 +314,15 @@ MEASURES = {
 def test_adr_over_mass_and_friction_credits_each_episode_with_the_physics_it_ran(kind: str) -> None:
     apply = envsync.apply.scales({"mass": "model.body_mass", "friction": "model.geom_friction"})
     sender = EnvStateSender(config={"mass": 1.0, "friction": 1.0}, apply=apply)
-    adr = ADR(sender, ranges={"mass": (0.5, 1.5), "friction": (0.5, 1.5)}, delta=0.1, boundary_fraction=0.5,
-              queue=2, thresholds=(-2e9, -1e9), measures=MEASURES)
+    adr = ADR(
+        sender,
+        ranges={"mass": (0.5, 1.5), "friction": (0.5, 1.5)},
+        delta=0.1,
+        boundary_fraction=0.5,
+        queue=2,
+        thresholds=(-2e9, -1e9),
+        measures=MEASURES,
+    )
     with start_method("fork"):
         collector = KINDS[kind](sender, frames_per_batch=64, total_frames=-1, weight_sync_schemes=sender.schemes())
     credited: dict[int, set[float]] = {0: set(), 1: set()}

@@ -100,8 +100,14 @@ def test_one_worlds_mass_reaches_that_world_only_and_it_runs_the_model_compiled_
     env.set_physics(torch.tensor([1]), mass=torch.tensor([2.0]))
     reference = scaled_model(2.0)
     model = env.model
-    for field in ("body_mass", "body_inertia", "body_subtreemass", "body_invweight0", "dof_invweight0",
-                  "actuator_acc0"):
+    for field in (
+        "body_mass",
+        "body_inertia",
+        "body_subtreemass",
+        "body_invweight0",
+        "dof_invweight0",
+        "actuator_acc0",
+    ):
         rows = getattr(model, field)
         want = torch.as_tensor(np.asarray(getattr(reference, field), np.float32))
         assert torch.allclose(rows[1], want, rtol=1e-5), field
@@ -151,8 +157,13 @@ def test_compilations_stay_the_same_over_a_thousand_pushes_of_varying_row_counts
     env = make_cartpole(64)
     env.reset()
     step = TensorDict(action=torch.zeros(64, 1), batch_size=[64])
-    env.set_physics(torch.tensor([0]), mass=torch.tensor([1.0]), friction=torch.tensor([1.0]),
-                    damping=torch.tensor([1.0]), gear=torch.tensor([1.0]))
+    env.set_physics(
+        torch.tensor([0]),
+        mass=torch.tensor([1.0]),
+        friction=torch.tensor([1.0]),
+        damping=torch.tensor([1.0]),
+        gear=torch.tensor([1.0]),
+    )
     env.step(step)
     traces = dict(env.traces)
     generator = torch.Generator().manual_seed(0)
@@ -181,8 +192,13 @@ def test_pushes_of_a_few_rows_through_the_sender_compile_nothing_and_are_held_wh
     mass and friction (``wait="applied"``). Right after each, the model the worlds run holds
     every world's row; no function was traced again, and JAX built no executable."""
     sender = EnvStateSender(config={"mass": 1.0, "friction": 1.0}, apply="set_physics", apply_at="step")
-    collector = Collector(sender.env_fn(make_cartpoles_16), None, frames_per_batch=32, total_frames=-1,
-                          weight_sync_schemes=sender.schemes())
+    collector = Collector(
+        sender.env_fn(make_cartpoles_16),
+        None,
+        frames_per_batch=32,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
     generator = torch.Generator().manual_seed(1)
     mass = torch.ones(16, dtype=torch.float64)
     try:
@@ -195,8 +211,9 @@ def test_pushes_of_a_few_rows_through_the_sender_compile_nothing_and_are_held_wh
                 envs = torch.randperm(16, generator=generator)[:k]
                 rows = 0.5 + torch.rand(k, generator=generator, dtype=torch.float64)
                 mass[envs] = rows
-                sender.push(config=TensorDict(mass=rows, friction=rows, batch_size=[k]), envs=envs.tolist(),
-                            wait="applied")
+                sender.push(
+                    config=TensorDict(mass=rows, friction=rows, batch_size=[k]), envs=envs.tolist(), wait="applied"
+                )
                 assert env.model.body_mass[:, POLE].tolist() == pytest.approx((MASS * mass).tolist(), rel=1e-6), i
         friction = sender.read_attributes(["model.geom_friction"])["model", "geom_friction"][..., 0].sum(-1)
         assert friction.tolist() == pytest.approx((FRICTION * mass).tolist(), rel=1e-5)
@@ -303,8 +320,9 @@ COLLECTORS: dict[str, Callable[..., Any]] = {  # 32 worlds: one env of 32, or tw
 def test_every_frame_of_ten_thousand_names_the_physics_its_world_ran(kind: str, mode: str) -> None:
     sender = EnvStateSender(config={"mass": 1.0}, apply="set_physics", apply_at=mode)
     with start_method("spawn"):
-        collector = COLLECTORS[kind](sender, frames_per_batch=32 * 25, total_frames=-1,
-                                     weight_sync_schemes=sender.schemes())
+        collector = COLLECTORS[kind](
+            sender, frames_per_batch=32 * 25, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
     try:
         assert sender.num_envs == 32
         wrong, checked, versions, trajectories = drive(collector, sender, mode)
@@ -329,8 +347,13 @@ def test_the_playground_adr_example_widens_mass_and_friction_and_every_world_hol
     episode's simulated physics is its config's, each world's model read back holds the config
     of the version it runs, both ranges widened, and pushes compiled nothing."""
     script = Path(__file__).resolve().parents[1] / "examples" / "playground_adr.py"
-    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=280, check=False)
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     log = json.loads((tmp_path / "playground_adr.json").read_text())
     assert log["failures"] == [] and log["episodes_checked"] >= 30 and log["worlds_read_back"] == 16

@@ -36,7 +36,6 @@ def test_a_declared_env_state_template_builds_no_env_in_the_main_process() -> No
         sender.close()
 
 
-
 def test_a_truncate_mode_env_without_a_truncated_key_is_refused() -> None:
     from helpers import NoTruncationEnv
 
@@ -45,4 +44,3 @@ def test_a_truncate_mode_env_without_a_truncated_key_is_refused() -> None:
     with pytest.raises(ValidationError, match="truncated"):
         sender.env_state_template()
     sender.close()
-

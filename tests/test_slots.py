@@ -15,4 +15,3 @@ def test_a_write_that_fails_half_way_is_never_seen_and_reads_never_spin() -> Non
         link.write(0, 1, {("config", "a"): torch.ones(2), ("config", "b"): torch.ones(5)})
     header = link.handle().open(0).read_header()
     assert header.version == 0 and header.config["a"].tolist() == [0.0, 0.0]
-

@@ -210,8 +210,10 @@ class ADR(Strategy):
         row: dict[str, Any] = {n: self._uniform(n) for n in self.names}
         if boundary is not None:
             name = boundary[0]
-            row[name] = torch.full_like(row[name], self.boundary_value(boundary)) if self._shapes[name] else (
-                self.boundary_value(boundary)
+            row[name] = (
+                torch.full_like(row[name], self.boundary_value(boundary))
+                if self._shapes[name]
+                else (self.boundary_value(boundary))
             )
         return row, boundary
 

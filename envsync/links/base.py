@@ -198,6 +198,7 @@ class Inbox(Protocol):
         """Answer with ``reply`` (a result, or the worker's traceback) and wake the sender (see
         :func:`envsync.worker.receiver.answer`, through which every worker-side answer goes)."""
 
+
 class Reports(Protocol):
     """What a receiver tells the sender on its end: acknowledgements, failures, the
     versions its env runs; and whether its env is driven (from another process)."""

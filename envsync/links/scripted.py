@@ -99,4 +99,3 @@ class ScriptedLink(LocalLink):
     def notify(self, workers: Sequence[int] | np.ndarray) -> None:
         for worker in np.asarray(workers).tolist():
             self.script(self.ends[worker])
-

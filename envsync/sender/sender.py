@@ -363,6 +363,7 @@ class Sender(ReadBack):
             ValidationError: not a checkpoint, a row that does not fit the template, or a
                 number of rows that is not the number of workers.
         """
+
         def push_rows(rows: dict[int, dict[str, Leaf]]) -> int:
             return self._push_rows(rows, by_env=True, wait=None, timeout=30.0)
 
@@ -394,4 +395,3 @@ class Sender(ReadBack):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

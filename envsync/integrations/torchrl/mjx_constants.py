@@ -118,8 +118,9 @@ class WorldConstants:
             model.actuator_gear[:] = 0
             model.actuator_gear[:, c] = 1
             mujoco.mj_transmission(model, data)
-            moments[c] = _dense(model.nu, nv, data.actuator_moment, data.moment_rownnz, data.moment_rowadr,
-                                data.moment_colind)
+            moments[c] = _dense(
+                model.nu, nv, data.actuator_moment, data.moment_rownnz, data.moment_rowadr, data.moment_colind
+            )
         self._components = [c for c in range(6) if moments[c].any()]  # a hinge's: the first alone
         self._arms = moments[self._components].transpose(2, 0, 1).reshape(nv, -1)  # (nv, c * nu)
         # each dof's inverse weight averages its joint's: a ball's three, a free joint's three and three
@@ -129,7 +130,8 @@ class WorldConstants:
             start, kind = int(model.jnt_dofadr[joint]), int(model.jnt_type[joint])
             group = (
                 range(start + 3 * ((dof - start) // 3), start + 3 * ((dof - start) // 3) + 3)
-                if kind in (mujoco.mjtJoint.mjJNT_FREE, mujoco.mjtJoint.mjJNT_BALL) else range(dof, dof + 1)
+                if kind in (mujoco.mjtJoint.mjJNT_FREE, mujoco.mjtJoint.mjJNT_BALL)
+                else range(dof, dof + 1)
             )
             self._average[list(group), dof] = 1.0 / len(group)
         self._nv, self._nu = nv, model.nu
@@ -155,8 +157,13 @@ class WorldConstants:
 
         mass = np.asarray(field("body_mass"), np.float64)
         theta = np.concatenate(
-            [mass, np.asarray(field("body_inertia"), np.float64).reshape(k, -1),
-             np.asarray(field("dof_armature"), np.float64)], axis=1)
+            [
+                mass,
+                np.asarray(field("body_inertia"), np.float64).reshape(k, -1),
+                np.asarray(field("dof_armature"), np.float64),
+            ],
+            axis=1,
+        )
         out = {"body_subtreemass": mass @ self._subtree}
         nv = self._nv
         if nv == 0:
@@ -186,8 +193,13 @@ def _dense(rows: int, cols: int, values: Any, rownnz: Any, rowadr: Any, colind: 
 
     dense = np.zeros((rows, cols))
     if rows and cols:
-        mujoco.mju_sparse2dense(dense, np.asarray(values, np.float64), np.asarray(rownnz, np.int32),
-                                np.asarray(rowadr, np.int32), np.asarray(colind, np.int32))
+        mujoco.mju_sparse2dense(
+            dense,
+            np.asarray(values, np.float64),
+            np.asarray(rownnz, np.int32),
+            np.asarray(rowadr, np.int32),
+            np.asarray(colind, np.int32),
+        )
     return dense
 
 

@@ -255,8 +255,10 @@ def as_built(path: AttributePath) -> Any:
         raise ValidationError(f"scales(): {type(path.owner).__name__} holding {path.name!r} cannot be tracked") from err
     if path.name not in built:
         current = path.get()
-        built[path.name] = current.copy() if isinstance(current, np.ndarray) else (
-            current.clone() if isinstance(current, torch.Tensor) else current
+        built[path.name] = (
+            current.copy()
+            if isinstance(current, np.ndarray)
+            else (current.clone() if isinstance(current, torch.Tensor) else current)
         )
     return built[path.name]
 
