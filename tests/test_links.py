@@ -469,6 +469,33 @@ def test_a_request_a_newer_one_overwrote_in_the_rows_mailbox_is_dropped_not_read
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_rows_that_found_none_asked_see_every_request_written_after(kind: str) -> None:
+    """With nothing asked, the rows' ``asked()`` reads one integer (the link's count of
+    requests) until a request comes, to them or to another env's rows: none is missed, and
+    one to other rows of the link is told apart by the one vector read that follows."""
+    link = make_rows(kind, 6)
+    try:
+        rows = link.handle().open_rows(0, 3)  # rows 0-2; 3-5 another reader's
+        others = link.handle().open_rows(3, 3)
+        for _ in range(3):
+            assert rows.asked()[0].tolist() == [] and others.asked()[0].tolist() == []
+        link.send_request(np.array([4]), Request(7, Kind.ATTRIBUTES, {"paths": ["mass"]}))
+        assert rows.asked()[0].tolist() == []
+        which, ids = others.asked()
+        assert which.tolist() == [1] and ids.tolist() == [7]
+        others.reply(which, Reply(7, {"mass": torch.tensor([4.0])}))
+        assert others.asked()[0].tolist() == []
+        link.send_request(np.array([0, 2]), Request(8, Kind.ATTRIBUTES, {"paths": ["mass"]}))
+        which, ids = rows.asked()
+        assert which.tolist() == [0, 2] and ids.tolist() == [8, 8]
+        assert rows.asked()[0].tolist() == [0, 2]  # still asked until answered
+        rows.reply(which, Reply(8, {"mass": torch.tensor([0.0, 2.0])}))
+        assert rows.asked()[0].tolist() == [] and others.asked()[0].tolist() == []
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_rows_that_fail_one_apply_share_one_error_text(kind: str) -> None:
     """A failure of many rows writes its traceback once, into the rows' one mailbox (each
     failed row's ``error_at`` names where: 65,536 failed worlds touch one page of /dev/shm,
