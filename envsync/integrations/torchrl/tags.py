@@ -135,7 +135,7 @@ class Filled:
             versions is not None
             and held is not None
             and held[0] is out
-            and held[1] == out._version  # the tensor's own in-place counter: no public name
+            and held[1] == _writes(out)
             and np.array_equal(held[2], versions)
         ):
             return
@@ -143,7 +143,13 @@ class Filled:
         if versions is None:
             self._held.pop(key, None)
         else:
-            self._held[key] = (out, out._version, versions)
+            self._held[key] = (out, _writes(out), versions)
+
+
+def _writes(tensor: torch.Tensor) -> int:
+    """The in-place writes torch has made to ``tensor`` (the version counter autograd keeps
+    on every tensor, which torch names only privately)."""
+    return int(tensor._version)
 
 
 TAG_KEYS: tuple[Any, ...] = (VERSION_KEY, INDEX_KEY, ("next", VERSION_KEY), ("next", INDEX_KEY))
