@@ -66,7 +66,9 @@ class Columns:
     __slots__ = ("_changes",)
 
     def __init__(self, versions: np.ndarray) -> None:
-        self._changes: list[tuple[int, np.ndarray]] = [(0, np.array(versions, dtype=np.int64))]
+        # kept, not copied (an int64 array the caller no longer changes: a read's copy): a
+        # rollout that starts where the last one settled starts from the very same array
+        self._changes: list[tuple[int, np.ndarray]] = [(0, np.asarray(versions, dtype=np.int64))]
 
     def mark(self, frame: int, versions: np.ndarray) -> None:
         """Note every env's version from ``frame`` on (merged with the latest change)."""
@@ -136,7 +138,7 @@ class Filled:
             and held is not None
             and held[0] is out
             and held[1] == _writes(out)
-            and np.array_equal(held[2], versions)
+            and (held[2] is versions or np.array_equal(held[2], versions))
         ):
             return
         columns.fill(out)
