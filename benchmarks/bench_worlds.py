@@ -15,7 +15,9 @@ row per (n, measure):
    take turns in windows of about ``--window-s`` seconds; medians. Beside it, the tags'
    floor: the collector without envsync, each batch followed by what any four int64 tags a
    frame cost whoever writes them (two filled from a column, four copied as the ``Collector``
-   copies each batch it yields): how much of the ratio the tags alone take.
+   copies each batch it yields): how much of the ratio the tags alone take; and the copies
+   alone, all that is left of it while no env's version changes (envsync then leaves the
+   version tags its collector's buffer holds).
 3. **push**: ``sender.push(config=TensorDict(difficulty=rows, batch_size=[n]), wait="applied")``
    (one row per world) to the idle collector after a batch, median over the pushes after the
    first; the floor is the env's own indexed write of the same rows, ``env.difficulty[ids] =
@@ -523,16 +525,19 @@ def _turns(
     return got
 
 
-def _tags_floor(n: int, args: Args) -> Callable[[], None]:
+def _tags_floor(n: int, args: Args, *, fills: bool = True) -> Callable[[], None]:
     """What any per-frame int64 tag costs a batch, whoever writes it: the two version tags
-    filled from a column of n versions, and the four tags (``env_version``, ``env_index``, at
-    the root and under ``"next"``) copied as the ``Collector`` copies every batch it yields."""
+    filled from a column of n versions (``fills``), and the four tags (``env_version``,
+    ``env_index``, at the root and under ``"next"``) copied as the ``Collector`` copies every
+    batch it yields. Without ``fills``: the copies alone, what is left of the tags' cost in a
+    rollout whose versions did not change (envsync then leaves the tags its buffer holds)."""
     tags = [torch.empty(n, args.steps_per_batch, dtype=torch.int64) for _ in range(4)]
     versions = np.arange(n, dtype=np.int64).reshape(-1, 1)
 
     def body() -> None:
-        for tag in tags[:2]:
-            tag.numpy()[...] = versions
+        if fills:
+            for tag in tags[:2]:
+                tag.numpy()[...] = versions
         for tag in tags:
             tag.clone()
 
@@ -541,13 +546,16 @@ def _tags_floor(n: int, args: Args) -> Callable[[], None]:
 
 def _idle(n: int, args: Args, with_: Side, without: Side) -> dict[str, Any]:
     """Measure 2: frames/s with envsync attached, nothing pending / without; and against the
-    collector without envsync whose every batch pays the tags' floor (:func:`_tags_floor`)."""
-    sides = {"without": without, "with": with_, "tags": without}
-    got = _turns(args, sides, {"without": None, "with": None, "tags": _tags_floor(n, args)})
+    collector without envsync whose every batch pays the tags' floor (:func:`_tags_floor`),
+    and the tags' copies alone."""
+    sides = {"without": without, "with": with_, "tags": without, "copies": without}
+    floors = {"tags": _tags_floor(n, args), "copies": _tags_floor(n, args, fills=False)}
+    got = _turns(args, sides, {"without": None, "with": None, **floors})
     fps = {name: median(v["fps"]) for name, v in got.items()}
     cpf = {name: median(v["cpf"]) for name, v in got.items()}
     cpu_ratio = _ratio(cpf["with"], cpf["without"])
     over_tags = _ratio(fps["with"], fps["tags"])
+    over_copies = _ratio(fps["with"], fps["copies"])
     return _row(
         n,
         "idle",
@@ -557,11 +565,14 @@ def _idle(n: int, args: Args, with_: Side, without: Side) -> dict[str, Any]:
         ratio=_ratio(fps["with"], fps["without"]),
         samples=len(got["with"]["fps"]),
         detail=f"nothing pending; frames per CPU s ratio {fmt(cpu_ratio)}; {args.steps_per_batch} steps a batch; "
-        f"the tags' floor alone {fmt(_ratio(fps['tags'], fps['without']))}, envsync / the floor {fmt(over_tags)}",
+        f"the tags' floor alone {fmt(_ratio(fps['tags'], fps['without']))}, envsync / the floor {fmt(over_tags)}; "
+        f"the tags' copies alone {fmt(_ratio(fps['copies'], fps['without']))}, envsync / them {fmt(over_copies)}",
         cpu_ratio=cpu_ratio,
         tags_floor=fps["tags"],
         tags_floor_ratio=_ratio(fps["tags"], fps["without"]),
         over_tags_floor=over_tags,
+        tags_copies_ratio=_ratio(fps["copies"], fps["without"]),
+        over_tags_copies=over_copies,
         raw=got,
     )
 
@@ -890,6 +901,7 @@ SUMMARY_COLUMNS = [
     ("attach_s", "attach s (without)"),
     ("idle_ratio", "idle frames/s ratio"),
     ("tags_floor_ratio", "the tags' floor alone"),
+    ("tags_copies_ratio", "their copies alone"),
     ("push_ms", "push -> applied ms (floor)"),
     ("push_us_per_world", "push µs/world above floor"),
     ("curriculum_ratio", "10% curriculum ratio (over the tags' floor)"),
@@ -937,7 +949,7 @@ def _cell(row: dict[str, Any] | None, key: str, paired: str | None = None) -> An
     if row["status"] != "ok":
         return _short(row)
     if paired is None:
-        return row[key]
+        return row.get(key, "-")  # a figure an older run did not measure
     return f"{fmt(row[key])} ({fmt(row[paired])})"
 
 
@@ -963,6 +975,7 @@ def summary_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "attach_s": _cell(by.get("attach"), "envsync", "baseline"),
                 "idle_ratio": _cell(by.get("idle"), "ratio"),
                 "tags_floor_ratio": _cell(by.get("idle"), "tags_floor_ratio"),
+                "tags_copies_ratio": _cell(by.get("idle"), "tags_copies_ratio"),
                 "push_ms": _cell(by.get("push"), "envsync", "baseline"),
                 "push_us_per_world": _cell(by.get("push"), "per_world"),
                 "curriculum_ratio": _cell(by.get("curriculum"), "ratio", "over_tags_floor")
