@@ -185,7 +185,7 @@ class RowsReader:
         self._c["obs"][at] = obs
 
     def is_busy(self) -> bool:
-        """Whether the collector drives the env now (its group marks every row)."""
+        """Whether the collector drives the env now (its group marks the first row for all)."""
         return bool(self._c["busy"][self.first])
 
     def asked(self) -> tuple[np.ndarray, np.ndarray]:

@@ -133,14 +133,12 @@ class Filled:
         """Write ``columns`` into ``out``, the tag ``key`` (unless it holds them already)."""
         versions = columns.constant()
         held = self._held.get(key)
-        if (
-            versions is not None
-            and held is not None
-            and held[0] is out
-            and held[1] == _writes(out)
-            and (held[2] is versions or np.array_equal(held[2], versions))
-        ):
-            return
+        if versions is not None and held is not None and held[0] is out and held[1] == _writes(out):
+            if held[2] is versions:
+                return
+            if np.array_equal(held[2], versions):
+                self._held[key] = (out, held[1], versions)  # the next rollout's start is this array
+                return
         columns.fill(out)
         if versions is None:
             self._held.pop(key, None)
