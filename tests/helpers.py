@@ -515,6 +515,33 @@ def run_to_exit(code: str, *args: str, timeout: float = 150) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
 
 
+def run_adr_example(name: str, out: Any) -> tuple[dict[str, Any], str]:
+    """Run ``examples/<name>.py --smoke --out out`` as a script (the simulator examples run
+    in their own venvs: this interpreter's); check that it exited cleanly and that both of
+    its ADR ranges, mass and friction, widened out from [1, 1]; return its JSON log and its
+    standard output."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = json.loads((Path(out) / f"{name}.json").read_text())
+    first, last = log["ranges"][0], log["ranges"][-1]
+    for range_name in ("mass", "friction"):
+        assert last[range_name][0] < 1.0 < last[range_name][1], (range_name, last)  # both boundaries moved out
+        assert (last[range_name][1] - last[range_name][0]) > (first[range_name][1] - first[range_name][0])
+    return log, done.stdout
+
+
 def kill_and_wait(actor: Any) -> None:
     """Kill a Ray ``actor`` and return once its process is gone (Ray fails calls to it a
     moment before that, while its relay can still relay a push that its workers then apply)."""

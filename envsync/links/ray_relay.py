@@ -20,7 +20,7 @@ from envsync.links.base import SenderLink
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, connect
 from envsync.links.ray_wire import CAUGHT_UP, Acks, Rows, Traffic, leaf_bytes, read_post, share_id
-from envsync.links.records import plain
+from envsync.links.records import plain, row_of
 from envsync.protocol import NO_FAILURE, Reply, Request
 
 HEARTBEAT = 0.5
@@ -220,9 +220,7 @@ class Relay:
         for asked, workers in waiting.items():
             for rows, reply in self.link.replies(np.array(workers, dtype=np.int64), asked):
                 for at, w in enumerate(rows.tolist()):
-                    self._fresh[w] = (
-                        reply if reply.failed else reply._replace(result={k: v[at] for k, v in reply.result.items()})
-                    )
+                    self._fresh[w] = row_of(reply, at)
 
     def _answered(self, w: int) -> int:
         """The latest request worker ``w`` replied to (its reply read, to go in the next report)."""

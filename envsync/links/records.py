@@ -76,6 +76,12 @@ def as_rows(worker: int, reply: Reply) -> tuple[np.ndarray, Reply]:
     return np.array([worker], dtype=np.int64), Reply(reply.id, values, reply.error)
 
 
+def row_of(reply: Reply, at: int) -> Reply:
+    """The reverse of :func:`as_rows`: row ``at`` of a reply of rows as that worker's own
+    reply (a failure is every row's as it is)."""
+    return reply if reply.failed else reply._replace(result={k: v[at] for k, v in reply.result.items()})
+
+
 def sealed_reply(reply: Reply, room: int, where: str) -> bytes:
     """``reply`` sealed for a reply area of ``room`` bytes (``where`` names the area): a
     traceback's end, as a failure's; a reply that does not fit is sent as a failure that says so."""

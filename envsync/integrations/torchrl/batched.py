@@ -237,12 +237,10 @@ class BatchedHooks:
         group = self.group
         if group is None:
             return
-        settled_at = group.settled_at
-        if settled_at is not None and self.owner.settled and group.unchanged():
-            # settled, and no push since: every env is where the group last read it (no read
-            # of every env's counters at every rollout of thousands of worlds)
-            self._root = Columns(settled_at)
-            self._next = Columns(settled_at)
+        versions = group.settled_versions()
+        if versions is not None:  # no read of every env's counters at every rollout of thousands of worlds
+            self._root = Columns(versions)
+            self._next = Columns(versions)
             return
         group.catch_up()  # what the worker's envs applied while idle
         _, obs, applied, settled = group.read()
@@ -283,8 +281,9 @@ class Group(Protocol):
         """Per sub-env (columns): the version its last step ran under, its observation's, its
         applied one; and whether every sub-env is settled."""
 
-    settled_at: np.ndarray | None
-    """Every sub-env's version when the group last read them all settled."""
+    def settled_versions(self) -> np.ndarray | None:
+        """Every sub-env's version while nothing changed since the group last read them all
+        settled; else ``None``."""
 
     def catch_up(self) -> None:
         """Load the batched env's own entries the worker's envs all applied."""

@@ -48,10 +48,7 @@ class EnvGroup:
         self._collector = weakref.ref(collector)
         self.envs = Siblings(handle, first_slot, self.num_envs, rows=leaves.rows)
         self._seen = np.zeros(0, dtype=np.int64)
-        self.settled_at: np.ndarray | None = None
-        """Every env's version when the group last read them all settled (each env's step, its
-        observation and its applied version are then one): while the owner stays settled
-        and no push reached the envs since, what a rollout starts from."""
+        self._settled_at = np.zeros(0, dtype=np.int64)  # every env's version at the last settled read
         self._pushed = -1  # the link's pushed mark when the group last settled
         self.gate = self.envs.gate  # the batched level's end (its receiver's, if it has one)
         # the batched env's owner: the worker loop's idle work against the collector's rollouts;
@@ -82,8 +79,14 @@ class EnvGroup:
         settled = bool((((targets == reached) | (targets == failed)) & (ran == reached) & (obs == reached)).all())
         settled = settled and (self.level is None or not self._level_behind())
         if settled:
-            self._seen, self._pushed, self.settled_at = targets, pushed, reached
+            self._seen, self._pushed, self._settled_at = targets, pushed, reached
         return ran, obs, reached, settled
+
+    def settled_versions(self) -> np.ndarray | None:
+        """Every env's version while nothing changed since the group last read them all settled
+        (the owner settled, no push since: each env's step, observation and applied version
+        are then one, what a rollout starts from); else ``None``. No counter is read."""
+        return self._settled_at if self.owner.settled and self.unchanged() else None
 
     def _level_behind(self) -> bool:
         """Whether the batched level has a version to apply, or envs to acknowledge."""
