@@ -15,6 +15,12 @@ interleaved round by round:
   in place (``RayWeightSyncScheme``: one gloo send per remote collector, returns once each
   actor has loaded them);
 
+- worlds: ``push(config=<a row per world>, wait="applied")`` to one remote ``Collector`` of a
+  natively batched env of ``--worlds`` worlds (``bench_envs.WorldsEnv``, on node n0), against
+  the same push to the same env in a local ``Collector``, interleaved (rows travel as columns
+  over Ray: the share, the relay's write and its report cost a few vector ops, not a Python
+  entry per world);
+
 and what each push moved: the shares the main process made (one per node with rows in the
 push: its rows, sent on the node's relay's connection), the distinct shares the relays took,
 and the bytes each node's relays decoded; then a restart: ``collector.shutdown()``
@@ -62,13 +68,14 @@ class Args:
     repeats: int = 20  # rounds of (config push, env-state push, rows push, policy update)
     restarts: int = 3
     frames_per_batch: int = 40
+    worlds: int = 4096  # rows of the natively batched env of the worlds measure
     address: str = ""  # an existing cluster whose two nodes carry resources n0 and n1; empty: start one
     quick: bool = False
     out: Path = RESULTS
 
 
 def quick(args: Args) -> Args:
-    return replace(args, repeats=3, restarts=1)
+    return replace(args, repeats=3, restarts=1, worlds=256)
 
 
 @contextmanager
@@ -217,6 +224,52 @@ def _rounds(
     return out, meter
 
 
+def _worlds(args: Args, configs: list[dict[str, Any]], bar: tqdm) -> dict[str, list[float]]:
+    """Seconds of a push of a row per world to "applied", over Ray and to a local ``Collector``
+    of the same env, ``args.repeats`` rounds after one warm-up round."""
+    import bench_envs
+    from torchrl.collectors import Collector
+    from torchrl.collectors.distributed import RayCollector
+
+    from envsync import EnvStateSender
+
+    n = args.worlds
+    make = partial(bench_envs.make_worlds_env, n)
+    senders = [EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step") for _ in "rl"]
+    remote = local = None
+    out: dict[str, list[float]] = {"worlds": [], "worlds_local": []}
+    try:
+        remote = RayCollector(
+            [senders[0].env_fn(make)],
+            None,
+            collector_class=Collector,
+            num_workers_per_collector=1,
+            frames_per_batch=n,
+            total_frames=10**9,
+            remote_configs=[configs[0] | {"memory": 1024 * MB}],
+            **senders[0].ray_kwargs(start_method="fork"),
+        )
+        next(iter(remote))
+        local = Collector(
+            senders[1].env_fn(make), None, frames_per_batch=n, total_frames=-1, weight_sync_schemes=senders[1].schemes()
+        )
+        next(iter(local))
+        for i in range(args.repeats + 1):
+            rows = TensorDict(difficulty=torch.rand(n, dtype=torch.float64), batch_size=[n])
+            took = [timed(lambda s=s, r=rows: s.push(config=r, wait="applied", timeout=60)) for s in senders]
+            if i:
+                out["worlds"].append(took[0])
+                out["worlds_local"].append(took[1])
+            bar.update()
+    finally:
+        for collector in (remote, local):
+            if collector is not None:
+                collector.shutdown()
+        for sender in senders:
+            sender.close()
+    return out
+
+
 def _measure(args: Args, bar: tqdm) -> tuple[dict[str, list[float]], int, int, Meter]:
     policy = make_policy(args.nbytes)
     sender = make_sender(args)
@@ -226,6 +279,7 @@ def _measure(args: Args, bar: tqdm) -> tuple[dict[str, list[float]], int, int, M
         try:
             workers = sender.num_workers or 0
             times, meter = _rounds(collector, sender, policy, args, bar)
+            times |= _worlds(args, configs, bar)
             for _ in range(args.restarts):
                 start = time.perf_counter()
                 collector.shutdown()
@@ -247,6 +301,8 @@ LABELS = {
     "rows": ("envsync push(config=<a row per env>), wait='applied'", "1 MB of rows"),
     "policy": ("RayCollector.update_policy_weights_()", "MLP params"),
     "restart": ("restart: shutdown + RayCollector + first batch", "-"),
+    "worlds": ("envsync push(config=<a row per world>) to a remote natively batched env, wait='applied'", "-"),
+    "worlds_local": ("the same push to the same env in a local Collector (baseline)", "-"),
 }
 
 
@@ -260,6 +316,8 @@ def _rows(times: dict[str, list[float]], policy_bytes: int, args: Args) -> list[
             payload = f"{args.nbytes / MB:.2f} MB over the fleet, a row per env"
         elif key == "policy":
             payload = f"{policy_bytes / MB:.2f} MB of parameters"
+        elif key.startswith("worlds"):
+            payload = f"{args.worlds:,} worlds, a float64 row each"
         rows.append(
             {
                 "method": key,
@@ -307,7 +365,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv, Args, __doc__, quick)
     if not args.address:  # the local cluster on loopback: Ray reads it once, at its import (docs/ray.md)
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    bar = tqdm(total=args.repeats + 1 + args.restarts, desc="ray", file=sys.stderr, disable=not sys.stderr.isatty())
+    rounds = 2 * (args.repeats + 1) + args.restarts
+    bar = tqdm(total=rounds, desc="ray", file=sys.stderr, disable=not sys.stderr.isatty())
     times, workers, policy_bytes, meter = _measure(args, bar)
     bar.close()
     rows = _rows(times, policy_bytes, args)
@@ -325,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "policy_over_config_push": by["policy"] / by["config"],
         "restart_over_env_state_push": by["restart"] / by["env_state"],
         "restart_over_config_push": by["restart"] / by["config"],
+        "worlds": args.worlds,
+        "worlds_push_over_local": by["worlds"] / by["worlds_local"],
         "plots": [os.path.relpath(plot, args.out)],
     }
     targets = [
@@ -365,6 +426,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"rows push / policy update {summary['rows_push_over_policy']:.2f}x, "
         f"restart / env-state push {summary['restart_over_env_state_push']:.0f}x, "
         f"restart / config push {summary['restart_over_config_push']:.0f}x",
+        f"worlds: a push of a row per world to {args.worlds:,} worlds of one natively batched env behind a "
+        f"RayCollector (a Collector on node n0) takes {by['worlds']:.1f} ms to 'applied', "
+        f"{summary['worlds_push_over_local']:.1f}x the same push to a local Collector ({by['worlds_local']:.2f} ms)",
     ]
     columns = [
         ("what", "operation"),

@@ -107,7 +107,7 @@ def command(path: Path, document: dict[str, Any]) -> str:
     parts = [f"python benchmarks/bench_{document['benchmark']}.py"]
     for name, value in document.get("args", {}).items():
         flag = "--" + name.replace("_", "-")
-        if name in ("quick", "out") or value is None or value is False:
+        if name in ("quick", "out") or value is None or value is False or value == "":
             continue
         if value is True:
             parts.append(flag)

@@ -436,9 +436,9 @@ class RecordingLink(LocalLink):
         super().__init__(leaves, num_workers)
         self.written: list[int] = []
 
-    def write(self, worker: int, version: int, entries: Any, *, undo: int = 0) -> None:
+    def write_rows(self, slots: Any, version: int, shared: Any, rows: Any, *, undo: int = 0) -> None:
         self.written.append(version)
-        super().write(worker, version, entries, undo=undo)
+        super().write_rows(slots, version, shared, rows, undo=undo)
 
 
 @pytest.mark.timeout(60)
@@ -448,7 +448,7 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monk
     listener = Listener("127.0.0.1")
     node = RecordingLink({key: torch.zeros(())}, 1)
     relay = RelayHandle(listener.address, listener.token, mailbox, [1], [0]).relay(0, node)
-    rows = {v: {0: (v, 0, {key: torch.tensor(float(v))})} for v in (1, 2, 3)}
+    rows = {v: [(np.array([0]), v, 0, {key: torch.tensor(float(v))}, {})] for v in (1, 2, 3)}
     starting = threading.Thread(target=relay.start)
     starting.start()
     try:
@@ -462,15 +462,15 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monk
         channel.send(CAUGHT_UP)
         starting.join(30)
         assert node.written == [1, 2]  # start() returns once it caught up
-        statuses, errors, replies = channel.recv()  # its first report (no worker reads this link)
-        assert statuses == [(0, 0, NO_FAILURE, True, 0, 0)] and errors == {} and replies == {}
+        acks, errors, answers = channel.recv()  # its first report (no worker reads this link)
+        assert acks.ravel().tolist() == [0, 0, NO_FAILURE, 1, 0, 0] and errors == {} and answers == []
         channel.send((3, rows[3]))
         # a post it cannot deliver (not rows; a held share the mailbox never got) costs that
         # post, not the next
         monkeypatch.setattr(ray_relay, "TAKE_GIVE_UP", 0.5)
         channel.send((4, "not rows"))
         channel.send(post(4, Held(0)))
-        channel.send((5, {0: (5, 0, {key: torch.tensor(5.0)})}))
+        channel.send((5, [(np.array([0]), 5, 0, {key: torch.tensor(5.0)}, {})]))
         deadline = time.monotonic() + 10
         while len(node.written) < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -481,6 +481,39 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monk
         relay.stop()
         listener.close()
         ray.kill(mailbox)
+
+
+@pytest.mark.timeout(60)
+def test_rows_travel_as_columns_and_a_report_is_read_as_columns() -> None:
+    # a collector of 1,024 workers (a natively batched env's rows) takes a push of a row each
+    # as one chunk of arrays, and its relay's report of them as six columns (no entry per row)
+    key, count = ("config", "difficulty"), 1024
+    link = RayLink({key: torch.zeros(())}, [count, 2], host="127.0.0.1")
+    try:
+        handle = link.handle()
+        channel = connect(handle.address, handle.token, 0)
+        assert channel.recv() == CAUGHT_UP  # nothing posted yet
+        slots = np.arange(count)
+        link.write_rows(slots, 1, {}, {key: torch.arange(count, dtype=torch.float32)})
+        link.flush(1)
+        seq, rows = channel.recv()  # the starting state and the push: one write of each row
+        ((workers, version, undo, shared, per_row),) = rows
+        assert workers.tolist() == list(range(count)) and (version, undo, shared) == (1, 0, {})
+        assert isinstance(per_row[key], np.ndarray) and per_row[key].tolist() == list(range(count))
+        acks = np.zeros((6, count), dtype=np.int64)
+        acks[:2], acks[2], acks[3], acks[5] = 1, NO_FAILURE, 1, 1  # received, applied, failed, alive, reached
+        acks[1, 7] = 0  # one row has not applied it yet
+        channel.send((acks, {}, []))
+        deadline = time.monotonic() + 10
+        while link.status(0).applied != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        target, applied, failed = link.counts(slots, applied=True)
+        assert target.tolist() == [1] * count and failed.tolist() == [NO_FAILURE] * count
+        assert np.flatnonzero(applied != 1).tolist() == [7]
+        assert link.counts(np.array([count, count + 1]), applied=True)[0].tolist() == [0, 0]  # not pushed
+        channel.close()
+    finally:
+        link.close()
 
 
 @pytest.mark.timeout(60)
@@ -497,12 +530,15 @@ def test_a_relay_that_connects_late_gets_what_was_pushed_not_what_the_buffers_ho
         handle = link.handle()
         early = connect(handle.address, handle.token, 0)
         _, rows = early.recv()  # the starting state with push 1 on top, as one post
-        assert rows[0][0] == 1 and rows[0][2][key].tolist() == [1.0] * 4
+        # one chunk (workers, version, ...) of its own worker: the starting state and push 1, one write
+        assert [(c[0].tolist(), c[1]) for c in rows] == [([0], 1)]
+        assert rows[0][3][key].tolist() == [1.0] * 4
         assert early.recv() == CAUGHT_UP
         pushed.fill_(9.0)  # the buffer reused by a later push
         late = connect(handle.address, handle.token, 1)
         _, rows = late.recv()
-        assert rows[1][0] == 1 and rows[1][2][key].tolist() == [1.0] * 4
+        assert [(c[0].tolist(), c[1]) for c in rows] == [([1], 1)]
+        assert rows[0][3][key].tolist() == [1.0] * 4
         assert late.recv() == CAUGHT_UP
         with pytest.raises(EOFError):  # one connection per relay: a second one is closed
             connect(handle.address, handle.token, 1).recv()

@@ -14,6 +14,7 @@ import socket
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_counter_env
@@ -54,7 +55,8 @@ def joined(link: RayLink, collector: int) -> Channel:
 
 
 def report(channel: Channel, received: int, applied: int) -> None:
-    channel.send(([(received, applied, NO_FAILURE, True, 0, applied)], {}, {}))
+    acks = np.array([[received], [applied], [NO_FAILURE], [1], [0], [applied]], dtype=np.int64)
+    channel.send((acks, {}, []))  # the acknowledgement columns of its one worker
 
 
 def settle(link: RayLink, worker: int, applied: int, timeout: float = 10.0) -> None:
@@ -91,7 +93,7 @@ def test_a_collector_ray_reported_dead_is_posted_nothing_and_its_reports_are_dro
             link.write(worker, 1, {key: torch.ones(())})
         link.flush(1)
         seq, rows = relays[0].recv()
-        assert list(rows) == [0]
+        assert [w for workers, *_ in rows for w in workers.tolist()] == [0]
         relays[1].sock.settimeout(0.5)
         with pytest.raises(socket.timeout):
             relays[1].recv()

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from envsync.protocol import Request
 
 
@@ -44,10 +46,12 @@ class Held:
 
 @dataclass(frozen=True)
 class Ask:
-    """Requests as posted: per link worker, the request it is sent (one post for the
-    workers of one request; :mod:`envsync.links.records` says how it travels)."""
+    """A request as posted: the link workers it is sent to (int64, one array for all of them:
+    one post per request, whatever the number of worlds) and the request
+    (:mod:`envsync.links.records` says how it travels)."""
 
-    requests: dict[int, Request]
+    workers: np.ndarray
+    request: Request
 
 
 class Mailbox:

@@ -6,8 +6,11 @@ fleet is numbered collector by collector, then by worker). It listens on its nod
 (:class:`~envsync.links.ray_channel.Listener`); each remote collector's
 :class:`~envsync.links.ray_relay.Relay` connects to it when torchrl starts envsync's scheme
 in its actor, and is first sent every post it missed. Per push the link buffers each
-worker's leaves (``write``); ``flush`` makes, for each node that has rows in the push, one
-share holding only that node's rows (:func:`~envsync.links.ray_wire.encode`), and posts it,
+write as the columns it is (:data:`~envsync.links.ray_wire.Chunk`: the workers, the values
+they all get, the values with a row each; never a Python entry per worker, so a push to
+65,536 worlds costs a few vector ops); ``flush`` makes, for each node that has rows in the
+push, one share holding only that node's rows (:func:`~envsync.links.ray_wire.encode`,
+:func:`~envsync.links.ray_wire.coalesce`), and posts it,
 numbered, on the connections of that node's relays that have rows in it: the rows
 themselves, encoded once per node, unless the share is over
 :data:`~envsync.links.ray_wire.INLINE` bytes and several relays of the node need it; then
@@ -18,7 +21,8 @@ the node receives it once. A gather is posted on every connection as one
 
 The relay writes its collector's workers into the node's own link (shared memory or in
 process), exactly as a local sender would, hands gather requests to its workers through the
-same link, and reports acknowledgements, failures, gather answers (numpy arrays) and a
+same link, and reports acknowledgements (as columns, :data:`~envsync.links.ray_wire.ACKS`),
+failures, gather answers (replies of rows, numpy arrays) and a
 heartbeat back on its connection. A connection carries its posts in order and each once.
 
 The main process reads every connection from one thread into a local table, so
@@ -51,7 +55,6 @@ from typing import Any
 
 import numpy as np
 import ray
-import torch
 
 from envsync.errors import WireError
 from envsync.links.base import Key
@@ -60,19 +63,22 @@ from envsync.links.ray_channel import Channel, Listener, frames
 from envsync.links.ray_deaths import Deaths
 from envsync.links.ray_relay import RelayHandle
 from envsync.links.ray_wire import (
+    ACKS,
     CAUGHT_UP,
     INLINE,
-    Acks,
+    Answer,
+    Answers,
     Rows,
     Traffic,
+    coalesce,
     encode,
-    leaf_bytes,
     post,
     read_report,
+    rows_bytes,
     share_id,
+    take,
 )
-from envsync.links.records import as_rows
-from envsync.protocol import NO_FAILURE, Counts, Reply, Request, Until, WorkerStatus, counts_of
+from envsync.protocol import NO_FAILURE, Counts, Reply, Request, WorkerStatus
 from envsync.shutdown import EXITING
 from envsync.state import Leaf
 
@@ -124,12 +130,16 @@ class RayLink:
         self._node_collectors = [[c for c in range(len(ids)) if self.nodes[c] == node] for node in range(len(order))]
         self.traffic = [Traffic() for _ in order]  # per node: objects made, bytes of rows
         self._seq = 0
-        self._pending: Rows = {w: (0, 0, dict(leaves)) for w in range(self.num_workers)}
-        self._target = [0] * self.num_workers
-        self._acks: list[Acks] = [(0, 0, NO_FAILURE, True, 0, 0)] * self.num_workers
+        # the collector of each fleet worker, as a column (a push's rows split by node at once)
+        self._collector = np.repeat(np.arange(len(self.workers)), self.workers)
+        self._pending: Rows = [(np.arange(self.num_workers), 0, 0, dict(leaves), {})]
+        self._target = np.zeros(self.num_workers, dtype=np.int64)
+        self._acks = np.zeros((len(ACKS), self.num_workers), dtype=np.int64)  # the relays' reports, as columns
+        self._acks[ACKS.index("failed")] = NO_FAILURE
+        self._acks[ACKS.index("alive")] = 1
         self._errors: dict[int, str] = {}
-        self._replies: dict[int, Reply] = {}
-        self._asking: dict[int, Request] = {}  # the requests of one id, posted together
+        self._answers = Answers(self.num_workers)
+        self._asking: Ask | None = None  # the workers of one request, posted together
         self._seen = [time.monotonic()] * len(self.workers)
         self._deaths = Deaths(actors, len(self.workers), on_death=self._lose)
         self._report_seq = 0
@@ -149,25 +159,24 @@ class RayLink:
         return bisect.bisect_right(self._starts, worker) - 1
 
     def write(self, worker: int, version: int, entries: Mapping[Key, Leaf], *, undo: int = 0) -> None:
-        if self._closed:
-            raise RuntimeError("link is closed")
-        _, _, held = self._pending.get(worker, (0, 0, {}))
-        held.update(entries)
-        self._pending[worker] = (version, undo, held)
-        self._target[worker] = version
+        self.write_rows(np.array([worker], dtype=np.int64), version, entries, {}, undo=undo)
 
     def write_rows(
         self,
         slots: np.ndarray,
         version: int,
         shared: Mapping[Key, Leaf],
-        rows: Mapping[Key, torch.Tensor],
+        rows: Mapping[Key, Leaf],
         *,
         undo: int = 0,
     ) -> None:
-        # a shared tensor stays one array in each node's object (see encode)
-        for position, worker in enumerate(slots.tolist()):
-            self.write(worker, version, {**shared, **{k: v[position] for k, v in rows.items()}}, undo=undo)
+        """Buffer one chunk (:data:`~envsync.links.ray_wire.Chunk`): the rows travel as the
+        columns they are, a shared value as one array (see :func:`~envsync.links.ray_wire.encode`)."""
+        if self._closed:
+            raise RuntimeError("link is closed")
+        workers = np.array(slots, dtype=np.int64)  # a copy: the caller's array may change
+        self._pending.append((workers, version, undo, dict(shared), dict(rows)))
+        self._target[workers] = version
 
     def notify(self, workers: Sequence[int] | np.ndarray) -> None:
         return None  # the relay notifies the node's workers when it writes them
@@ -177,17 +186,19 @@ class RayLink:
         the module docstring for how it travels)."""
         if not self._pending or self._closed:
             return
-        pending, self._pending = self._pending, {}
+        pending, self._pending = coalesce(encode(self._pending), self.num_workers), []
         seq = self._next_seq()
         posts: dict[int, list[Any]] = {}
         for node, collectors in enumerate(self._node_collectors):
-            takers = [
-                c for c in collectors if any(w in pending for w in self._members(c)) and not self._deaths.known(c)
-            ]
-            if not takers:
+            live = np.array([c in collectors and not self._deaths.known(c) for c in range(len(self.workers))])
+            rows = [part for chunk in pending if (part := take(chunk, live[self._collector[chunk[0]]])) is not None]
+            if not rows:
                 continue
-            rows = encode({w: pending[w] for c in takers for w in self._members(c) if w in pending})
-            nbytes = sum(leaf_bytes(leaves) for _, _, leaves in rows.values())
+            has = np.zeros(len(self.workers), dtype=bool)
+            for workers, *_ in rows:
+                has[self._collector[workers]] = True
+            takers = np.flatnonzero(has).tolist()
+            nbytes = rows_bytes(rows)
             share: Any = rows
             if nbytes > INLINE and len(takers) > 1:  # one object for the node's relays to map
                 ref = ray.put(rows)
@@ -238,33 +249,30 @@ class RayLink:
             self._seen[collector] = 0.0  # silent from now: the next alive() pings its actor
 
     def send_request(self, workers: Sequence[int] | np.ndarray, request: Request) -> None:
-        """Send ``request`` to ``workers``; the requests of one id go out together, as one
+        """Send ``request`` to ``workers``; the workers of one request go out together, as one
         post, at the first :meth:`replies` awaited."""
-        if any(held.id != request.id for held in self._asking.values()):
-            self._asking = {}
-        for worker in np.asarray(workers, dtype=np.int64).tolist():
-            self._asking[worker] = request
+        chosen = np.asarray(workers, dtype=np.int64)
+        held = self._asking
+        if held is not None and held.request.id == request.id:
+            chosen = np.union1d(held.workers, chosen)
+        self._asking = Ask(chosen, request)
 
     def replies(self, workers: np.ndarray, request: int) -> list[tuple[np.ndarray, Reply]]:
-        if self._asking and not self._closed:
-            asking, self._asking = self._asking, {}
-            message = frames(post(self._next_seq(), Ask(asking)))
+        if self._asking is not None and not self._closed:
+            asking, self._asking = self._asking, None
+            message = frames(post(self._next_seq(), asking))
             self._post({c: message for c in range(len(self.workers))})
-        out = []
         with self._changed:
-            for worker in np.asarray(workers, dtype=np.int64).tolist():
-                reply = self._replies.get(worker)
-                if reply is not None and reply.id == request:
-                    out.append(as_rows(worker, reply))
-        return out
+            return self._answers.of(np.asarray(workers, dtype=np.int64), request)
 
     def status(self, worker: int) -> WorkerStatus:
-        received, applied, failed, _, _, reached = self._acks[worker]
-        target = self._target[worker]
-        return WorkerStatus(worker, target, received, applied, failed, reached)
+        with self._changed:
+            received, applied, failed, _, _, reached = self._acks[:, worker].tolist()
+            return WorkerStatus(worker, int(self._target[worker]), received, applied, failed, reached)
 
     def failed(self) -> np.ndarray:
-        return np.array([acks[2] for acks in self._acks], dtype=np.int64)
+        with self._changed:
+            return self._acks[ACKS.index("failed")].copy()
 
     def error_text(self, worker: int) -> str:
         return self._errors.get(worker, "")
@@ -274,7 +282,7 @@ class RayLink:
         Ray did not report its collector's actor dead here, nor fail a ping to it (sent once
         the relay falls silent for :data:`QUIET_AFTER` seconds)."""
         collector = self._collector_of(worker)
-        if not self._acks[worker][3] or self._deaths.known(collector):
+        if not self._acks[ACKS.index("alive"), worker] or self._deaths.known(collector):
             return False
         return time.monotonic() - self._seen[collector] < QUIET_AFTER or not self._deaths.pinged(collector)
 
@@ -289,8 +297,10 @@ class RayLink:
             self._changed.notify_all()
 
     def counts(self, slots: Sequence[int] | np.ndarray, *, applied: bool) -> Counts:
-        statuses = [self.status(s) for s in np.asarray(slots).tolist()]
-        return counts_of(statuses, Until.APPLIED if applied else Until.RECEIVED)
+        at = np.asarray(slots, dtype=np.int64)
+        with self._changed:  # one report's columns, never half of one
+            acked = self._acks[ACKS.index("applied" if applied else "received")]
+            return self._target[at], acked[at], self._acks[ACKS.index("failed")][at]
 
     def wait_acks(self, timeout: float, *, applied: bool, done: Callable[[], bool] | None = None) -> bool:
         if self._closed:
@@ -374,23 +384,15 @@ class RayLink:
             return
         self._take(collector, *report)
 
-    def _take(
-        self,
-        collector: int,
-        statuses: list[Acks],
-        errors: Mapping[int, str],
-        replies: Mapping[int, Reply],
-    ) -> None:
+    def _take(self, collector: int, acks: np.ndarray, errors: Mapping[int, str], answers: list[Answer]) -> None:
         first = self._starts[collector]
         with self._changed:
             if self._deaths.known(collector):  # its process outlives its death a moment: drop what it says
                 return
             self._seen[collector] = time.monotonic()
-            for local, status in enumerate(statuses):
-                self._acks[first + local] = status
+            self._acks[:, first : first + self.workers[collector]] = acks
             for local, text in errors.items():
                 self._errors[first + local] = text
-            for local, reply in replies.items():
-                self._replies[first + local] = reply
+            self._answers.add(first, answers)
             self._report_seq += 1
             self._changed.notify_all()

@@ -16,12 +16,12 @@ import numpy as np
 import ray
 
 from envsync.errors import WireError
-from envsync.links.base import SenderLink
 from envsync.links.mailbox import Ask, Held
 from envsync.links.ray_channel import Channel, connect
-from envsync.links.ray_wire import CAUGHT_UP, Acks, Rows, Traffic, leaf_bytes, read_post, share_id
-from envsync.links.records import plain, row_of
-from envsync.protocol import NO_FAILURE, Reply, Request
+from envsync.links.ray_wire import ACKS, CAUGHT_UP, Answer, Rows, Traffic, read_post, rows_bytes, share_id, take
+from envsync.links.records import plain
+from envsync.links.slots import SlotWriter
+from envsync.protocol import NO_FAILURE
 
 HEARTBEAT = 0.5
 """Seconds between a relay's reports when nothing changes."""
@@ -51,7 +51,7 @@ class RelayHandle:
     def open_rows(self, first: int, count: int, *, gated: bool = False, claim: bool = True) -> Any:
         raise RuntimeError("a Ray link is read by relays (RelayHandle.relay), not opened by workers")
 
-    def relay(self, collector: int, node_link: SenderLink) -> Relay:
+    def relay(self, collector: int, node_link: SlotWriter) -> Relay:
         """The relay of remote collector ``collector``, writing into ``node_link``."""
         return Relay(self, collector, node_link)
 
@@ -77,7 +77,7 @@ class Relay:
         node_link: the link to this collector's own workers.
     """
 
-    def __init__(self, handle: RelayHandle, collector: int, node_link: SenderLink) -> None:
+    def __init__(self, handle: RelayHandle, collector: int, node_link: SlotWriter) -> None:
         self.handle = handle
         self.mailbox = handle.mailbox
         self.collector = collector
@@ -87,11 +87,11 @@ class Relay:
         self.link = node_link
         self.traffic = Traffic()
         self._channel: Channel | None = None
-        self._reported: list[Acks] | None = None
-        self._sent_failures = [NO_FAILURE] * self.count
-        self._asked: dict[int, int] = {}  # per local worker, the latest request sent it
-        self._replied = [0] * self.count  # the latest reported
-        self._fresh: dict[int, Reply] = {}  # replies read, not reported yet
+        self._reported: np.ndarray | None = None
+        self._sent_failures = np.full(self.count, NO_FAILURE, dtype=np.int64)
+        self._asked = np.zeros(self.count, dtype=np.int64)  # per local worker, the latest request sent it
+        self._answered = np.zeros(self.count, dtype=np.int64)  # per local worker, the latest request it answered
+        self._fresh: list[Answer] = []  # answers read, not reported yet
         self._stopped = False
         self._woken = threading.Event()
 
@@ -130,14 +130,18 @@ class Relay:
             rows: Rows = ray.get(ref)
         else:
             ref, rows = share, share
-        mine = [w for w in range(self.first, self.first + self.count) if w in rows]
-        for worker in mine:
-            version, undo, entries = rows[worker]
-            self.link.write(worker - self.first, version, entries, undo=undo)
-            self.link.notify([worker - self.first])
+        mine = [
+            part
+            for chunk in rows
+            if (part := take(chunk, (chunk[0] >= self.first) & (chunk[0] < self.first + self.count))) is not None
+        ]
+        for workers, version, undo, shared, per_row in mine:
+            local = workers - self.first
+            self.link.write_rows(local, version, shared, per_row, undo=undo)
+            self.link.notify(local)
         if mine:
-            self.link.flush(rows[mine[-1]][0])
-        self.traffic.add(share_id(seq, self.node, ref), sum(leaf_bytes(rows[w][2]) for w in mine))
+            self.link.flush(mine[-1][1])
+        self.traffic.add(share_id(seq, self.node, ref), rows_bytes(mine))
 
     def _take(self, seq: int, node: int) -> Any:
         """The reference the mailbox holds for post ``seq``'s share of ``node``."""
@@ -149,19 +153,15 @@ class Relay:
         raise TimeoutError(f"the mailbox never held post {seq}'s share of node {node}")
 
     def _ask(self, ask: Ask) -> None:
-        """Hand each request to the local workers it goes to, in one write for all of them (the
+        """Hand the request to the local workers it goes to, in one write for all of them (the
         rows of a natively batched env share one mailbox: asked together, they answer with
         one reply; asked one by one, a row's reply would write over another's)."""
-        asked: dict[int, tuple[Request, list[int]]] = {}
-        for worker, request in ask.requests.items():
-            local = worker - self.first
-            if 0 <= local < self.count:
-                asked.setdefault(request.id, (request, []))[1].append(local)
-        for request, workers in asked.values():
-            for local in workers:
-                self._asked[local] = request.id  # before the worker can answer
-            self.link.send_request(workers, request)
-            self.link.notify(workers)
+        local = ask.workers - self.first
+        mine = local[(local >= 0) & (local < self.count)]
+        if mine.size:
+            self._asked[mine] = ask.request.id  # before the workers can answer
+            self.link.send_request(mine, ask.request)
+            self.link.notify(mine)
 
     def _down(self) -> None:
         assert self._channel is not None
@@ -197,45 +197,33 @@ class Relay:
             self._woken.clear()  # before reading statuses: an ack after this wakes us again
             now = time.monotonic()
             statuses = self._statuses()
-            if statuses != self._reported or now - last >= HEARTBEAT:
+            if self._reported is None or not np.array_equal(statuses, self._reported) or now - last >= HEARTBEAT:
                 with contextlib.suppress(Exception):
                     self._report(statuses)
                 last = now
 
-    def _statuses(self) -> list[Acks]:
+    def _statuses(self) -> np.ndarray:
+        """The acknowledgement columns of the workers (:data:`~envsync.links.ray_wire.ACKS`)."""
         self._read_replies()
-        out = []
-        for w in range(self.count):
-            s = self.link.status(w)
-            out.append((s.received, s.applied, s.failed, self.link.alive(w), self._answered(w), s.reached))
-        return out
+        received, applied, failed, reached = self.link.acks_columns()
+        alive = self.link.alive_column()
+        return np.stack([received, applied, failed, alive, self._answered, reached])
 
     def _read_replies(self) -> None:
-        """Read the replies that came to the requests not reported yet: once per request for
+        """Read the answers that came to the requests not reported yet: once per request for
         every worker that waits on it (a rows reply is decoded once, not once per row)."""
-        waiting: dict[int, list[int]] = {}
-        for w, asked in self._asked.items():
-            if asked > self._replied[w] and w not in self._fresh:
-                waiting.setdefault(asked, []).append(w)
-        for asked, workers in waiting.items():
-            for rows, reply in self.link.replies(np.array(workers, dtype=np.int64), asked):
-                for at, w in enumerate(rows.tolist()):
-                    self._fresh[w] = row_of(reply, at)
+        waiting = (self._asked > self._answered) & (self._asked > 0)
+        for asked in np.unique(self._asked[waiting]).tolist():
+            workers = np.flatnonzero(waiting & (self._asked == asked))
+            for rows, reply in self.link.replies(workers, asked):
+                self._fresh.append((rows, reply))
+                self._answered[rows] = reply.id
 
-    def _answered(self, w: int) -> int:
-        """The latest request worker ``w`` replied to (its reply read, to go in the next report)."""
-        fresh = self._fresh.get(w)
-        return self._replied[w] if fresh is None else fresh.id
-
-    def _report(self, statuses: list[Acks]) -> None:
-        errors = {}
-        for w, (_, _, failed, _, _, _) in enumerate(statuses):
-            if failed != self._sent_failures[w]:
-                errors[w] = self.link.error_text(w)
-                self._sent_failures[w] = failed
-        fresh, self._fresh = self._fresh, {}
+    def _report(self, statuses: np.ndarray) -> None:
+        failed = statuses[ACKS.index("failed")]
+        errors = {w: self.link.error_text(w) for w in np.flatnonzero(failed != self._sent_failures).tolist()}
+        self._sent_failures = failed.copy()
+        fresh, self._fresh = self._fresh, []
         assert self._channel is not None
-        self._channel.send((statuses, errors, {w: plain(reply) for w, reply in fresh.items()}))
-        for w, reply in fresh.items():
-            self._replied[w] = reply.id
+        self._channel.send((statuses, errors, [(rows, plain(reply)) for rows, reply in fresh]))
         self._reported = statuses

@@ -85,7 +85,7 @@ class SlotWriter:
         slots: np.ndarray,
         version: int,
         shared: Mapping[Key, Leaf],
-        rows: Mapping[Key, torch.Tensor],
+        rows: Mapping[Key, Leaf],
         *,
         undo: int = 0,
     ) -> None:
@@ -121,7 +121,7 @@ class SlotWriter:
             return [self._locks[int(slots[0])]]
         return [self._locks[number] for number in ascending(self._lock_of[slots])]
 
-    def _check(self, count: int, shared: Mapping[Key, Leaf], rows: Mapping[Key, torch.Tensor]) -> None:
+    def _check(self, count: int, shared: Mapping[Key, Leaf], rows: Mapping[Key, Leaf]) -> None:
         """Every leaf is checked before any byte moves: a write never stops half-way."""
         columns = self.table.leaf_columns
         for key, value in [*shared.items(), *rows.items()]:
@@ -292,6 +292,29 @@ class SlotWriter:
 
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
+
+    def alive(self, worker: int) -> bool:
+        """Whether the worker can still answer (each kind of link knows how to tell)."""
+        raise NotImplementedError
+
+    def acks_columns(self) -> tuple[np.ndarray, ...]:
+        """Copies of every slot's received, applied, failed and reached versions (what a Ray
+        relay reports of its workers, at once)."""
+        c = self.table.counters
+        return tuple(c[name][: self.num_workers].copy() for name in ("received", "applied", "failed", "reached"))
+
+    def alive_column(self) -> np.ndarray:
+        """Per slot, 1 where :meth:`alive` holds, else 0: asked once per process that opened
+        slots (the rows of a natively batched env share one), and for each slot none opened."""
+        pids = self.table.counters["pid"][: self.num_workers].copy()
+        out = np.zeros(self.num_workers, dtype=np.int64)
+        distinct, first = firsts(pids)
+        for pid, at in zip(distinct.tolist(), first.tolist(), strict=True):
+            if pid:
+                out[pids == pid] = self.alive(at)
+        for slot in np.flatnonzero(pids == 0).tolist():
+            out[slot] = self.alive(slot)
+        return out
 
     def counts(self, slots: Sequence[int] | np.ndarray, *, applied: bool) -> Counts:
         """The :data:`~envsync.protocol.Counts` of ``slots`` (distinct), as columns."""

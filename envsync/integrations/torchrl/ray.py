@@ -47,6 +47,7 @@ from envsync.links.ray import RayLink
 from envsync.links.ray_relay import Relay, RelayHandle
 from envsync.links.ray_wire import Traffic
 from envsync.links.shared_memory import sweep_until_gone
+from envsync.links.slots import SlotWriter
 from envsync.sender.fleet import Attachment
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class NodeScheme(EnvSchemeBase):
         self._start_method = start_method
         self._handle: LinkHandle | None = None
         self._first = offset
-        self.link: SenderLink | None = None
+        self.link: SlotWriter | None = None
         self._receiver: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
