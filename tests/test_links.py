@@ -518,3 +518,31 @@ def test_rows_that_fail_one_apply_share_one_error_text(kind: str) -> None:
         assert link.error_text(1) == link.error_text(3) == "Traceback: the rows' apply raised"
     finally:
         link.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failure_of_many_rows_reads_back_as_one_text_with_its_rows(kind: str) -> None:
+    # what a Ray relay reports of its rows: each text once, with every row whose failure it is
+    # (at 4,096 worlds, one traceback, not 4,096 copies of it)
+    link = make_rows(kind, 6)
+    try:
+        rows = link.handle().open_rows(0, 6)
+        rows.report_failure(np.array([0, 2, 3]), np.array([4, 4, 4]), "Traceback: one push failed")
+        rows.report_failure(np.array([5]), np.array([6]), "Traceback: another")
+        texts = link.error_texts(np.arange(6))
+        assert [(slots.tolist(), text) for slots, text in texts] == [
+            ([1, 4], ""),
+            ([0, 2, 3], "Traceback: one push failed"),
+            ([5], "Traceback: another"),
+        ]
+        assert {text: slots.tolist() for slots, text in link.error_texts(np.array([5, 3]))} == {
+            "Traceback: one push failed": [3],
+            "Traceback: another": [5],
+        }
+        assert link.alive_column().tolist() == [1] * 6  # one process opened them all: asked once
+        assert [c.tolist() for c in link.acks_columns()] == [[0, 0, 0, 0, 0, 0]] * 2 + [
+            [4, -1, 4, 4, -1, 6],
+            [0] * 6,
+        ]
+    finally:
+        link.close()

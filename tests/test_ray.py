@@ -463,7 +463,7 @@ def test_relay_catches_up_then_writes_each_post_once_in_order(cluster: Any, monk
         starting.join(30)
         assert node.written == [1, 2]  # start() returns once it caught up
         acks, errors, answers = channel.recv()  # its first report (no worker reads this link)
-        assert acks.ravel().tolist() == [0, 0, NO_FAILURE, 1, 0, 0] and errors == {} and answers == []
+        assert acks.ravel().tolist() == [0, 0, NO_FAILURE, 1, 0, 0] and errors == [] and answers == []
         channel.send((3, rows[3]))
         # a post it cannot deliver (not rows; a held share the mailbox never got) costs that
         # post, not the next
@@ -503,7 +503,7 @@ def test_rows_travel_as_columns_and_a_report_is_read_as_columns() -> None:
         acks = np.zeros((6, count), dtype=np.int64)
         acks[:2], acks[2], acks[3], acks[5] = 1, NO_FAILURE, 1, 1  # received, applied, failed, alive, reached
         acks[1, 7] = 0  # one row has not applied it yet
-        channel.send((acks, {}, []))
+        channel.send((acks, [], []))
         deadline = time.monotonic() + 10
         while link.status(0).applied != 1 and time.monotonic() < deadline:
             time.sleep(0.01)

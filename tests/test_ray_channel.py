@@ -138,12 +138,14 @@ def test_a_peer_with_the_token_that_sends_code_or_garbage_is_dropped_and_the_oth
         for channel in (evil, garbled, good):
             until_caught_up(channel)
         evil.sock.sendall(HEADER.pack(len(crafted), 0) + crafted)  # a pickle that would run code
-        garbled.send((np.full((6, 5), 9, dtype=np.int64), {7: "not its worker"}, []))  # plain, but not its report
+        garbled.send(
+            (np.full((6, 5), 9, dtype=np.int64), [(np.array([7]), "not its worker")], [])
+        )  # plain, but not its report
         for dropped in (evil, garbled):
             with pytest.raises((EOFError, ConnectionResetError)):
                 dropped.recv()
         acks = np.array([[1], [1], [0], [1], [0], [1]], dtype=np.int64)
-        good.send((acks, {}, []))  # the link's reading thread still reads
+        good.send((acks, [], []))  # the link's reading thread still reads
         deadline = time.monotonic() + 10
         while link.status(2).applied != 1 and time.monotonic() < deadline:
             time.sleep(0.01)

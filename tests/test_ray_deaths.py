@@ -56,7 +56,7 @@ def joined(link: RayLink, collector: int) -> Channel:
 
 def report(channel: Channel, received: int, applied: int) -> None:
     acks = np.array([[received], [applied], [NO_FAILURE], [1], [0], [applied]], dtype=np.int64)
-    channel.send((acks, {}, []))  # the acknowledgement columns of its one worker
+    channel.send((acks, [], []))  # the acknowledgement columns of its one worker
 
 
 def settle(link: RayLink, worker: int, applied: int, timeout: float = 10.0) -> None:

@@ -384,15 +384,17 @@ class RayLink:
             return
         self._take(collector, *report)
 
-    def _take(self, collector: int, acks: np.ndarray, errors: Mapping[int, str], answers: list[Answer]) -> None:
+    def _take(
+        self, collector: int, acks: np.ndarray, errors: list[tuple[np.ndarray, str]], answers: list[Answer]
+    ) -> None:
         first = self._starts[collector]
         with self._changed:
             if self._deaths.known(collector):  # its process outlives its death a moment: drop what it says
                 return
             self._seen[collector] = time.monotonic()
             self._acks[:, first : first + self.workers[collector]] = acks
-            for local, text in errors.items():
-                self._errors[first + local] = text
+            for rows, text in errors:  # one text for every worker whose failure it is
+                self._errors.update(dict.fromkeys((rows + first).tolist(), text))
             self._answers.add(first, answers)
             self._report_seq += 1
             self._changed.notify_all()

@@ -221,7 +221,7 @@ class Relay:
 
     def _report(self, statuses: np.ndarray) -> None:
         failed = statuses[ACKS.index("failed")]
-        errors = {w: self.link.error_text(w) for w in np.flatnonzero(failed != self._sent_failures).tolist()}
+        errors = self.link.error_texts(np.flatnonzero(failed != self._sent_failures))
         self._sent_failures = failed.copy()
         fresh, self._fresh = self._fresh, []
         assert self._channel is not None

@@ -39,10 +39,11 @@ and the version it reached."""
 Answer = tuple[np.ndarray, Reply]
 """A reply of rows: the local workers it answers (int64, distinct) and one reply whose
 values hold one row per worker, in order (a failure: every worker's)."""
-Report = tuple[np.ndarray, dict[int, str], list[Answer]]
+Report = tuple[np.ndarray, list[tuple[np.ndarray, str]], list[Answer]]
 """A relay's report: its acknowledgement columns (:data:`ACKS` x its workers, int64), the
-tracebacks of new failures per local worker, and its answers to requests (their values as
-numpy arrays on the connection, :func:`envsync.links.records.plain`)."""
+tracebacks of new failures (each once, with the local workers whose failure it is) and its
+answers to requests (their values as numpy arrays on the connection,
+:func:`envsync.links.records.plain`)."""
 
 
 INLINE = 64 * 1024
@@ -304,38 +305,36 @@ def _chunk(seq: int, value: Any) -> Chunk:
 
 
 def read_report(message: Any, workers: int) -> Report:
-    """A relay's report (``(acks, errors, answers)``) for its ``workers`` workers, checked
+    """A relay's report (:data:`Report`) for its ``workers`` workers, checked
     for its shape, so that no peer can write outside its own workers' entries;
     :class:`WireError` for anything else.
 
     Examples:
         >>> acks = np.array([[1], [1], [0], [1], [0], [1]])
-        >>> read_report((acks, {}, []), 1)[0].ravel().tolist()
+        >>> read_report((acks, [], []), 1)[0].ravel().tolist()
         [1, 1, 0, 1, 0, 1]
-        >>> read_report((acks, {5: "boom"}, []), 1)
+        >>> read_report((acks, [(np.array([5]), "boom")], []), 1)
         Traceback (most recent call last):
         ...
-        envsync.errors.WireError: a report of 1 workers names worker 5
+        envsync.errors.WireError: a report of 1 workers has an error (array([5]), 'boom')
     """
     match message:
-        case (np.ndarray() as acks, dict() as errors, list() as answers):
+        case (np.ndarray() as acks, list() as errors, list() as answers):
             pass
         case _:
             raise WireError(f"not a report: {_short(message)}")
     if acks.shape != (len(ACKS), workers) or acks.dtype != np.int64:
         raise WireError(f"a report of {workers} workers has acknowledgements of shape {acks.shape} ({acks.dtype})")
-    for local in errors:
-        if not (isinstance(local, int) and 0 <= local < workers):
-            raise WireError(f"a report of {workers} workers names worker {_short(local)}")
-    for local, text in errors.items():
-        if not isinstance(text, str):
-            raise WireError(f"a report's entry for worker {local} is {_short(text)}")
+    for error in errors:
+        match error:
+            case (np.ndarray() as rows, str()) if _local(rows, workers):
+                pass
+            case _:
+                raise WireError(f"a report of {workers} workers has an error {_short(error)}")
     out = []
     for answer in answers:
         match answer:
-            case (np.ndarray() as rows, value) if (
-                rows.dtype == np.int64 and rows.ndim == 1 and len(rows) and rows.min() >= 0 and rows.max() < workers
-            ):
+            case (np.ndarray() as rows, value) if _local(rows, workers):
                 reply = reply_of(value)
                 if not reply.failed and any(v.ndim == 0 or len(v) != len(rows) for v in reply.result.values()):
                     raise WireError(f"an answer of {len(rows)} workers has values of other lengths")
@@ -343,6 +342,11 @@ def read_report(message: Any, workers: int) -> Report:
             case _:
                 raise WireError(f"a report of {workers} workers has an answer {_short(answer)}")
     return acks, errors, out
+
+
+def _local(rows: np.ndarray, workers: int) -> bool:
+    """Whether ``rows`` are local workers of a relay of ``workers``: int64, 1-D, some, in range."""
+    return bool(rows.dtype == np.int64 and rows.ndim == 1 and len(rows) and rows.min() >= 0 and rows.max() < workers)
 
 
 def _short(value: Any) -> str:

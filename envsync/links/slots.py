@@ -293,6 +293,13 @@ class SlotWriter:
     def error_text(self, worker: int) -> str:
         return self.table.error_text(worker)
 
+    def error_texts(self, slots: np.ndarray) -> list[tuple[np.ndarray, str]]:
+        """The error texts of ``slots`` (int64), each read once for all the slots that hold it
+        (the rows of a natively batched env that failed one apply share one record)."""
+        _, first, inverse = np.unique(self.table.counters["error_at"][slots], return_index=True, return_inverse=True)
+        inverse = inverse.ravel()
+        return [(slots[inverse == i], self.table.error_text(int(slots[at]))) for i, at in enumerate(first.tolist())]
+
     def alive(self, worker: int) -> bool:
         """Whether the worker can still answer (each kind of link knows how to tell)."""
         raise NotImplementedError
