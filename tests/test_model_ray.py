@@ -31,10 +31,11 @@ CHEAPEST = [
     Cell("ray-async", "native", "truncate"),
 ]
 """One cell per collector kind in ``make test``, each env kind but ``parallel`` and each mode once."""
-AT_SCALE = [Cell("ray-sync", "native", "reset", rows=1024), Cell("ray-async", "native", "step", rows=1024)]
-"""Two workers of a natively batched env of 1,024 rows over Ray (``make wide``; ``make soak``
-draws them with the others): each node's relay answers gathers and reads of 1,024 rows of
-its worker in one reply, every frame of 2,048 worlds checked against the reference model."""
+AT_SCALE = [Cell("ray-sync", "native", "reset", rows=4096), Cell("ray-async", "native", "step", rows=4096)]
+"""Two workers of a natively batched env of 4,096 rows over Ray (``make wide``; ``make soak``
+draws them with the others): the rows travel as columns, each node's relay answers gathers
+and reads of its worker's 4,096 rows in one reply, every frame of 8,192 worlds checked
+against the reference model."""
 RAY_CELLS += AT_SCALE
 SEED = int(os.environ.get("ENVSYNC_MODEL_SEED", "18"))
 SOAK_SECONDS = float(os.environ.get("ENVSYNC_MODEL_RAY_SECONDS", "0"))
