@@ -78,6 +78,12 @@ SECTIONS: dict[str, tuple[str, str]] = {
         "memory envsync adds per world; with mjlab's Cartpole (a mass factor per world) where mjlab is installed.",
     ),
     "rebuild": ("Rebuild against attribute set", "`envsync.apply.rebuild()` against `envsync.apply.attributes()`."),
+    "wait": (
+        "A wait the worlds answer late",
+        "The waiting process's CPU while a push's wait for 'applied' blocks on thousands of worlds that apply it only "
+        "at their next reset (an idle collector: the wait ends at its timeout): the wait reads each link's counters as "
+        "columns and asks liveness once per worker process, against the same window slept.",
+    ),
     "curriculum": (
         "Curricula against Syllabus",
         "A domain-randomisation curriculum over 1, 4, 8 envs: envsync against Syllabus 0.7 "

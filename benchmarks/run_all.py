@@ -28,6 +28,7 @@ import bench_rebuild  # noqa: E402
 import bench_switch_latency  # noqa: E402
 import bench_sync_stats  # noqa: E402
 import bench_throughput_switch  # noqa: E402
+import bench_wait  # noqa: E402
 import bench_workload  # noqa: E402
 from bench_common import RESULTS, targets_table  # noqa: E402
 
@@ -41,6 +42,7 @@ BENCHMARKS: list[Any] = [
     bench_sync_stats,
     bench_batched,
     bench_rebuild,
+    bench_wait,
     bench_curriculum,  # its Syllabus half only where syllabus-rl is installed (the bench extra)
 ]
 if shutil.which("callgrind_control") is not None:  # valgrind: instructions per frame, ~3.5 min (~1 min quick)

@@ -43,6 +43,7 @@ ROW_KEYS = {
     "bench_batched": {"what"},
     "bench_worlds": {"n", "measure", "envsync", "baseline", "unit", "ratio", "per_world", "exact", "status"},
     "bench_rebuild": {"apply", "workers", "apply_us", "push_us", "push_applied_ms"},
+    "bench_wait": {"worlds", "wait_wall_s", "wait_cpu_s", "cpu_share", "sleep_cpu_s"},
     "bench_ray": {"method", "median_ms", "over_env_state_push", "over_policy_update"},
     "bench_workload": {
         "workers",

@@ -126,6 +126,47 @@ def test_thousands_of_worlds_per_worker_share_one_lock_and_wake_up_per_worker() 
         sender.close()
 
 
+@pytest.mark.timeout(180)
+def test_a_wait_the_worlds_answer_late_reads_columns_not_worlds() -> None:
+    """4,096 worlds owe a version they apply only at their next reset (an idle collector: the
+    reset-mode trap): the wait blocks until its timeout reading each link's counters as
+    columns, and its liveness checks ask once per worker process, never world by world (it
+    once walked every world each 50 ms slice: a core busy at 4,096 worlds, past its timeout
+    at 65,536)."""
+    rows = 2048
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
+    factories = [sender.env_fn(functools.partial(make_native_counters, rows, w * rows)) for w in range(2)]
+    with start_method("fork"):
+        collector = MultiSyncCollector(
+            factories, None, frames_per_batch=2 * rows, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
+    try:
+        next(iter(collector))
+        link = sender.port.links()[0]
+        calls = {"status": 0, "alive": 0}
+
+        def counted(name: str) -> Any:
+            method = getattr(link, name)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                calls[name] += 1
+                return method(*args, **kwargs)
+
+            return call
+
+        link.status, link.alive = counted("status"), counted("alive")  # type: ignore[method-assign]
+        values = torch.arange(2 * rows, dtype=torch.float32)
+        with pytest.raises(envsync.AckTimeout) as raised:
+            sender.push(config=TensorDict(difficulty=values, batch_size=[2 * rows]), wait="applied", timeout=1.0)
+        assert raised.value.workers == [0, 1] and raised.value.dead == []
+        assert "apply_at='reset'" in str(raised.value)  # every late world received it: the trap, named
+        assert calls["status"] == 0
+        assert 0 < calls["alive"] <= 2 * 25, calls  # two worker processes, once each a slice (50 ms)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
 class CountingCounters(NativeCounterEnv):
     """A natively batched env that counts the calls of its config method and the rows each
     got, and refuses a negative difficulty after writing the rows it got (a half-done apply)."""

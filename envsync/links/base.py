@@ -144,8 +144,9 @@ class Acknowledgements(Protocol):
     def error_text(self, worker: int) -> str:
         """The traceback text of the worker's latest failure."""
 
-    def alive(self, worker: int) -> bool:
-        """Whether the worker can still answer."""
+    def alive_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot of ``slots`` (int64), whether its worker can still answer (a bool column:
+        asked once per process or remote collector, not once per slot)."""
 
     def counts(self, slots: Sequence[int] | np.ndarray, *, applied: bool) -> Counts:
         """Per slot of ``slots``: its target, its latest acknowledgement (``applied``: of an

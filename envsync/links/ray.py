@@ -281,8 +281,19 @@ class RayLink:
         """Whether ``worker`` can still answer: its relay did not report its process dead,
         Ray did not report its collector's actor dead here, nor fail a ping to it (sent once
         the relay falls silent for :data:`QUIET_AFTER` seconds)."""
-        collector = self._collector_of(worker)
-        if not self._acks[ACKS.index("alive"), worker] or self._deaths.known(collector):
+        return bool(self._acks[ACKS.index("alive"), worker]) and self._collector_alive(self._collector_of(worker))
+
+    def alive_slots(self, slots: np.ndarray) -> np.ndarray:
+        """:meth:`alive` of each of ``slots``, Ray and the silence asked once per collector."""
+        collectors = self._collector[slots]
+        out = self._acks[ACKS.index("alive"), slots] != 0
+        for collector in np.unique(collectors).tolist():
+            if not self._collector_alive(collector):
+                out[collectors == collector] = False
+        return out
+
+    def _collector_alive(self, collector: int) -> bool:
+        if self._deaths.known(collector):
             return False
         return time.monotonic() - self._seen[collector] < QUIET_AFTER or not self._deaths.pinged(collector)
 

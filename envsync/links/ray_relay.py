@@ -206,7 +206,7 @@ class Relay:
         """The acknowledgement columns of the workers (:data:`~envsync.links.ray_wire.ACKS`)."""
         self._read_replies()
         received, applied, failed, reached = self.link.acks_columns()
-        alive = self.link.alive_column()
+        alive = self.link.alive_slots(np.arange(self.count)).astype(np.int64)
         return np.stack([received, applied, failed, alive, self._answered, reached])
 
     def _read_replies(self) -> None:

@@ -310,17 +310,18 @@ class SlotWriter:
         c = self.table.counters
         return tuple(c[name][: self.num_workers].copy() for name in ("received", "applied", "failed", "reached"))
 
-    def alive_column(self) -> np.ndarray:
-        """Per slot, 1 where :meth:`alive` holds, else 0: asked once per process that opened
-        slots (the rows of a natively batched env share one), and for each slot none opened."""
-        pids = self.table.counters["pid"][: self.num_workers].copy()
-        out = np.zeros(self.num_workers, dtype=np.int64)
+    def alive_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Per slot of ``slots`` (int64), whether :meth:`alive` holds: asked once per process
+        that opened any of them (the rows of a natively batched env share one), and for each
+        slot none opened yet."""
+        pids = self.table.counters["pid"][slots]
+        out = np.zeros(len(slots), dtype=bool)
         distinct, first = firsts(pids)
         for pid, at in zip(distinct.tolist(), first.tolist(), strict=True):
             if pid:
-                out[pids == pid] = self.alive(at)
-        for slot in np.flatnonzero(pids == 0).tolist():
-            out[slot] = self.alive(slot)
+                out[pids == pid] = self.alive(int(slots[at]))
+        for at in np.flatnonzero(pids == 0).tolist():
+            out[at] = self.alive(int(slots[at]))
         return out
 
     def counts(self, slots: Sequence[int] | np.ndarray, *, applied: bool) -> Counts:

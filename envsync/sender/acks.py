@@ -2,21 +2,22 @@
 ``wait``, and the failures a push or a wait must raise (rolling the latest push back).
 
 A wait blocks on the link first (which returns at once when no slot owes the version) and
-reads the workers' counters each time the link wakes it. A blocking wait takes at most a
-slice, after which the liveness of the workers still pending is checked (a syscall per
-worker, so only when no acknowledgement came).
+reads the workers' counters each time the link wakes it, as columns (one read per link
+whatever the number of envs: a wait for 65,536 worlds never walks them). A blocking wait takes
+at most a slice, after which the liveness of the slots still owing is checked (once per
+process that serves them, so only when no acknowledgement came).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from envsync.errors import AckTimeout, EnvSyncError, WorkerApplyError
 from envsync.links.base import Acknowledgements
-from envsync.protocol import NO_FAILURE, Until, all_settled, any_owing, is_done
+from envsync.protocol import NO_FAILURE, Until, all_settled, any_owing
 from envsync.sender.core import Core
 from envsync.sender.fleet import Attachment, Part
 
@@ -35,46 +36,35 @@ def wait(
         if not pruned:
             core.prune()
         parts = core.fleet.split(chosen)
-    pending: list[int] | None = None  # the envs still owing, made when an env is looked at alone
-    located: dict[int, tuple[Attachment, int]] | None = None
+    owing = [part.slots for part in parts]  # per part, the slots that still owe (by vector ops)
     deadline = time.monotonic() + timeout
     try:
-        # first block (a link returns at once when nothing is owed), then read the counters
-        link: Acknowledgements | None = parts[0].attachment.link if parts else None
-        slots: np.ndarray | None = parts[0].slots if len(parts) == 1 else None
-        while link is not None:
-            if slots is None:
-                located = located if located is not None else _located(parts)
-                pending = pending if pending is not None else chosen.tolist()
-                slots = np.array([located[e][1] for e in pending if located[e][0].link is link], dtype=np.int64)
-            woken = _block(link, slots, version, mode, deadline - time.monotonic())
-            # (``pending`` not made yet: one collector's slots, every env waited for)
-            if woken and (pending is None or len(slots) == len(pending)):
-                settled = _settled(core, link, slots, version, mode)
+        while True:
+            # first block (a link returns at once when nothing is owed), then read the counters
+            live = [(part, slots) for part, slots in zip(parts, owing, strict=True) if len(slots)]
+            if not live:
+                return
+            link = live[0][0].attachment.link
+            woken = _block(link, live[0][1], version, mode, deadline - time.monotonic())
+            if woken and len(live) == 1:  # one link's slots owe: its counters tell, in one or two reads
+                settled = _settled(core, link, live[0][1], version, mode)
                 if settled:
                     return
                 if settled is False and time.monotonic() < deadline:
                     continue  # nothing failed, nobody left: block again
-            # liveness (a syscall per worker) only when no acknowledgement came in a slice
-            located = located if located is not None else _located(parts)
-            pending = pending if pending is not None else chosen.tolist()
-            link = _progress(core, pending, located, version, mode, check_liveness=not woken)
-            slots = None
-            if link is not None and time.monotonic() >= deadline:
-                raise _timeout(core, version, pending, [], mode)
+            # liveness (once per process) only when no acknowledgement came in a slice
+            owing = _progress(core, parts, owing, version, mode, check_liveness=not woken)
+            if any(len(slots) for slots in owing) and time.monotonic() >= deadline:
+                raise _timeout(core, version, _envs(parts, owing), [], mode)
     except RuntimeError as err:  # a link closed under us
         if core.closed:
             raise _closed(version) from err
         raise
 
 
-def _located(parts: list[Part]) -> dict[int, tuple[Attachment, int]]:
-    """Each env's attachment and slot (envs looked at one by one: failures, deaths)."""
-    out = {}
-    for part in parts:
-        for slot in part.slots.tolist():
-            out[part.attachment.offset + slot] = (part.attachment, slot)
-    return out
+def _envs(parts: list[Part], slots: list[np.ndarray]) -> list[int]:
+    """The fleet indices of ``slots`` (per part), ascending."""
+    return sorted(i for part, s in zip(parts, slots, strict=True) for i in (s + part.attachment.offset).tolist())
 
 
 def _closed(version: int) -> EnvSyncError:
@@ -112,39 +102,44 @@ def _settled(core: Core, link: Acknowledgements, slots: np.ndarray, version: int
 
 
 def _progress(
-    core: Core,
-    pending: list[int],
-    located: Mapping[int, tuple[Attachment, int]],
-    version: int,
-    mode: Until,
-    check_liveness: bool,
-) -> Acknowledgements | None:
-    """Drop the envs that are done from ``pending``; raise failures and (when asked to
-    check) deaths; return a link to block on (``None`` when nothing is pending)."""
+    core: Core, parts: list[Part], owing: list[np.ndarray], version: int, mode: Until, check_liveness: bool
+) -> list[np.ndarray]:
+    """Drop the slots that are done from ``owing`` (per part); raise failures and (when asked
+    to check) deaths; return what still owes. By vector ops on each link's counters: a wait
+    for 65,536 worlds costs a few column reads a slice, not a walk over the worlds."""
+    applied = mode is Until.APPLIED
     try:
         with core.lock:
             if check_liveness:
                 core.prune()
-            # a collector that left the fleet (pruned here or by anyone) has no link left
-            gone = [w for w in pending if located[w][0] not in core.fleet.attachments]
+            still: list[np.ndarray] = []
+            gone: list[int] = []
+            dead: list[int] = []
+            for part, slots in zip(parts, owing, strict=True):
+                attachment = part.attachment
+                if not len(slots) or attachment not in core.fleet.attachments:
+                    # a collector that left the fleet (pruned here or by anyone) has no link left
+                    gone += (slots + attachment.offset).tolist()
+                    still.append(slots[:0])
+                    continue
+                link = attachment.link
+                target, acked, failed = link.counts(slots, applied=applied)
+                reported = core.failures.reported(slots + attachment.offset)
+                for at in np.flatnonzero((failed != NO_FAILURE) & ((failed > reported) | (failed == version))).tolist():
+                    index = attachment.offset + int(slots[at])
+                    raising = core.failures.to_raise(index, link.status(int(slots[at])), version)
+                    if raising is not None:
+                        _raise_failure(core, index, attachment, int(slots[at]), raising)
+                left = slots[acked < np.minimum(target, version)]  # not done (protocol.is_done)
+                still.append(left)
+                if check_liveness and len(left):
+                    dead += (left[~link.alive_slots(left)] + attachment.offset).tolist()
             if gone and core.closed:
                 raise _closed(version)
-            still = []
-            for index in pending:
-                if index in gone:
-                    continue
-                attachment, slot = located[index]
-                status = attachment.link.status(slot)
-                failed = core.failures.to_raise(index, status, version)
-                if failed is not None:
-                    _raise_failure(core, index, attachment, slot, failed)
-                if not is_done(status, version, mode):
-                    still.append(index)
-            pending[:] = still
-            dead = gone + [w for w in still if check_liveness and not located[w][0].link.alive(located[w][1])]
-            if dead:
-                raise _timeout(core, version, sorted(set(still) | set(gone)), dead, mode)
-            return located[still[0]][0].link if still else None
+            if dead or gone:
+                late = sorted(set(_envs(parts, still)) | set(gone))
+                raise _timeout(core, version, late, sorted(set(dead) | set(gone)), mode)
+            return still
     except WorkerApplyError as err:
         _confirm_rollback(core, err, mode, time.monotonic() + 5.0)
         raise
@@ -152,16 +147,22 @@ def _progress(
 
 def _timeout(core: Core, version: int, late: list[int], dead: list[int], mode: Until) -> AckTimeout:
     """The timeout for late (and dead) envs, named by worker, with the envs alongside."""
+    gone = set(dead)
+    alive = [e for e in late if e not in gone]
+    hint = _reset_trap(core, version, alive) if mode is Until.APPLIED else ""
+    workers = _workers(core, late)
+    return AckTimeout(version, workers, dead=_workers(core, dead), until=mode.value, envs=late, hint=hint)
 
-    def worker(env: int) -> int:
-        try:
-            return core.fleet.worker_of(env)
-        except KeyError:  # its collector left the fleet
-            return env
 
-    workers = sorted({worker(e) for e in late})
-    hint = _reset_trap(core, version, [e for e in late if e not in dead]) if mode is Until.APPLIED else ""
-    return AckTimeout(version, workers, dead=sorted({worker(e) for e in dead}), until=mode.value, envs=late, hint=hint)
+def _workers(core: Core, envs: list[int]) -> list[int]:
+    """The fleet workers that drive ``envs``, ascending (by vector ops: 65,536 late worlds are
+    a few workers); an env whose collector left the fleet stands for itself."""
+    chosen = np.array(envs, dtype=np.int64)
+    out = chosen.copy()
+    for a in core.fleet.attachments:
+        inside = (chosen >= a.offset) & (chosen < a.offset + a.link.num_workers)
+        out[inside] = a.worker_offset + (chosen[inside] - a.offset) // a.envs_per_worker
+    return np.unique(out).tolist()
 
 
 RESET_TRAP = (
@@ -177,12 +178,13 @@ def _reset_trap(core: Core, version: int, late: list[int]) -> str:
     if not core.resets or not late:
         return ""
     with core.lock:
-        for env in late:
-            try:
-                attachment, slot = core.fleet.locate(env)
-            except KeyError:
-                return ""
-            if attachment.link.status(slot).received < version:
+        try:
+            parts = core.fleet.split(np.array(late, dtype=np.int64))
+        except KeyError:
+            return ""
+        for part in parts:
+            target, received, _ = part.attachment.link.counts(part.slots, applied=False)
+            if (received < version).any():
                 return ""
     return RESET_TRAP
 

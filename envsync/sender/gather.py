@@ -177,8 +177,10 @@ def _await_replies(core: Core, targets: np.ndarray, request: int, timeout: float
                 attached = list(core.fleet.attachments)
                 live = np.isin(pending, core.fleet.index_array())
                 dead = pending[~live].tolist()
-                if check_liveness:
-                    dead += [int(e) for e in pending[live].tolist() if not _alive(core, e)]
+                if check_liveness:  # once per process (or remote collector) of the pending envs
+                    for part in core.fleet.split(pending[live]):
+                        alive = part.attachment.link.alive_slots(part.slots)
+                        dead += (part.slots[~alive] + part.attachment.offset).tolist()
             if dead:
                 raise AckTimeout(request, pending.tolist(), dead=sorted(dead), until="gathered")
             came = 0
@@ -234,11 +236,6 @@ def _columns(chunks: list[tuple[np.ndarray, Columns]], count: int) -> Columns:
     if len(chunks) == 1 and np.array_equal(order, np.arange(count)):
         return dict(chunks[0][1])
     return {name: take_rows(torch.cat([values[name] for _, values in chunks]), back) for name in names}
-
-
-def _alive(core: Core, index: int) -> bool:
-    attachment, slot = core.fleet.locate(index)
-    return attachment.link.alive(slot)
 
 
 def read_settled(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from envsync.errors import ValidationError
@@ -132,6 +133,14 @@ class Failures:
             self._by_env[index] = max(failed, self._by_env.get(index, NO_FAILURE))
             return None
         return failed
+
+    def reported(self, indices: np.ndarray) -> np.ndarray:
+        """Per env of ``indices`` (int64), the latest failed version raised (or marked raised)
+        for it: a column to compare at once (none ever failed: no walk over the envs)."""
+        if not self._by_env:
+            return np.full(len(indices), NO_FAILURE, dtype=np.int64)
+        get = self._by_env.get
+        return np.fromiter((get(i, NO_FAILURE) for i in indices.tolist()), dtype=np.int64, count=len(indices))
 
     def raised(self, index: int, failed: int) -> None:
         """Note that env ``index``'s failure of version ``failed`` is being raised."""
