@@ -94,6 +94,16 @@ def _semaphores() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("sem.")}
 
 
+def _two_workers(sender: EnvStateSender, rows: int, *, frames: int) -> MultiSyncCollector:
+    """A forked ``MultiSyncCollector`` of 2 workers, each a natively batched env of ``rows``
+    counters (labelled from ``w * rows``), ``frames`` frames a batch."""
+    factories = [sender.env_fn(functools.partial(make_native_counters, rows, w * rows)) for w in range(2)]
+    with start_method("fork"):
+        return MultiSyncCollector(
+            factories, None, frames_per_batch=frames, total_frames=-1, weight_sync_schemes=sender.schemes()
+        )
+
+
 @pytest.mark.timeout(180)
 def test_thousands_of_worlds_per_worker_share_one_lock_and_wake_up_per_worker() -> None:
     """A ``MultiSyncCollector`` of 2 workers x 2,048 worlds: the link makes a handful of named
@@ -103,11 +113,7 @@ def test_thousands_of_worlds_per_worker_share_one_lock_and_wake_up_per_worker() 
     rows = 2048
     before = _semaphores()
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    factories = [sender.env_fn(functools.partial(make_native_counters, rows, w * rows)) for w in range(2)]
-    with start_method("fork"):
-        collector = MultiSyncCollector(
-            factories, None, frames_per_batch=4 * rows, total_frames=-1, weight_sync_schemes=sender.schemes()
-        )
+    collector = _two_workers(sender, rows, frames=4 * rows)
     try:
         made = _semaphores() - before
         assert len(made) <= 10, len(made)  # per worker: a lock, a wake-up, a relay; two for acknowledgements
@@ -135,11 +141,7 @@ def test_a_wait_the_worlds_answer_late_reads_columns_not_worlds() -> None:
     at 65,536)."""
     rows = 2048
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="reset")
-    factories = [sender.env_fn(functools.partial(make_native_counters, rows, w * rows)) for w in range(2)]
-    with start_method("fork"):
-        collector = MultiSyncCollector(
-            factories, None, frames_per_batch=2 * rows, total_frames=-1, weight_sync_schemes=sender.schemes()
-        )
+    collector = _two_workers(sender, rows, frames=2 * rows)
     try:
         next(iter(collector))
         link = sender.port.links()[0]
