@@ -169,6 +169,40 @@ def test_a_wait_the_worlds_answer_late_reads_columns_not_worlds() -> None:
         sender.close()
 
 
+@pytest.mark.timeout(180)
+def test_a_checkpoint_of_thousands_of_worlds_reads_each_collectors_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``state_dict()`` of 2 x 2,048 worlds, each with its own pushed row: every world's
+    config comes back in fleet order, read as columns from each collector's desired state
+    (one row looked at per collector, to see that none has env state of its own), and a new
+    sender loads it (a checkpoint of 65,536 worlds took 111 s when it made a row per world
+    and found each world's worker by listing its envs)."""
+    from envsync.sender.mirror import Mirror
+
+    rows = 2048
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = _two_workers(sender, rows, frames=2 * rows)
+    try:
+        next(iter(collector))
+        values = torch.rand(2 * rows)
+        sender.push(config=TensorDict(difficulty=values, batch_size=[2 * rows]), wait="applied")
+        looked = []
+        row = Mirror.row
+        monkeypatch.setattr(Mirror, "row", lambda self, slot: looked.append(slot) or row(self, slot))
+        state = sender.state_dict()
+        assert len(looked) <= 2, len(looked)  # one per collector
+        assert state["config"].batch_size == (2 * rows,) and torch.equal(state["config"]["difficulty"], values)
+        assert "env_state_rows" not in state
+    finally:
+        collector.shutdown()
+        sender.close()
+    restored = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    try:
+        restored.load_state_dict(state)
+        assert torch.equal(restored.state_dict()["config"]["difficulty"], values)  # kept for the next collector
+    finally:
+        restored.close()
+
+
 class CountingCounters(NativeCounterEnv):
     """A natively batched env that counts the calls of its config method and the rows each
     got, and refuses a negative difficulty after writing the rows it got (a half-done apply)."""

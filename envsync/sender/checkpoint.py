@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync.errors import ValidationError
@@ -41,22 +43,56 @@ def state_dict(
         core.prune()
         indices = core.fleet.collected()  # an env outside any collector rejoins from the default
         default = core.desired.default
-        rows = [nest(desired.section(core.mirror(e), "config"), copy=True) for e in indices]
-        config = TensorDict.stack(rows) if rows else nest(desired.section(default, "config"), copy=True)
+        config = _configs(core, indices) if indices else nest(desired.section(default, "config"), copy=True)
         env_state = {k: v.clone() for k, v in desired.pushed_env_state(default).items()}
         out: dict[str, Any] = {"version": core.desired.version, "config": config, "env_state": env_state}
         covers = template().covers if indices else {}
-        own = [_own_entries(core.mirror(e), default, covers) for e in indices]
+        own = _own(core, indices, default, covers)
         if any(own):
             out["env_state_rows"] = own
         if not indices and core.desired.restored_rows is not None:  # a restored checkpoint no collector took yet
             _keep_restored_rows(core.desired, out)
-        heads = [core.head(e) for e in indices]
+        heads = core.fleet.heads(np.asarray(indices, dtype=np.int64)).tolist()
         if gathered is None or not indices:
             _stats_of(core, out, indices, heads, held=False)
         else:
             out["worker_env_state"], applied = gathered
             _stats_of(core, out, indices, heads, held=True, applied=applied[False], applied_whole=applied[True])
+    return out
+
+
+def _configs(core: Core, indices: list[int]) -> TensorDict:
+    """Every env's desired config of ``indices`` (collected, in fleet order), one row each:
+    a ``TensorDict`` of batch ``len(indices)`` read as columns from each collector's mirror (a
+    checkpoint of 65,536 worlds makes no object per world)."""
+    targets = np.asarray(indices, dtype=np.int64)
+    columns: dict[str, torch.Tensor] = {}
+    for part in core.fleet.split(targets):
+        mirror = part.attachment.mirror
+        shared, rows = mirror.gather(part.slots, mirror.config_keys())
+        at: Any = slice(None) if part.positions is None else torch.from_numpy(part.positions)
+        values = {k: torch.as_tensor(v).expand(len(part.slots), *np.shape(v)) for k, v in shared.items()}
+        for key, value in {**values, **rows}.items():
+            if key[1] not in columns:
+                columns[key[1]] = torch.empty((len(targets), *value.shape[1:]), dtype=value.dtype)
+            columns[key[1]][at] = value
+    return TensorDict({tuple(name.split(".")): column for name, column in columns.items()}, batch_size=[len(targets)])
+
+
+def _own(
+    core: Core, indices: list[int], default: Mapping[Any, Any], covers: Mapping[str, Sequence[str]]
+) -> list[dict[str, Any]]:
+    """:func:`_own_entries` of each env of ``indices``: looked at env by env only in a collector
+    whose envs were pushed env state of their own (else every env of it has the first one's)."""
+    out: list[dict[str, Any]] = [{} for _ in indices]
+    for part in core.fleet.split(np.asarray(indices, dtype=np.int64)):
+        mirror = part.attachment.mirror
+        positions = range(len(part.slots)) if part.positions is None else part.positions.tolist()
+        alike = mirror.uniform("env_state") and mirror.uniform("stamp")
+        if alike and not _own_entries(mirror.row(int(part.slots[0])), default, covers):
+            continue  # none of its envs has entries of its own: the common case, no walk
+        for position, slot in zip(positions, part.slots.tolist(), strict=True):
+            out[position] = _own_entries(mirror.row(slot), default, covers)
     return out
 
 

@@ -105,7 +105,9 @@ class Core:
     def head(self, index: int) -> int:
         """The first env of the worker that drives env ``index`` (where a batched env's own
         entries are asked for, and kept in the books)."""
-        return self.fleet.envs_of(self.fleet.worker_of(index))[0]
+        attachment, slot = self.fleet.locate(index)
+        per = attachment.envs_per_worker
+        return attachment.offset + slot // per * per
 
     def applied_versions(self, targets: Sequence[int], *, whole: bool = False) -> dict[int, int]:
         """The version whose entries each of ``targets`` holds: its own level's (``reached``:
@@ -114,10 +116,12 @@ class Core:
         state follows)."""
         out = {}
         for index in targets:
-            if whole:
-                out[index] = min(self.applied(env) for env in self.fleet.envs_of(self.fleet.worker_of(index)))
+            attachment, slot = self.fleet.locate(index)
+            if whole:  # its worker's envs, in one read of their counters
+                per = attachment.envs_per_worker
+                first = slot // per * per
+                out[index] = int(attachment.link.counts(np.arange(first, first + per), applied=True)[1].min())
             else:
-                attachment, slot = self.fleet.locate(index)
                 out[index] = attachment.link.status(slot).reached
         return out
 

@@ -47,6 +47,11 @@ class Mirror:
         """The config leaves (what the config history keeps)."""
         return [key for key in dict.fromkeys([*self._shared, *self._columns]) if key[0] == "config"]
 
+    def uniform(self, section: str) -> bool:
+        """Whether every env holds the same value of each leaf of ``section`` (``"config"``,
+        ``"env_state"``, ``"stamp"``): none of them is a column."""
+        return not any(key[0] == section for key in self._columns)
+
     def row(self, slot: int) -> Flat:
         """The leaves of env ``slot`` (copies of its column rows)."""
         out = dict(self._shared)
