@@ -203,6 +203,35 @@ def test_a_checkpoint_of_thousands_of_worlds_reads_each_collectors_columns(monke
         restored.close()
 
 
+@pytest.mark.timeout(180)
+def test_push_each_gives_every_world_of_a_worker_its_config_with_one_update_per_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``push_each`` to 2 workers of 2,048 worlds each: every world runs its worker's config
+    from the next step, and the push made one set of leaves per worker (it made one per
+    world: 310 ms for a worker of 65,536 worlds)."""
+    from envsync.sender import desired
+
+    rows = 2048
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = _two_workers(sender, rows, frames=2 * rows)
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        made = []
+        leaves = desired.leaves
+        monkeypatch.setattr(desired, "leaves", lambda *args: made.append(1) or leaves(*args))
+        version = sender.push_each({0: {"difficulty": 2.0}, 1: {"difficulty": 3.0}}, wait="applied")
+        assert len(made) == 2
+        batch = next(iterator)
+        assert (batch["next", "env_version"] == version).all()
+        expected = torch.where(batch["env_index"] < rows, 2.0, 3.0)
+        assert torch.equal(batch["next", "observation"][..., 0], expected)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
 class CountingCounters(NativeCounterEnv):
     """A natively batched env that counts the calls of its config method and the rows each
     got, and refuses a negative difficulty after writing the rows it got (a half-done apply)."""

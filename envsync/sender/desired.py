@@ -104,15 +104,21 @@ class Update:
         return Update(self.targets[positions], self.shared, {k: take_rows(v, positions) for k, v in self.rows.items()})
 
     @classmethod
-    def stacked(cls, targets: Sequence[int], flats: Sequence[Flat]) -> list[Update]:
+    def stacked(
+        cls, targets: Sequence[int] | np.ndarray, flats: Sequence[Flat], counts: Sequence[int] | None = None
+    ) -> list[Update]:
         """Updates from one flat update per target: targets with the same keys become one
-        update, a leaf the same object for all of them shared, any other stacked in rows."""
+        update, a leaf the same object for all of them shared, any other stacked in rows.
+        ``counts``: each flat is for that many consecutive targets (the envs of one worker:
+        one flat for all of them, its rows repeated by one vector op, not one per env)."""
+        spans = np.cumsum([0, *(counts if counts is not None else [1] * len(flats))])
         groups: dict[tuple[Key, ...], list[int]] = {}
         for position, flat in enumerate(flats):
             groups.setdefault(tuple(flat), []).append(position)
         out = []
         for keys, positions in groups.items():
             chosen = [flats[p] for p in positions]
+            sizes = torch.tensor([int(spans[p + 1] - spans[p]) for p in positions])
             shared: Flat = {}
             rows: dict[Key, torch.Tensor] = {}
             for key in keys:
@@ -120,8 +126,9 @@ class Update:
                 if all(flat[key] is first for flat in chosen):
                     shared[key] = first
                 else:
-                    rows[key] = torch.stack([tensor_of(flat[key]) for flat in chosen])
-            out.append(cls(np.asarray([targets[p] for p in positions], dtype=np.int64), shared, rows))
+                    rows[key] = torch.stack([tensor_of(flat[key]) for flat in chosen]).repeat_interleave(sizes, dim=0)
+            at = np.concatenate([np.arange(spans[p], spans[p + 1]) for p in positions])
+            out.append(cls(np.asarray(targets, dtype=np.int64)[at], shared, rows))
         return out
 
 

@@ -109,18 +109,29 @@ class Updates:
         return Update.stacked(targets.tolist(), flats), default
 
     def rows(self, configs: Mapping[int, Mapping[str, Any] | TensorDictBase], *, by_env: bool) -> Plan:
-        """The updates giving each listed worker (or, ``by_env``, env) its own config."""
+        """The updates giving each listed worker (or, ``by_env``, env) its own config: one
+        flat for every env of a worker (statistics computed in main aside, which are per env's
+        config), so a worker of 65,536 worlds costs what a worker of one does."""
         version = self._core.desired.version + 1
         cache: dict[bytes, dict[str, torch.Tensor]] = {}
-        targets: list[int] = []
+        targets: list[np.ndarray] = []
         flats: list[Flat] = []
+        counts: list[int] = []
+        fleet = self._core.fleet
         for index in list(configs):
             cfg = self._template.fit(configs[index])
-            fleet = self._core.fleet
-            for e in fleet.targets(None, [index]) if by_env else fleet.targets([index]):
-                targets.append(e)
+            envs = fleet.target_array(None, [index]) if by_env else fleet.target_array([index])
+            if self._main_stats is None:
+                targets.append(envs)
+                flats.append(desired.leaves(cfg, {}, version))
+                counts.append(len(envs))
+                continue
+            for e in envs.tolist():
+                targets.append(np.array([e], dtype=np.int64))
                 flats.append(desired.leaves(cfg, self._with_main_stats(cfg, {}, e, cache), version))
-        return Update.stacked(targets, flats), None
+                counts.append(1)
+        chosen = np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64)
+        return Update.stacked(chosen, flats, counts), None
 
     def _check_whole_workers(self, targets: np.ndarray) -> None:
         """A batched env's own entries belong to its worker: a push of them with ``envs=``
