@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from tensordict import TensorDict
 
 from envsync.errors import ValidationError
@@ -38,8 +39,12 @@ class ReadBack:
         collector is attached); for a batched worker, the oldest of its envs' versions."""
         with self._core.lock:
             self._core.prune()
-            applied = dict(zip(self._core.fleet.indices(), self.env_versions(), strict=True))
-            return [min(applied[e] for e in self._core.fleet.envs_of(w)) for w in self._core.fleet.workers()]
+            out: list[int] = []
+            for attachment in self._core.fleet.attachments:  # each worker's envs: one row of a column
+                link, per = attachment.link, attachment.envs_per_worker
+                applied = link.counts(np.arange(link.num_workers), applied=True)[1]
+                out += applied.reshape(-1, per).min(axis=1).tolist()
+            return out
 
     def env_versions(self) -> list[int]:
         """The version each attached env runs now, in fleet env order (every sub-env of a
@@ -49,7 +54,7 @@ class ReadBack:
             out: list[int] = []
             for attachment in self._core.fleet.attachments:  # a column per link, not a status per env
                 link = attachment.link
-                out += link.counts(range(link.num_workers), applied=True)[1].tolist()
+                out += link.counts(np.arange(link.num_workers), applied=True)[1].tolist()
             return out
 
     def gather(
