@@ -16,9 +16,9 @@ mid-episode: each piece is then credited to its own config and marked ``whole=Fa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -86,15 +86,6 @@ class _Piece(NamedTuple):
     values: dict[str, float]
     whole: bool
 
-    def then(self, later: _Piece, reductions: Mapping[str, str]) -> _Piece:
-        """This piece followed by ``later`` (same env, same version, same episode)."""
-        merged = {}
-        for name, how in reductions.items():
-            a, b = self.values[name], later.values[name]
-            merged[name] = {"first": a, "last": b, "max": max(a, b), "min": min(a, b)}.get(how, a + b)
-        total = self.episode_return + later.episode_return
-        return _Piece(self.env, self.version, total, self.length + later.length, merged, self.whole)
-
     def finished(self, config: TensorDict, means: Sequence[str]) -> Episode:
         """The record of this piece (the running sums of the ``means`` become means)."""
         values = self.values
@@ -138,7 +129,7 @@ class Ledger:
         self.latest: dict[int, int] = {}
         """Per env: the version of the newest frame seen (an env's versions never go back)."""
         self.frames = 0
-        self._open: dict[int, _Piece] = {}
+        self._open = _Open()
         self._configs: dict[int, tuple[int, TensorDict]] = {}
 
     def observe(self, batch: TensorDictBase) -> list[Episode]:
@@ -153,7 +144,7 @@ class Ledger:
         if cuts is None:
             return []
         episodes = [p.finished(self._config(p.env, p.version), self._means) for p in cuts.pieces(self._open)]
-        self.latest.update(zip(cuts.envs, cuts.versions, strict=True))  # an env's last piece comes last
+        self.latest.update(zip(cuts.env.tolist(), cuts.version.tolist(), strict=True))  # an env's last piece comes last
         return episodes
 
     def _config(self, env: int, version: int) -> TensorDict:
@@ -191,13 +182,12 @@ class _Cuts:
         self.starts, self.lasts = bounds[:-1], bounds[1:] - 1
         self.count = self.starts.size
         self.segment = np.cumsum(start[:n]) - 1
-        lengths = bounds[1:] - self.starts
-        self.envs: list[int] = env[self.starts].tolist()
-        self.versions: list[int] = version[self.starts].tolist()
-        self.ended: list[bool] = done[self.lasts].tolist()
-        self.returns: list[float] = self._sums(reward).tolist()
-        self.lengths: list[int] = lengths.tolist()
-        self.values: dict[str, list[float]] = {}
+        self.env = env[self.starts]  # per piece, as columns
+        self.version = version[self.starts]
+        self.ended = done[self.lasts]
+        self.returns = self._sums(reward)
+        self.lengths = bounds[1:] - self.starts
+        self.values: dict[str, np.ndarray] = {}
         self.reductions: dict[str, str] = {}
 
     @classmethod
@@ -248,27 +238,136 @@ class _Cuts:
             out = self._sums(values)
         else:
             out = (np.maximum if how == "max" else np.minimum).reduceat(values, self.starts)
-        self.values[name] = out.astype(np.float64, copy=False).tolist()
+        self.values[name] = out.astype(np.float64)
         self.reductions[name] = how
 
-    def pieces(self, running: dict[int, _Piece]) -> list[_Piece]:
-        """The pieces that ended in this batch; ``running`` (per env, the piece still running)
-        is merged into each env's first piece and replaced by its last one."""
-        envs, ended, reductions = self.envs, self.ended, self.reductions
-        out: list[_Piece] = []
-        for i, env in enumerate(envs):
-            values = {name: v[i] for name, v in self.values.items()}
-            # a piece after another of its env starts after a done or a version change (mid-episode)
-            piece = _Piece(env, self.versions[i], self.returns[i], self.lengths[i], values, i > 0 and ended[i - 1])
-            if i == 0 or envs[i - 1] != env:
-                piece = _continued(running.pop(env, None), piece, reductions, out)
-            if ended[i]:
-                out.append(piece)
-            elif i + 1 == len(envs) or envs[i + 1] != env:
-                running[env] = piece
-            else:  # cut by a version change mid-episode ("step" mode)
-                out.append(piece._replace(whole=False))
-        return out
+    def pieces(self, running: _Open) -> list[_Piece]:
+        """The pieces that ended in this batch, env by env, in order; ``running`` (per env, the
+        piece it left running) is merged into each env's first piece and replaced by its last
+        one. By vector ops over the pieces: a piece object is made only for what ended."""
+        env, version, ended = self.env, self.version, self.ended
+        returns, lengths = self.returns.copy(), self.lengths.copy()
+        values = {name: v.copy() for name, v in self.values.items()}
+        count = self.count
+        first = np.ones(count, dtype=bool)
+        first[1:] = env[1:] != env[:-1]
+        last = np.ones(count, dtype=bool)
+        last[:-1] = first[1:]
+        # a piece after another of its env starts after a done or a version change (mid-episode)
+        whole = np.zeros(count, dtype=bool)
+        whole[1:] = ended[:-1]
+        heads = np.flatnonzero(first)
+        kept = running.take(env[heads])  # each env's running piece, taken out (None: none ran)
+        if kept is None:  # a new episode (an env first seen is taken to start one)
+            whole[heads] = True
+            broken = np.zeros(0, dtype=np.int64)
+        else:
+            has, before_version, before_return, before_length, before_whole, before_values = kept
+            same = has & (before_version == version[heads])
+            broken = np.flatnonzero(has & ~same)  # ran under another version: it ends here, cut
+            whole[heads] = np.where(has, same & before_whole, True)
+            at = heads[same]
+            returns[at] += before_return[same]
+            lengths[at] += before_length[same]
+            for name, how in self.reductions.items():
+                a, b = before_values[name][same], values[name][at]
+                merged = {"first": a, "last": b, "max": np.maximum(a, b), "min": np.minimum(a, b)}.get(how)
+                values[name][at] = a + b if merged is None else merged
+        stays = np.flatnonzero(last & ~ended)  # each env's last piece, if its episode runs on
+        running.put(env[stays], version[stays], returns[stays], lengths[stays], whole[stays], values, stays)
+        # what ended: the cut running pieces (each before its env's first piece), then the pieces
+        # that ended or were cut by a version change mid-episode ("step" mode)
+        out_pieces = np.flatnonzero(ended | ~last)
+        order = np.argsort(np.r_[2 * heads[broken], 2 * out_pieces + 1], kind="stable")
+        made: list[_Piece] = []
+        if len(broken):
+            assert kept is not None
+            names = list(values)
+            made += [
+                _Piece(e, v, r, n, dict(zip(names, m, strict=True)), False)
+                for e, v, r, n, *m in zip(
+                    env[heads[broken]].tolist(),
+                    kept[1][broken].tolist(),
+                    kept[2][broken].tolist(),
+                    kept[3][broken].tolist(),
+                    *(kept[5][name][broken].tolist() for name in names),
+                    strict=True,
+                )
+            ]
+        names = list(values)
+        whole_out = whole[out_pieces] & ended[out_pieces]  # a piece cut mid-episode is not whole
+        made += [
+            _Piece(e, v, r, n, dict(zip(names, m, strict=True)), w)
+            for e, v, r, n, w, *m in zip(
+                env[out_pieces].tolist(),
+                version[out_pieces].tolist(),
+                returns[out_pieces].tolist(),
+                lengths[out_pieces].tolist(),
+                whole_out.tolist(),
+                *(values[name][out_pieces].tolist() for name in names),
+                strict=True,
+            )
+        ]
+        return [made[i] for i in order.tolist()]
+
+
+class _Open:
+    """Per env, the piece it left running, as columns (an env of 65,536 is a row, not an
+    object): whether it has one, its version, return, length, wholeness and measures."""
+
+    def __init__(self) -> None:
+        self.has = np.zeros(0, dtype=bool)
+        self.version = np.zeros(0, dtype=np.int64)
+        self.returns = np.zeros(0, dtype=np.float64)
+        self.lengths = np.zeros(0, dtype=np.int64)
+        self.whole = np.zeros(0, dtype=bool)
+        self.values: dict[str, np.ndarray] = {}
+
+    def _fit(self, top: int, names: Iterable[str]) -> None:
+        """Make room for env ``top`` and the measures ``names``."""
+        size = len(self.has)
+        grow = max(top + 1, 2 * size) - size if top >= size else 0
+        if grow:
+            self.has = np.r_[self.has, np.zeros(grow, dtype=bool)]
+            self.version = np.r_[self.version, np.zeros(grow, dtype=np.int64)]
+            self.returns = np.r_[self.returns, np.zeros(grow)]
+            self.lengths = np.r_[self.lengths, np.zeros(grow, dtype=np.int64)]
+            self.whole = np.r_[self.whole, np.zeros(grow, dtype=bool)]
+            self.values = {name: np.r_[v, np.zeros(grow)] for name, v in self.values.items()}
+        for name in names:
+            if name not in self.values:
+                self.values[name] = np.zeros(len(self.has))
+
+    def take(self, envs: np.ndarray) -> tuple[Any, ...] | None:
+        """The running pieces of ``envs`` (distinct), taken out: ``(has, version, return,
+        length, whole, values)`` per env; ``None`` when none of them has one."""
+        if not len(envs) or int(envs.max()) >= len(self.has):
+            self._fit(int(envs.max()) if len(envs) else 0, ())
+        has = self.has[envs]
+        if not has.any():
+            return None
+        self.has[envs] = False
+        out = (self.version[envs], self.returns[envs], self.lengths[envs], self.whole[envs])
+        return (has, *out, {name: v[envs] for name, v in self.values.items()})
+
+    def put(
+        self,
+        envs: np.ndarray,
+        version: np.ndarray,
+        returns: np.ndarray,
+        lengths: np.ndarray,
+        whole: np.ndarray,
+        values: dict[str, np.ndarray],
+        at: np.ndarray,
+    ) -> None:
+        """Leave each of ``envs`` its piece running (``values`` at the pieces ``at``)."""
+        if not len(envs):
+            return
+        self._fit(int(envs.max()), values)
+        self.has[envs] = True
+        self.version[envs], self.returns[envs], self.lengths[envs], self.whole[envs] = version, returns, lengths, whole
+        for name, v in values.items():
+            self.values[name][envs] = v[at]
 
 
 def _columns(value: torch.Tensor, n: int) -> np.ndarray:
@@ -279,13 +378,3 @@ def _columns(value: torch.Tensor, n: int) -> np.ndarray:
     except TypeError:  # bfloat16 and the like
         rows = value.detach().to("cpu", torch.float64).numpy()
     return rows.reshape(n, -1)
-
-
-def _continued(before: _Piece | None, piece: _Piece, reductions: Mapping[str, str], out: list[_Piece]) -> _Piece:
-    """An env's first piece in a batch: it continues the piece the env left running, if any."""
-    if before is None:  # a new episode (an env first seen is taken to start one)
-        return piece._replace(whole=True)
-    if before.version != piece.version:
-        out.append(before._replace(whole=False))
-        return piece._replace(whole=False)
-    return before.then(piece, reductions)

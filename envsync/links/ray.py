@@ -6,36 +6,28 @@ fleet is numbered collector by collector, then by worker). It listens on its nod
 (:class:`~envsync.links.ray_channel.Listener`); each remote collector's
 :class:`~envsync.links.ray_relay.Relay` connects to it when torchrl starts envsync's scheme
 in its actor, and is first sent every post it missed. Per push the link buffers each
-write as the columns it is (:data:`~envsync.links.ray_wire.Chunk`: the workers, the values
-they all get, the values with a row each; never a Python entry per worker, so a push to
-65,536 worlds costs a few vector ops); ``flush`` makes, for each node that has rows in the
-push, one share holding only that node's rows (:func:`~envsync.links.ray_wire.encode`,
-:func:`~envsync.links.ray_wire.coalesce`), and posts it,
-numbered, on the connections of that node's relays that have rows in it: the rows
-themselves, encoded once per node, unless the share is over
-:data:`~envsync.links.ray_wire.INLINE` bytes and several relays of the node need it; then
-it is put into the object store once and its reference is held by the
-:class:`~envsync.links.mailbox.Mailbox`, from which each of those relays takes it, so that
-the node receives it once. A gather is posted on every connection as one
-:class:`~envsync.links.mailbox.Ask`.
+write as the columns it is (:data:`~envsync.links.ray_wire.Chunk`: never an entry per
+world); ``flush`` makes, for each node with rows in the push, one share of only that node's
+rows (:func:`~envsync.links.ray_wire.coalesce`), posted, numbered, on the connections of
+that node's relays that have rows in it, unless it is over
+:data:`~envsync.links.ray_wire.INLINE` bytes and several relays of the node need it: then it
+is put into the object store once, its reference held by the
+:class:`~envsync.links.mailbox.Mailbox` until each of those relays took it. A gather is
+posted on every connection as one :class:`~envsync.links.mailbox.Ask`.
 
-The relay writes its collector's workers into the node's own link (shared memory or in
-process), exactly as a local sender would, hands gather requests to its workers through the
-same link, and reports acknowledgements (as columns, :data:`~envsync.links.ray_wire.ACKS`),
-failures, gather answers (replies of rows, numpy arrays) and a
-heartbeat back on its connection. A connection carries its posts in order and each once.
+The relay writes its collector's workers into the node's own link, as a local sender would,
+hands gather requests to its workers through it, and reports acknowledgements (columns,
+:data:`~envsync.links.ray_wire.ACKS`), failures, gather answers (replies of rows) and a
+heartbeat back on its connection, which carries its posts in order and each once.
 
-The main process reads every connection from one thread into a local table, so
-``status``, ``alive``, ``answer`` and ``wait_acks`` cost what they cost on one machine.
-Death is concluded only from evidence (:mod:`~envsync.links.ray_deaths`): a relay reports
-its own dead worker processes; Ray's view in this process of each actor is read at every
-push and every report (no round trip); and once a collector's relay has been silent for
-:data:`QUIET_AFTER` seconds (at once when its connection closed) the link asks Ray about
-its actor (a ping, which Ray fails at once for a killed actor or a lost node). From a
-collector's death on, its reports are dropped and it is posted nothing: none of its
-acknowledgements count, though its process may outlive the death a moment. Silence alone
-is no proof: a loaded machine can delay reports by seconds, and a push then waits for them
-(up to its timeout) instead of calling live workers dead.
+The main process reads every connection from one thread into a local table (``status``,
+``alive_slots``, ``wait_acks`` cost what they cost on one machine). Death is concluded only
+from evidence (:mod:`~envsync.links.ray_deaths`): a relay's report of its dead workers, Ray's
+view in this process of each actor (read at every push and report), and, once a relay has
+been silent for :data:`QUIET_AFTER` seconds, a ping that Ray fails at once for a killed
+actor or a lost node. A dead collector's reports are dropped and it is posted nothing;
+silence alone is no proof (a loaded machine delays reports: a push then waits, up to its
+timeout).
 
 Call order: main ``RayLink(...)`` -> :meth:`RayLink.handle` pickled into each actor ->
 ``handle.relay(collector, node_link).start()`` there -> per push ``write``... ``flush``;
@@ -170,8 +162,7 @@ class RayLink:
         *,
         undo: int = 0,
     ) -> None:
-        """Buffer one chunk (:data:`~envsync.links.ray_wire.Chunk`): the rows travel as the
-        columns they are, a shared value as one array (see :func:`~envsync.links.ray_wire.encode`)."""
+        """Buffer one chunk (:data:`~envsync.links.ray_wire.Chunk`): rows and values as they are."""
         if self._closed:
             raise RuntimeError("link is closed")
         workers = np.array(slots, dtype=np.int64)  # a copy: the caller's array may change
@@ -278,9 +269,8 @@ class RayLink:
         return self._errors.get(worker, "")
 
     def alive(self, worker: int) -> bool:
-        """Whether ``worker`` can still answer: its relay did not report its process dead,
-        Ray did not report its collector's actor dead here, nor fail a ping to it (sent once
-        the relay falls silent for :data:`QUIET_AFTER` seconds)."""
+        """Whether ``worker`` can still answer: neither its relay nor Ray (here, or by a ping
+        once the relay is silent for :data:`QUIET_AFTER` s) told of its death."""
         return bool(self._acks[ACKS.index("alive"), worker]) and self._collector_alive(self._collector_of(worker))
 
     def alive_slots(self, slots: np.ndarray) -> np.ndarray:
@@ -293,9 +283,8 @@ class RayLink:
         return out
 
     def _collector_alive(self, collector: int) -> bool:
-        if self._deaths.known(collector):
-            return False
-        return time.monotonic() - self._seen[collector] < QUIET_AFTER or not self._deaths.pinged(collector)
+        quiet = time.monotonic() - self._seen[collector] >= QUIET_AFTER
+        return not self._deaths.known(collector) and (not quiet or not self._deaths.pinged(collector))
 
     def _lose(self, collector: int) -> None:
         """A collector's actor died: hold nothing more for its relay, and wake the waits
