@@ -147,7 +147,7 @@ class ADR(Strategy):
             given = self.assigned.get((episode.env, episode.version))
             if episode.whole and given is not None and given[1] == self.boundary_value(given[0]):
                 self.credit(given[0], self._objective(episode))
-        self.assigned = {k: v for k, v in self.assigned.items() if k[1] >= self.ledger.latest.get(k[0], -1)}
+        self.assigned = self.unsettled(self.assigned)
         due = self.due(self.envs)
         if due:
             rows, boundaries = zip(*(self.draw() for _ in due), strict=True)

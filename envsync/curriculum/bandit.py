@@ -140,7 +140,7 @@ class Bandit(Strategy):
             if episode.whole and pull is not None:
                 self.reward(pull[0], self.scaled(episode), pull[1])
                 rewarded += 1
-        self.pulls = {k: v for k, v in self.pulls.items() if k[1] >= self.ledger.latest.get(k[0], -1)}
+        self.pulls = self.unsettled(self.pulls)
         groups = self._due_groups()
         if groups:
             chosen = [self.select() for _ in groups]

@@ -24,10 +24,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync.curriculum.ledger import Episode, Ledger, Measure, NestedKey
+from envsync.curriculum.ledger import Episode, Ledger, Measure, NestedKey, VersionColumn
 from envsync.errors import ValidationError
 from envsync.protocol import ApplyAt
 from envsync.sender.sender import Sender
@@ -98,15 +99,18 @@ class Strategy(ABC):
         self.logger = logger
         self.wait = wait
         self._records: list[dict[str, Any]] = []
-        self._decided: dict[int, int] = {}
-        self._whole: dict[int, int] = {}
+        self._decided = VersionColumn()
+        """Per env: the version of its latest decision."""
+        self._whole = VersionColumn()
+        """Per env: the newest version it ran a whole episode under."""
 
     def observe(self, batch: TensorDictBase) -> list[Episode]:
         """Attribute the batch's finished episodes, let the rule decide (and push); return them."""
         episodes = self.ledger.observe(batch)
-        for episode in episodes:
-            if episode.whole:
-                self._whole[episode.env] = max(self._whole.get(episode.env, -1), episode.version)
+        whole = [(e.env, e.version) for e in episodes if e.whole]
+        if whole:
+            envs, versions = np.array(whole, dtype=np.int64).T
+            self._whole.raise_to(envs, versions)
         self.update(episodes)
         return episodes
 
@@ -119,7 +123,7 @@ class Strategy(ABC):
     def push(self, config: Mapping[str, Any]) -> int:
         """Push ``config`` (names of the template to values) to every env; return the version."""
         version = self.sender.push(config=dict(config), wait=self.wait)
-        self._decided = dict.fromkeys(self._envs(None), version)
+        self._decided.set(self._envs(None), version)
         return version
 
     def assign(self, rows: Mapping[int, Mapping[str, Any]]) -> int:
@@ -135,20 +139,33 @@ class Strategy(ABC):
         for name in names:
             config.set(tuple(name.split(".")), torch.stack([torch.as_tensor(rows[e][name]) for e in envs]))
         version = self.sender.push(config=config, envs=envs, wait=self.wait)
-        self._decided.update(dict.fromkeys(envs, version))
+        self._decided.set(np.array(envs, dtype=np.int64), version)
         return version
 
     def due(self, envs: Iterable[int] | None = None) -> list[int]:
         """The envs (of ``envs``, default every env) ready for their next decision (see the
         module docstring): never decided yet, or seen running their latest decision (in
         ``"reset"`` mode) or done with a whole episode under it (in the other modes)."""
-        seen = self.ledger.latest if self.sender.spec.apply_at is ApplyAt.RESET else self._whole
-        return [e for e in self._envs(envs) if e not in self._decided or seen.get(e, -1) >= self._decided[e]]
+        chosen = self._envs(envs)
+        seen = self.ledger.latest_of(chosen) if self.sender.spec.apply_at is ApplyAt.RESET else self._whole.of(chosen)
+        decided = self._decided.of(chosen)
+        return chosen[(decided < 0) | (seen >= decided)].tolist()
 
-    def _envs(self, envs: Iterable[int] | None) -> list[int]:
+    def _envs(self, envs: Iterable[int] | None) -> np.ndarray:
         if envs is not None:
-            return list(envs)
-        return list(range(self.sender.num_envs or 0))
+            return np.fromiter(envs, dtype=np.int64)
+        return np.arange(self.sender.num_envs or 0, dtype=np.int64)
+
+    def unsettled(self, entries: dict[tuple[int, int], Any]) -> dict[tuple[int, int], Any]:
+        """``entries`` keyed by ``(env, version)`` (a subclass's decisions awaiting their
+        episodes), without those of versions older than their env's newest frame (no episode
+        of them can end any more). Pruned only once they outnumber the envs four to one, so
+        that a batch costs no walk over every env's entries."""
+        if len(entries) <= 4 * max(self.sender.num_envs or 0, 16):
+            return entries
+        keys = np.array(list(entries), dtype=np.int64).reshape(-1, 2)
+        keep = keys[:, 1] >= self.ledger.latest_of(keys[:, 0])
+        return {k: v for (k, v), kept in zip(entries.items(), keep.tolist(), strict=True) if kept}
 
     # ---- seeing it -------------------------------------------------------------------------
 

@@ -126,8 +126,8 @@ class Ledger:
         self.sender = sender
         self.measures = {name: m if isinstance(m, Measure) else Measure(m) for name, m in (measures or {}).items()}
         self._means = [name for name, m in self.measures.items() if m.reduce == "mean"]
-        self.latest: dict[int, int] = {}
-        """Per env: the version of the newest frame seen (an env's versions never go back)."""
+        self._latest = VersionColumn()
+        """Per env: the version of the newest frame seen (versions never go back)."""
         self.frames = 0
         self._open = _Open()
         self._configs: dict[int, tuple[int, TensorDict]] = {}
@@ -144,8 +144,17 @@ class Ledger:
         if cuts is None:
             return []
         episodes = [p.finished(self._config(p.env, p.version), self._means) for p in cuts.pieces(self._open)]
-        self.latest.update(zip(cuts.env.tolist(), cuts.version.tolist(), strict=True))  # an env's last piece comes last
+        self._latest.raise_to(cuts.env, cuts.version)
         return episodes
+
+    @property
+    def latest(self) -> dict[int, int]:
+        """Per env seen: the version of its newest frame (an env's versions never go back)."""
+        return self._latest.as_dict()
+
+    def latest_of(self, envs: np.ndarray) -> np.ndarray:
+        """The version of each of ``envs``' newest frame seen, -1 for an env not seen yet."""
+        return self._latest.of(envs)
 
     def _config(self, env: int, version: int) -> TensorDict:
         """The config of ``(env, version)``, looked up once: an env's newest version seen is
@@ -309,6 +318,45 @@ class _Cuts:
             )
         ]
         return [made[i] for i in order.tolist()]
+
+
+class VersionColumn:
+    """A version per env as one int64 column, -1 for an env with none yet (a strategy of
+    65,536 envs reads and writes them by vector ops, not as a dict of 65,536 entries)."""
+
+    def __init__(self) -> None:
+        self.values = np.full(0, -1, dtype=np.int64)
+
+    def _fit(self, top: int) -> None:
+        size = len(self.values)
+        if top >= size:
+            self.values = np.r_[self.values, np.full(max(top + 1, 2 * size) - size, -1, dtype=np.int64)]
+
+    def of(self, envs: np.ndarray) -> np.ndarray:
+        """Each env's version (-1: none)."""
+        out = np.full(len(envs), -1, dtype=np.int64)
+        inside = envs < len(self.values)
+        out[inside] = self.values[envs[inside]]
+        return out
+
+    def set(self, envs: np.ndarray, version: int) -> None:
+        if len(envs):
+            self._fit(int(envs.max()))
+            self.values[envs] = version
+
+    def raise_to(self, envs: np.ndarray, versions: np.ndarray) -> None:
+        """Each env's version to at least its ``versions`` (an env may be listed more than once)."""
+        if len(envs):
+            self._fit(int(envs.max()))
+            np.maximum.at(self.values, envs, versions)
+
+    def clear(self) -> None:
+        self.values[:] = -1
+
+    def as_dict(self) -> dict[int, int]:
+        """Env to version, for the envs that have one."""
+        envs = np.flatnonzero(self.values >= 0)
+        return dict(zip(envs.tolist(), self.values[envs].tolist(), strict=True))
 
 
 class _Open:

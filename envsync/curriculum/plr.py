@@ -119,7 +119,7 @@ class PLR(Strategy):
             if episode.whole and level is not None:
                 self.update_score(level, self.score_fn(episode))
                 scored += 1
-        self.assigned = {k: v for k, v in self.assigned.items() if k[1] >= self.ledger.latest.get(k[0], -1)}
+        self.assigned = self.unsettled(self.assigned)
         due = self.due(self.envs)
         if due:
             chosen = [self.sample() for _ in due]

@@ -155,7 +155,7 @@ class Sender(ReadBack):
         env counts), or ``None`` when none is attached."""
         with self._lock:
             self._core.prune()
-            return len(self._fleet.indices()) if self._fleet.attachments else None
+            return len(self._fleet.index_array()) if self._fleet.attachments else None
 
     def fleet(self) -> list[Member]:
         """Every attached worker: fleet index, collector (attach order), worker, envs, first env."""
