@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,27 @@ def _two_workers(sender: EnvStateSender, rows: int, *, frames: int) -> MultiSync
         )
 
 
+ROWS = 2048
+"""Worlds per worker of the tests of thousands of worlds."""
+
+Worlds = tuple[EnvStateSender, MultiSyncCollector, Iterator[Any]]
+
+
+@pytest.fixture
+def step_worlds() -> Iterator[Worlds]:
+    """2 x 2,048 worlds in step mode (:func:`_two_workers`, a world a frame), after their first
+    batch: the sender, the collector and its batches."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = _two_workers(sender, ROWS, frames=2 * ROWS)
+    try:
+        iterator = iter(collector)
+        next(iterator)
+        yield sender, collector, iterator
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
 @pytest.mark.timeout(180)
 def test_thousands_of_worlds_per_worker_share_one_lock_and_wake_up_per_worker() -> None:
     """A ``MultiSyncCollector`` of 2 workers x 2,048 worlds: the link makes a handful of named
@@ -170,7 +192,9 @@ def test_a_wait_the_worlds_answer_late_reads_columns_not_worlds() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_a_checkpoint_of_thousands_of_worlds_reads_each_collectors_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_checkpoint_of_thousands_of_worlds_reads_each_collectors_columns(
+    monkeypatch: pytest.MonkeyPatch, step_worlds: Worlds
+) -> None:
     """``state_dict()`` of 2 x 2,048 worlds, each with its own pushed row: every world's
     config comes back in fleet order, read as columns from each collector's desired state
     (one row looked at per collector, to see that none has env state of its own), and a new
@@ -178,23 +202,18 @@ def test_a_checkpoint_of_thousands_of_worlds_reads_each_collectors_columns(monke
     and found each world's worker by listing its envs)."""
     from envsync.sender.mirror import Mirror
 
-    rows = 2048
-    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    collector = _two_workers(sender, rows, frames=2 * rows)
-    try:
-        next(iter(collector))
-        values = torch.rand(2 * rows)
-        sender.push(config=TensorDict(difficulty=values, batch_size=[2 * rows]), wait="applied")
-        looked = []
-        row = Mirror.row
-        monkeypatch.setattr(Mirror, "row", lambda self, slot: looked.append(slot) or row(self, slot))
-        state = sender.state_dict()
-        assert len(looked) <= 2, len(looked)  # one per collector
-        assert state["config"].batch_size == (2 * rows,) and torch.equal(state["config"]["difficulty"], values)
-        assert "env_state_rows" not in state
-    finally:
-        collector.shutdown()
-        sender.close()
+    sender, collector, _ = step_worlds
+    values = torch.rand(2 * ROWS)
+    sender.push(config=TensorDict(difficulty=values, batch_size=[2 * ROWS]), wait="applied")
+    looked = []
+    row = Mirror.row
+    monkeypatch.setattr(Mirror, "row", lambda self, slot: looked.append(slot) or row(self, slot))
+    state = sender.state_dict()
+    assert len(looked) <= 2, len(looked)  # one per collector
+    assert state["config"].batch_size == (2 * ROWS,) and torch.equal(state["config"]["difficulty"], values)
+    assert "env_state_rows" not in state
+    collector.shutdown()
+    sender.close()
     restored = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     try:
         restored.load_state_dict(state)
@@ -204,32 +223,61 @@ def test_a_checkpoint_of_thousands_of_worlds_reads_each_collectors_columns(monke
 
 
 @pytest.mark.timeout(180)
+def test_a_checkpoint_of_thousands_of_worlds_loads_into_running_worlds_as_columns(
+    monkeypatch: pytest.MonkeyPatch, step_worlds: Worlds
+) -> None:
+    """``load_state_dict`` of a checkpoint of 2 x 2,048 worlds into the running collector:
+    every world gets its own row back, checked and pushed as columns in one version (it
+    fitted and pushed a config per world: 1 s at 16,384 worlds, now 14 ms); a bad row is
+    refused before anything is pushed."""
+    from envsync import ValidationError
+    from envsync.state import ConfigTemplate
+
+    sender, _, iterator = step_worlds
+    values = torch.rand(2 * ROWS)
+    sender.push(config=TensorDict(difficulty=values, batch_size=[2 * ROWS]), wait="applied")
+    state = sender.state_dict()
+    sender.push(config={"difficulty": 5.0}, wait="applied")
+    fits: list[int] = []
+    fit = ConfigTemplate.fit
+
+    def counted(self: ConfigTemplate, values: Any) -> Any:
+        fits.append(1)
+        return fit(self, values)
+
+    monkeypatch.setattr(ConfigTemplate, "fit", counted)
+    before = sender.version
+    bad = dict(state, config=TensorDict(difficulty=torch.rand(2 * ROWS, 3), batch_size=[2 * ROWS]))
+    with pytest.raises(ValidationError, match="difficulty"):
+        sender.load_state_dict(bad)
+    assert sender.version == before  # nothing pushed
+    version = sender.load_state_dict(state)
+    assert version == before + 1 and len(fits) == 0  # one push of columns, no config per world
+    sender.wait(version, until="applied", timeout=60)
+    batch = next(iterator)
+    observed, index = batch["next", "observation"][..., 0], batch["env_index"]
+    assert torch.equal(observed, values[index])
+
+
+@pytest.mark.timeout(180)
 def test_push_each_gives_every_world_of_a_worker_its_config_with_one_update_per_worker(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, step_worlds: Worlds
 ) -> None:
     """``push_each`` to 2 workers of 2,048 worlds each: every world runs its worker's config
     from the next step, and the push made one set of leaves per worker (it made one per
     world: 310 ms for a worker of 65,536 worlds)."""
     from envsync.sender import desired
 
-    rows = 2048
-    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    collector = _two_workers(sender, rows, frames=2 * rows)
-    try:
-        iterator = iter(collector)
-        next(iterator)
-        made = []
-        leaves = desired.leaves
-        monkeypatch.setattr(desired, "leaves", lambda *args: made.append(1) or leaves(*args))
-        version = sender.push_each({0: {"difficulty": 2.0}, 1: {"difficulty": 3.0}}, wait="applied")
-        assert len(made) == 2
-        batch = next(iterator)
-        assert (batch["next", "env_version"] == version).all()
-        expected = torch.where(batch["env_index"] < rows, 2.0, 3.0)
-        assert torch.equal(batch["next", "observation"][..., 0], expected)
-    finally:
-        collector.shutdown()
-        sender.close()
+    sender, _, iterator = step_worlds
+    made = []
+    leaves = desired.leaves
+    monkeypatch.setattr(desired, "leaves", lambda *args: made.append(1) or leaves(*args))
+    version = sender.push_each({0: {"difficulty": 2.0}, 1: {"difficulty": 3.0}}, wait="applied")
+    assert len(made) == 2
+    batch = next(iterator)
+    assert (batch["next", "env_version"] == version).all()
+    expected = torch.where(batch["env_index"] < ROWS, 2.0, 3.0)
+    assert torch.equal(batch["next", "observation"][..., 0], expected)
 
 
 class CountingCounters(NativeCounterEnv):

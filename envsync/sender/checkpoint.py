@@ -172,7 +172,9 @@ class RestorePlan:
 
     Args:
         version: the checkpoint's version.
-        rows: the config rows (one: the same config for every env).
+        rows: the config rows (one: the same config for every env), or, for a checkpoint
+            of many rows restored into running envs, the config as columns (a TensorDict of
+            one row per env, checked at once: 65,536 rows are not split into 65,536 configs).
         env_state: the env state pushed to every env, if any.
         own: each env's own env-state entries (pushed to it alone, or gathered from it).
         books: the statistics books the checkpoint restores, per level (``True``: the
@@ -184,7 +186,7 @@ class RestorePlan:
     """
 
     version: int
-    rows: list[dict[str, Leaf]]
+    rows: list[dict[str, Leaf]] | TensorDictBase
     env_state: Any
     own: list[dict[str, Any]] | None
     books: dict[bool, StatsBook] = field(default_factory=dict)
@@ -206,20 +208,26 @@ def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any])
     config = state["config"]
     if not isinstance(config, TensorDictBase):
         config = TensorDict(config)
-    rows = [template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
-    own = _own_rows(state, len(rows))
-    if own is not None and len(own) != len(rows):
-        raise ValidationError(f"the checkpoint has {len(rows)} worker configs and {len(own)} worker env states")
+    count = 1 if config.batch_dims == 0 else int(config.batch_size[0])
     indices = core.fleet.collected()
+    rows: list[dict[str, Leaf]] | TensorDictBase
+    if count > 1 and indices:
+        template.fit_rows(config, count)  # every row checked at once; pushed as columns
+        rows = config
+    else:
+        rows = [template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
+    own = _own_rows(state, count)
+    if own is not None and len(own) != count:
+        raise ValidationError(f"the checkpoint has {count} worker configs and {len(own)} worker env states")
     if not indices and core.fleet.attachments:
         raise ValidationError(
             "load the checkpoint before attach_env: an env outside any collector joins from the restored desired state"
         )
-    if indices and len(rows) != len(indices) and (len(rows) != 1 or own is not None):
+    if indices and count != len(indices) and (count != 1 or own is not None):
         workers = len({core.fleet.worker_of(e) for e in indices})
         what = "workers" if len(indices) == workers else "envs"
         raise ValidationError(
-            f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {len(indices)} {what}"
+            f"the checkpoint has {count} {what[:-1]} configs; the collector has {len(indices)} {what}"
         )
     plan = RestorePlan(int(state["version"]), rows, state.get("env_state") or None, own, indices=indices)
     if "stats" in state:

@@ -5,13 +5,13 @@ checkpoint's statistics (it runs on meanwhile)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
+
+from tensordict import TensorDictBase
 
 from envsync.levels import is_batched
 from envsync.sender.checkpoint import RestorePlan
 from envsync.sender.core import Core
-from envsync.state import Leaf
 
 
 class Push(Protocol):
@@ -22,15 +22,12 @@ class Push(Protocol):
     ) -> int: ...
 
 
-PushRows = Callable[[dict[int, dict[str, Leaf]]], int]
-"""The sender's push of one config row per env (by fleet env index), not waited for."""
-
-
-def carry_out(core: Core, plan: RestorePlan, push: Push, push_rows: PushRows) -> int:
+def carry_out(core: Core, plan: RestorePlan, push: Push) -> int:
     """Restore ``plan`` into ``core`` (call under the core's lock); return the version now desired."""
     for whole, book in plan.books.items():
         core.books.put(whole, book)
     if not plan.indices:
+        assert isinstance(plan.rows, list)  # columns only for running envs
         return core.desired.keep_for_attach(plan.version, plan.rows, plan.env_state, plan.own)
     indices = plan.indices
     # the version at which each env (and each worker's batched env) holds the checkpoint's
@@ -53,6 +50,6 @@ def carry_out(core: Core, plan: RestorePlan, push: Push, push_rows: PushRows) ->
     if True in plan.books:
         heads = sorted({core.head(index) for index in indices})
         plan.books[True].loaded_into_running(at_whole, heads, plan.before[True])
-    if len(plan.rows) == 1:
-        return push(config=plan.rows[0], wait=None)
-    return push_rows(dict(zip(indices, plan.rows, strict=True)))
+    if isinstance(plan.rows, TensorDictBase):  # a row per env, as columns
+        return push(config=plan.rows, envs=indices, wait=None)
+    return push(config=plan.rows[0], wait=None)

@@ -35,7 +35,7 @@ from envsync.sender.port import AttachPort
 from envsync.sender.reads import ReadBack
 from envsync.sender.updates import Plan, Updates
 from envsync.spec import ApplySpec
-from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, Leaf, nest
+from envsync.state import ApplyFn, ConfigTemplate, ConfigValue, EnvStateTemplate, nest
 
 Prepare = Callable[[], Plan]
 _UNTIL = {until.value: until for until in Until}  # a dict look-up: an enum call costs more per push
@@ -212,18 +212,7 @@ class Sender(ReadBack):
         Returns:
             The new version.
         """
-        return self._push_rows(configs, by_env=False, wait=wait, timeout=timeout)
-
-    def _push_rows(
-        self,
-        configs: Mapping[int, Mapping[str, Any] | TensorDictBase],
-        *,
-        by_env: bool,
-        wait: str | None,
-        timeout: float,
-    ) -> int:
-        """One version giving each listed worker (or, ``by_env``, env) its own config."""
-        return self._send(lambda: self._updates.rows(configs, by_env=by_env), wait=wait, timeout=timeout)
+        return self._send(lambda: self._updates.rows(configs), wait=wait, timeout=timeout)
 
     def _send(self, prepare: Prepare, *, wait: str | None, timeout: float) -> int:
         """The one way a push goes out: check -> raise pending failures -> ``prepare`` the
@@ -364,14 +353,11 @@ class Sender(ReadBack):
                 number of rows that is not the number of workers.
         """
 
-        def push_rows(rows: dict[int, dict[str, Leaf]]) -> int:
-            return self._push_rows(rows, by_env=True, wait=None, timeout=30.0)
-
         with self._lock:
             self._core.check_open()
             self._core.prune()
             plan = checkpoint.plan_restore(self._core, self.template, state)
-            return restore.carry_out(self._core, plan, self.push, push_rows)
+            return restore.carry_out(self._core, plan, self.push)
 
     # ---- life cycle ------------------------------------------------------------------------
 

@@ -108,8 +108,8 @@ class Updates:
             default = default if default is not None or not env else desired.leaves({}, env, version)
         return Update.stacked(targets.tolist(), flats), default
 
-    def rows(self, configs: Mapping[int, Mapping[str, Any] | TensorDictBase], *, by_env: bool) -> Plan:
-        """The updates giving each listed worker (or, ``by_env``, env) its own config: one
+    def rows(self, configs: Mapping[int, Mapping[str, Any] | TensorDictBase]) -> Plan:
+        """The updates giving each listed worker its own config: one
         flat for every env of a worker (statistics computed in main aside, which are per env's
         config), so a worker of 65,536 worlds costs what a worker of one does."""
         version = self._core.desired.version + 1
@@ -120,7 +120,7 @@ class Updates:
         fleet = self._core.fleet
         for index in list(configs):
             cfg = self._template.fit(configs[index])
-            envs = fleet.target_array(None, [index]) if by_env else fleet.target_array([index])
+            envs = fleet.target_array([index])
             if self._main_stats is None:
                 targets.append(envs)
                 flats.append(desired.leaves(cfg, {}, version))
