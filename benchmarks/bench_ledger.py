@@ -13,7 +13,12 @@ same decisions at the same batches and pushes the same number of versions (check
 replayed pass costs what the live run cost, without the collection's noise around it. The
 figures are medians over passes of the CPU microseconds per batch.
 
-    python benchmarks/bench_ledger.py [--quick] [--envs 1 4 8] [--profile]
+At thousands of worlds (``--worlds``), ADR runs live on one ``Collector`` of a natively
+batched env of ``n`` worlds (``WorldsEnv``, 1,000-step episodes, ``apply_at="step"``): the
+CPU time of ``ADR.observe`` per batch against the CPU time of the batch itself, the first
+batches (every world's first decision) not counted.
+
+    python benchmarks/bench_ledger.py [--quick] [--envs 1 4 8] [--worlds 4096 65536] [--profile]
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ VERSION_KEYS = ("env_version", ("next", "env_version"))
 @dataclass
 class Args:
     envs: list[int] = field(default_factory=lambda: [1, 4, 8])
+    worlds: list[int] = field(default_factory=lambda: [4096, 65536])  # ADR over one env of n worlds
+    world_batches: int = 12  # live batches at each n (the first 2 not counted)
+    world_horizons: list[int] = field(default_factory=lambda: [1000, 50])  # the worlds' episode lengths (steps)
     frames_per_worker: int = 480  # per worker and batch, as bench_curriculum.py
     batches: int = 8  # batches kept from each strategy's live run
     passes: int = 7  # timed replays of them (after one warm-up pass)
@@ -50,7 +58,9 @@ class Args:
 
 
 def quick(args: Args) -> Args:
-    return replace(args, envs=[2], frames_per_worker=70, batches=4, passes=2)
+    return replace(
+        args, envs=[2], frames_per_worker=70, batches=4, passes=2, worlds=[256], world_batches=5, world_horizons=[8]
+    )
 
 
 def strategies(sender: EnvStateSender) -> dict[str, Callable[[], Any]]:
@@ -187,6 +197,64 @@ def profile(builds: dict[str, Callable[[], Any]], recorded: dict[str, Recorded],
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
+def measure_worlds(n: int, horizon: int, args: Args) -> dict[str, Any]:
+    """ADR live over one collector of ``n`` worlds of ``horizon``-step episodes: CPU time of
+    ``observe`` per batch, and of the batch it observed (16 steps of every world)."""
+    from bench_envs import WorldsEnv
+    from torchrl.collectors import Collector
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(lambda: WorldsEnv(n, horizon=horizon)),
+        None,
+        frames_per_batch=16 * n,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    adr = curriculum.ADR(
+        sender,
+        ranges={"difficulty": (0.0, 0.1)},
+        bounds={"difficulty": (0.0, 2.0)},
+        delta=0.05,
+        queue=10,
+        thresholds=(-1e9, 1e9),
+        seed=0,
+    )
+    observe, batch_cpu, pushes, episodes = [], [], 0, 0
+    try:
+        batches = iter(collector)
+        for i in range(args.world_batches):
+            begin = time.thread_time()
+            batch = next(batches)
+            middle = time.thread_time()
+            version = sender.version
+            ended = adr.observe(batch)
+            end = time.thread_time()
+            if i >= 2:
+                batch_cpu.append(1e6 * (middle - begin))
+                observe.append(1e6 * (end - middle))
+                pushes += sender.version - version
+                episodes += len(ended)
+    finally:
+        collector.shutdown()
+        sender.close()
+    counted = max(len(observe), 1)
+    return {
+        "envs": n,
+        "what": f"ADR over n worlds, {horizon}-step episodes",
+        "frames_per_batch": 16 * n,
+        "pushes_per_batch": pushes / counted,
+        "episodes_per_batch": episodes / counted,
+        "cpu_us_per_batch": median(observe),
+        "cpu_ns_per_frame": 1e3 * median(observe) / (16 * n),
+        "live_cpu_us_per_batch": median(observe),
+        "batch_cpu_us": median(batch_cpu),
+        "us_per_episode": median(observe) / (episodes / counted) if episodes else None,
+        "share_of_batch": median(observe) / median(batch_cpu),
+        "samples": {"cpu_us_per_batch": observe, "batch_cpu_us": batch_cpu},
+    }
+
+
 COLUMNS = [
     ("envs", "envs"),
     ("what", "observe of"),
@@ -195,11 +263,16 @@ COLUMNS = [
     ("cpu_us_per_batch", "CPU µs per batch (replayed, median)"),
     ("cpu_ns_per_frame", "CPU ns per frame"),
     ("live_cpu_us_per_batch", "CPU µs per batch (live run, median)"),
+    ("batch_cpu_us", "the batch's own CPU µs (worlds)"),
+    ("share_of_batch", "observe / batch (worlds)"),
+    ("episodes_per_batch", "episodes ended a batch (worlds)"),
+    ("us_per_episode", "observe µs per episode ended (worlds)"),
 ]
 
 
 def run(args: Args) -> dict[str, Any]:
     rows = [row for n in args.envs for row in measure(n, args)]
+    worlds = [measure_worlds(n, h, args) for n in args.worlds for h in args.world_horizons]
     notes = [
         "CPU time of the calling thread (time.thread_time()) in observe(batch): the ledger's "
         "attribution, and for a strategy its rule and its pushes (wait='received'; the wait "
@@ -207,7 +280,14 @@ def run(args: Args) -> dict[str, Any]:
         "replayed: the batches of a live run through a fresh strategy with the collector idle, "
         "median over passes; live: the median batch of the live run",
     ]
-    report = Report(NAME, args, rows, [("CPU per batch", COLUMNS)], {"plots": []}, [], notes)
+    notes.append(
+        "ADR over worlds: one Collector of WorldsEnv(n, horizon) (world i's episodes run horizon + i % 17 steps, "
+        f"all starting together), 16 steps a batch, apply_at='step', live, {args.world_batches} batches of which "
+        "the first 2 (every world's first decision) are not counted; CPU time of the calling thread in observe "
+        "and in the batch; with 1,000-step episodes none ends in these batches (the cost of carrying every "
+        "world's running piece), with 50-step ones about a quarter of the worlds end one a batch"
+    )
+    report = Report(NAME, args, rows + worlds, [("CPU per batch", COLUMNS)], {"plots": []}, [], notes)
     return report.write(args.out)
 
 
