@@ -24,6 +24,7 @@ batches (every world's first decision) not counted.
 from __future__ import annotations
 
 import cProfile
+import gc
 import pstats
 import time
 from collections.abc import Callable, Sequence
@@ -220,22 +221,27 @@ def measure_worlds(n: int, horizon: int, args: Args) -> dict[str, Any]:
         thresholds=(-1e9, 1e9),
         seed=0,
     )
-    observe, batch_cpu, pushes, episodes = [], [], 0, 0
+    observe, batch_cpu, frozen, pushes, episodes = [], [], [], 0, 0
     try:
         batches = iter(collector)
-        for i in range(args.world_batches):
+        for i in range(2 * args.world_batches - 2):
+            if i == args.world_batches:
+                gc.freeze()  # what is alive now leaves the collector's full scans
             begin = time.thread_time()
             batch = next(batches)
             middle = time.thread_time()
             version = sender.version
             ended = adr.observe(batch)
             end = time.thread_time()
-            if i >= 2:
+            if args.world_batches <= i:
+                frozen.append(1e6 * (end - middle))
+            elif i >= 2:
                 batch_cpu.append(1e6 * (middle - begin))
                 observe.append(1e6 * (end - middle))
                 pushes += sender.version - version
                 episodes += len(ended)
     finally:
+        gc.unfreeze()
         collector.shutdown()
         sender.close()
     counted = max(len(observe), 1)
@@ -251,7 +257,8 @@ def measure_worlds(n: int, horizon: int, args: Args) -> dict[str, Any]:
         "batch_cpu_us": median(batch_cpu),
         "us_per_episode": median(observe) / (episodes / counted) if episodes else None,
         "share_of_batch": median(observe) / median(batch_cpu),
-        "samples": {"cpu_us_per_batch": observe, "batch_cpu_us": batch_cpu},
+        "frozen_cpu_us_per_batch": median(frozen),
+        "samples": {"cpu_us_per_batch": observe, "batch_cpu_us": batch_cpu, "frozen_cpu_us_per_batch": frozen},
     }
 
 
@@ -267,6 +274,7 @@ COLUMNS = [
     ("share_of_batch", "observe / batch (worlds)"),
     ("episodes_per_batch", "episodes ended a batch (worlds)"),
     ("us_per_episode", "observe µs per episode ended (worlds)"),
+    ("frozen_cpu_us_per_batch", "observe CPU µs a batch after gc.freeze() (worlds)"),
 ]
 
 
@@ -285,7 +293,9 @@ def run(args: Args) -> dict[str, Any]:
         f"all starting together), 16 steps a batch, apply_at='step', live, {args.world_batches} batches of which "
         "the first 2 (every world's first decision) are not counted; CPU time of the calling thread in observe "
         "and in the batch; with 1,000-step episodes none ends in these batches (the cost of carrying every "
-        "world's running piece), with 50-step ones about a quarter of the worlds end one a batch"
+        "world's running piece), with 50-step ones about a quarter of the worlds end one a batch; "
+        "after gc.freeze(): as many batches more once the objects alive then (torch's, the collector's) were "
+        "moved out of Python's full collections, which an episode record per world makes frequent"
     )
     report = Report(NAME, args, rows + worlds, [("CPU per batch", COLUMNS)], {"plots": []}, [], notes)
     return report.write(args.out)

@@ -154,3 +154,35 @@ def test_the_core_never_imports_the_curriculum_package() -> None:
     env = {**os.environ, "PYTHONPATH": str(root)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
     assert result.stdout.strip() == "False"
+
+
+def test_an_episodes_config_is_made_when_read_and_stays_exact_after_the_history_forgot_it(
+    sender: EnvStateSender, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger gives each episode where the config history holds its config and makes the
+    ``TensorDict`` only when it is read, once (most strategies never read it: making one for
+    each of 25,000 episodes a batch cost more than the batch); a record is never written
+    again, so a config read after the history pruned its entry is still the one that ran."""
+    from envsync.curriculum import ledger as module
+
+    made: list[int] = []
+    nest = module.nest
+
+    def counted(flat: dict[str, object], *, copy: bool = False) -> TensorDict:
+        made.append(1)
+        return nest(flat, copy=copy)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "nest", counted)
+    ledger = Ledger(sender)
+    episodes = ledger.observe(frames([0, 1, 2, 3], [2, 2, 2, 2], [1, 1, 1, 1], [1, 1, 1, 1]))
+    assert len(episodes) == 4 and made == []
+    history = sender.config_history
+    history.keep = 1
+    for version in range(10, 80):  # every env moves on and applies it: version 2's entries go
+        configs = {e: {("config", "difficulty"): np.float32(-version)} for e in range(4)}
+        history.record(version, configs, applied=lambda envs, v=version: np.full(len(envs), v))
+    with pytest.raises(ValidationError, match="pruned"):
+        sender.config_at(0, 2)
+    assert [e.config["difficulty"].item() for e in episodes] == pytest.approx([0.2, 1.2, 2.2, 3.2])
+    assert [e.config["difficulty"].item() for e in episodes] == pytest.approx([0.2, 1.2, 2.2, 3.2])
+    assert len(made) == 4  # once each

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from envsync.curriculum.ledger import _Cuts, _Open, _Piece
+from envsync.curriculum.columns import OpenPieces
+from envsync.curriculum.ledger import _Cuts, _Piece
 
 REDUCTIONS = ("first", "last", "max", "min", "sum", "mean")
 
@@ -83,7 +84,7 @@ def test_pieces_by_columns_are_the_reference_pieces(seed: int) -> None:
     for _ in range(60):
         reductions = {f"m{i}": REDUCTIONS[int(rng.integers(len(REDUCTIONS)))] for i in range(int(rng.integers(3)))}
         running: dict[int, _Piece] = {}
-        columns = _Open()
+        columns = OpenPieces()
         for env, version, done, reward, measures in _batches(rng, int(rng.integers(1, 6)), reductions):
             expected, got = _Cuts(env, version, done, reward), _Cuts(env, version, done, reward)
             for name, how in reductions.items():

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from envsync.curriculum.ledger import Episode, Ledger, Measure, NestedKey, VersionColumn
+from envsync.curriculum.columns import VersionColumn
+from envsync.curriculum.ledger import Episode, Ledger, Measure, NestedKey
 from envsync.errors import ValidationError
 from envsync.protocol import ApplyAt
 from envsync.sender.sender import Sender
@@ -137,7 +138,10 @@ class Strategy(ABC):
             raise ValidationError(f"every env's row must give the same names; got {[sorted(rows[e]) for e in envs]}")
         config = TensorDict(batch_size=[len(envs)])
         for name in names:
-            config.set(tuple(name.split(".")), torch.stack([torch.as_tensor(rows[e][name]) for e in envs]))
+            values = [rows[e][name] for e in envs]
+            numbers = all(isinstance(v, int | float) for v in values)  # one call for a column of numbers
+            column = torch.tensor(values) if numbers else torch.stack([torch.as_tensor(v) for v in values])
+            config.set(tuple(name.split(".")), column)
         version = self.sender.push(config=config, envs=envs, wait=self.wait)
         self._decided.set(np.array(envs, dtype=np.int64), version)
         return version

@@ -16,16 +16,19 @@ mid-episode: each piece is then credited to its own config and marked ``whole=Fa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
+from envsync.curriculum.columns import OpenPieces, VersionColumn
 from envsync.errors import ValidationError
+from envsync.sender.history import Entry
 from envsync.sender.sender import Sender
+from envsync.state import nest
 
 NestedKey = str | tuple[str, ...]
 REDUCTIONS = ("last", "first", "sum", "mean", "max", "min")
@@ -50,15 +53,17 @@ class Measure:
             raise ValidationError(f"Measure reduce={self.reduce!r}; expected one of {list(REDUCTIONS)}")
 
 
-@dataclass(frozen=True)
 class Episode:
     """One finished episode (or, in ``"step"`` mode, one piece of it under one config).
 
     Args:
         env: the fleet index of the env that ran it.
         version: the version it ran under.
-        config: the exact config it ran under (a ``TensorDict`` shaped like the template,
-            one for all the records of that env and version: read it, do not write into it).
+        config: the exact config it ran under (a ``TensorDict`` shaped like the template:
+            read it, do not write into it). The ledger gives where the config history holds
+            it (an :class:`~envsync.sender.history.Entry`), made into that ``TensorDict`` when
+            first read: most strategies never read it, and at 25,000 episodes a batch making
+            each one cost more than the batch.
         episode_return: the sum of its rewards.
         length: its number of steps.
         measures: the user's measures, by name.
@@ -66,13 +71,35 @@ class Episode:
             mode), or one the ledger did not see start.
     """
 
-    env: int
-    version: int
-    config: TensorDict
-    episode_return: float
-    length: int
-    measures: dict[str, float] = field(default_factory=dict)
-    whole: bool = True
+    __slots__ = ("env", "version", "_config", "episode_return", "length", "measures", "whole")
+
+    def __init__(
+        self,
+        env: int,
+        version: int,
+        config: TensorDictBase | Entry,
+        episode_return: float,
+        length: int,
+        measures: dict[str, float] | None = None,
+        whole: bool = True,
+    ) -> None:
+        self.env, self.version, self._config = env, version, config
+        self.episode_return, self.length = episode_return, length
+        self.measures = {} if measures is None else measures
+        self.whole = whole
+
+    @property
+    def config(self) -> TensorDictBase:
+        """The exact config it ran under (a ``TensorDict`` shaped like the template)."""
+        if isinstance(self._config, Entry):
+            self._config = nest(self._config.leaves(), copy=True)
+        return self._config
+
+    def __repr__(self) -> str:
+        return (
+            f"Episode(env={self.env}, version={self.version}, episode_return={self.episode_return}, "
+            f"length={self.length}, measures={self.measures}, whole={self.whole})"
+        )
 
 
 class _Piece(NamedTuple):
@@ -86,7 +113,7 @@ class _Piece(NamedTuple):
     values: dict[str, float]
     whole: bool
 
-    def finished(self, config: TensorDict, means: Sequence[str]) -> Episode:
+    def finished(self, config: Entry, means: Sequence[str]) -> Episode:
         """The record of this piece (the running sums of the ``means`` become means)."""
         values = self.values
         if means:
@@ -129,8 +156,7 @@ class Ledger:
         self._latest = VersionColumn()
         """Per env: the version of the newest frame seen (versions never go back)."""
         self.frames = 0
-        self._open = _Open()
-        self._configs: dict[int, tuple[int, TensorDict]] = {}
+        self._open = OpenPieces()
 
     def observe(self, batch: TensorDictBase) -> list[Episode]:
         """Take one batch; return the episodes (pieces) that ended in it, env by env, in order.
@@ -143,7 +169,8 @@ class Ledger:
         self.frames += batch.batch_size.numel()
         if cuts is None:
             return []
-        episodes = [p.finished(self._config(p.env, p.version), self._means) for p in cuts.pieces(self._open)]
+        entry = self.sender.config_history.entry  # where each (env, version) config is kept
+        episodes = [p.finished(entry(p.env, p.version), self._means) for p in cuts.pieces(self._open)]
         self._latest.raise_to(cuts.env, cuts.version)
         return episodes
 
@@ -155,17 +182,6 @@ class Ledger:
     def latest_of(self, envs: np.ndarray) -> np.ndarray:
         """The version of each of ``envs``' newest frame seen, -1 for an env not seen yet."""
         return self._latest.of(envs)
-
-    def _config(self, env: int, version: int) -> TensorDict:
-        """The config of ``(env, version)``, looked up once: an env's newest version seen is
-        kept, as its episodes under that version often end in the next batch."""
-        kept = self._configs.get(env)
-        if kept is not None and kept[0] == version:
-            return kept[1]
-        config = self.sender.config_at(env, version)
-        if kept is None or kept[0] < version:
-            self._configs[env] = (version, config)
-        return config
 
 
 class _Cuts:
@@ -250,7 +266,7 @@ class _Cuts:
         self.values[name] = out.astype(np.float64)
         self.reductions[name] = how
 
-    def pieces(self, running: _Open) -> list[_Piece]:
+    def pieces(self, running: OpenPieces) -> list[_Piece]:
         """The pieces that ended in this batch, env by env, in order; ``running`` (per env, the
         piece it left running) is merged into each env's first piece and replaced by its last
         one. By vector ops over the pieces: a piece object is made only for what ended."""
@@ -318,104 +334,6 @@ class _Cuts:
             )
         ]
         return [made[i] for i in order.tolist()]
-
-
-class VersionColumn:
-    """A version per env as one int64 column, -1 for an env with none yet (a strategy of
-    65,536 envs reads and writes them by vector ops, not as a dict of 65,536 entries)."""
-
-    def __init__(self) -> None:
-        self.values = np.full(0, -1, dtype=np.int64)
-
-    def _fit(self, top: int) -> None:
-        size = len(self.values)
-        if top >= size:
-            self.values = np.r_[self.values, np.full(max(top + 1, 2 * size) - size, -1, dtype=np.int64)]
-
-    def of(self, envs: np.ndarray) -> np.ndarray:
-        """Each env's version (-1: none)."""
-        out = np.full(len(envs), -1, dtype=np.int64)
-        inside = envs < len(self.values)
-        out[inside] = self.values[envs[inside]]
-        return out
-
-    def set(self, envs: np.ndarray, version: int) -> None:
-        if len(envs):
-            self._fit(int(envs.max()))
-            self.values[envs] = version
-
-    def raise_to(self, envs: np.ndarray, versions: np.ndarray) -> None:
-        """Each env's version to at least its ``versions`` (an env may be listed more than once)."""
-        if len(envs):
-            self._fit(int(envs.max()))
-            np.maximum.at(self.values, envs, versions)
-
-    def clear(self) -> None:
-        self.values[:] = -1
-
-    def as_dict(self) -> dict[int, int]:
-        """Env to version, for the envs that have one."""
-        envs = np.flatnonzero(self.values >= 0)
-        return dict(zip(envs.tolist(), self.values[envs].tolist(), strict=True))
-
-
-class _Open:
-    """Per env, the piece it left running, as columns (an env of 65,536 is a row, not an
-    object): whether it has one, its version, return, length, wholeness and measures."""
-
-    def __init__(self) -> None:
-        self.has = np.zeros(0, dtype=bool)
-        self.version = np.zeros(0, dtype=np.int64)
-        self.returns = np.zeros(0, dtype=np.float64)
-        self.lengths = np.zeros(0, dtype=np.int64)
-        self.whole = np.zeros(0, dtype=bool)
-        self.values: dict[str, np.ndarray] = {}
-
-    def _fit(self, top: int, names: Iterable[str]) -> None:
-        """Make room for env ``top`` and the measures ``names``."""
-        size = len(self.has)
-        grow = max(top + 1, 2 * size) - size if top >= size else 0
-        if grow:
-            self.has = np.r_[self.has, np.zeros(grow, dtype=bool)]
-            self.version = np.r_[self.version, np.zeros(grow, dtype=np.int64)]
-            self.returns = np.r_[self.returns, np.zeros(grow)]
-            self.lengths = np.r_[self.lengths, np.zeros(grow, dtype=np.int64)]
-            self.whole = np.r_[self.whole, np.zeros(grow, dtype=bool)]
-            self.values = {name: np.r_[v, np.zeros(grow)] for name, v in self.values.items()}
-        for name in names:
-            if name not in self.values:
-                self.values[name] = np.zeros(len(self.has))
-
-    def take(self, envs: np.ndarray) -> tuple[Any, ...] | None:
-        """The running pieces of ``envs`` (distinct), taken out: ``(has, version, return,
-        length, whole, values)`` per env; ``None`` when none of them has one."""
-        if not len(envs) or int(envs.max()) >= len(self.has):
-            self._fit(int(envs.max()) if len(envs) else 0, ())
-        has = self.has[envs]
-        if not has.any():
-            return None
-        self.has[envs] = False
-        out = (self.version[envs], self.returns[envs], self.lengths[envs], self.whole[envs])
-        return (has, *out, {name: v[envs] for name, v in self.values.items()})
-
-    def put(
-        self,
-        envs: np.ndarray,
-        version: np.ndarray,
-        returns: np.ndarray,
-        lengths: np.ndarray,
-        whole: np.ndarray,
-        values: dict[str, np.ndarray],
-        at: np.ndarray,
-    ) -> None:
-        """Leave each of ``envs`` its piece running (``values`` at the pieces ``at``)."""
-        if not len(envs):
-            return
-        self._fit(int(envs.max()), values)
-        self.has[envs] = True
-        self.version[envs], self.returns[envs], self.lengths[envs], self.whole[envs] = version, returns, lengths, whole
-        for name, v in values.items():
-            self.values[name][envs] = v[at]
 
 
 def _columns(value: torch.Tensor, n: int) -> np.ndarray:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -79,6 +80,17 @@ class _Record:
         if isinstance(self.before, int):  # one record's rows in order (:func:`_chain`): both numbers
             return self.before, int(self.before_row) + row if self.before >= 0 else 0
         return int(self.before[row]), int(self.before_row[row])  # type: ignore[index]
+
+
+class Entry(NamedTuple):
+    """One env's config of one version as the history keeps it: a record and its row."""
+
+    record: _Record
+    row: int
+
+    def leaves(self) -> dict[str, Leaf]:
+        """The config's values by dotted name (read them, do not write into them)."""
+        return self.record.config(self.row)
 
 
 def _chain(before: np.ndarray, before_row: np.ndarray) -> tuple[np.ndarray | int, np.ndarray | int]:
@@ -312,6 +324,16 @@ class ConfigHistory:
         Raises:
             ValidationError: the env never ran that version, or the entry was pruned.
         """
+        return nest(self.entry(env, version).leaves(), copy=True)
+
+    def entry(self, env: int, version: int) -> Entry:
+        """Where the history holds :meth:`config` (its values by dotted name: ``.leaves()``),
+        found without reading it (a record is never written again once made: the entry
+        stays right after the history forgot it).
+
+        Raises:
+            ValidationError: the env never ran that version, or the entry was pruned.
+        """
         number = int(self._latest[env]) if 0 <= env < len(self._latest) else -1
         if number < 0 or number not in self._records:
             known = sorted(np.flatnonzero(self._latest >= 0).tolist())
@@ -323,7 +345,7 @@ class ConfigHistory:
             if record is None or not record.alive[row]:
                 break
             if record.version <= version:
-                return nest(record.config(row), copy=True)
+                return Entry(record, row)
             oldest = record.version
             number, row = record.previous(row)
         raise ValidationError(
