@@ -50,7 +50,7 @@ def state_dict(
         own = _own(core, indices, default, covers)
         if any(own):
             out["env_state_rows"] = own
-        if not indices and core.desired.restored_rows is not None:  # a restored checkpoint no collector took yet
+        if not indices and core.desired.restored is not None:  # a restored checkpoint no collector took yet
             _keep_restored_rows(core.desired, out)
         heads = core.fleet.heads(np.asarray(indices, dtype=np.int64)).tolist()
         if gathered is None or not indices:
@@ -122,8 +122,9 @@ def _stats_of(
 def _keep_restored_rows(state: DesiredState, out: dict[str, Any]) -> None:
     """The per-worker rows a loaded checkpoint holds for the next collector: saved again
     before that collector exists, they are not lost."""
-    assert state.restored_rows is not None
-    out["config"] = TensorDict.stack([nest(desired.section(r, "config")) for r in state.restored_rows])
+    rows = state.restored_row_list()
+    assert rows is not None
+    out["config"] = TensorDict.stack([nest(desired.section(r, "config")) for r in rows])
     if state.unchecked_rows is not None:
         out["env_state_rows"] = [{k: v.clone() for k, v in r.items()} for r in state.unchecked_rows]
 
@@ -172,9 +173,10 @@ class RestorePlan:
 
     Args:
         version: the checkpoint's version.
-        rows: the config rows (one: the same config for every env), or, for a checkpoint
-            of many rows restored into running envs, the config as columns (a TensorDict of
-            one row per env, checked at once: 65,536 rows are not split into 65,536 configs).
+        first: the first row's config (the only one when every env has the same config).
+        rows: a checkpoint of many rows: its config as columns (a TensorDict of one row per
+            env, checked at once: 65,536 rows are not split into 65,536 configs), and
+            ``fitted`` those columns fitted to the template; ``None`` for one row.
         env_state: the env state pushed to every env, if any.
         own: each env's own env-state entries (pushed to it alone, or gathered from it).
         books: the statistics books the checkpoint restores, per level (``True``: the
@@ -186,12 +188,19 @@ class RestorePlan:
     """
 
     version: int
-    rows: list[dict[str, Leaf]] | TensorDictBase
+    first: dict[str, Leaf]
+    rows: TensorDictBase | None
+    fitted: dict[str, torch.Tensor]
     env_state: Any
     own: list[dict[str, Any]] | None
     books: dict[bool, StatsBook] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)
     before: dict[bool, dict[int, dict[str, Any]]] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        """How many rows the checkpoint has."""
+        return 1 if self.rows is None else int(self.rows.batch_size[0])
 
 
 def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any]) -> RestorePlan:
@@ -210,12 +219,12 @@ def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any])
         config = TensorDict(config)
     count = 1 if config.batch_dims == 0 else int(config.batch_size[0])
     indices = core.fleet.collected()
-    rows: list[dict[str, Leaf]] | TensorDictBase
-    if count > 1 and indices:
-        template.fit_rows(config, count)  # every row checked at once; pushed as columns
+    first = template.fit(config if config.batch_dims == 0 else config[0])
+    rows: TensorDictBase | None = None
+    fitted: dict[str, torch.Tensor] = {}
+    if count > 1:
+        _, fitted = template.fit_rows(config, count)  # every row checked at once, kept as columns
         rows = config
-    else:
-        rows = [template.fit(r) for r in ([config] if config.batch_dims == 0 else config.unbind(0))]
     own = _own_rows(state, count)
     if own is not None and len(own) != count:
         raise ValidationError(f"the checkpoint has {count} worker configs and {len(own)} worker env states")
@@ -229,7 +238,7 @@ def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any])
         raise ValidationError(
             f"the checkpoint has {count} {what[:-1]} configs; the collector has {len(indices)} {what}"
         )
-    plan = RestorePlan(int(state["version"]), rows, state.get("env_state") or None, own, indices=indices)
+    plan = RestorePlan(int(state["version"]), first, rows, fitted, state.get("env_state") or None, own, indices=indices)
     if "stats" in state:
         own_stats = None if own is None else [any(k.startswith("stats.") for k in row) for row in own]
         plan.books[False] = StatsBook.from_state_dict(state["stats"], own_stats)

@@ -157,8 +157,8 @@ class AttachPort:
         with core.lock:
             core.check_open()
             core.prune()
-            rows = None if outside else core.desired.rows_for(num_envs, envs_per_worker)
             start = self._start_leaves()
+            rows = None if outside else core.desired.rows_for(num_envs, envs_per_worker)
             link = make_link(start)
             if link.num_workers != num_envs:
                 raise ValidationError(f"the link has {link.num_workers} slots for {num_envs} envs")
@@ -166,14 +166,14 @@ class AttachPort:
             core.fleet.add(attachment, start, first_env)
             version = core.desired.version
             slots = np.arange(num_envs, dtype=np.int64)
-            parts = Update.stacked(slots.tolist(), rows) if rows is not None else [Update(slots)]
+            parts = rows if rows is not None else [Update(slots)]  # a restored row per env: positions are slots
             for part in parts:
                 attachment.link.write_rows(part.targets, version, part.shared, part.rows)
                 attachment.mirror.set(part.targets, part.shared, part.rows)
             attachment.link.flush(version)
             core.record_history(version, attachment, slots, pruning=False)
             if not outside:
-                core.desired.restored_rows = None
+                core.desired.restored = None
             return attachment
 
     def next_env_index(self) -> int:
@@ -189,8 +189,7 @@ class AttachPort:
         none). For integrations whose workers start before they attach (Ray)."""
         with self._core.lock:
             leaves = self._start_leaves()
-            rows = self._core.desired.restored_rows
-            return leaves, [dict(r) for r in rows] if rows is not None else None
+            return leaves, self._core.desired.restored_row_list()
 
     def _start_leaves(self) -> Flat:
         known = self.probe is not None or self._declared is not None

@@ -20,7 +20,7 @@ from envsync.errors import ValidationError
 from envsync.links.base import Flat, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus, failure_to_raise
 from envsync.sender import desired
-from envsync.sender.desired import Undo
+from envsync.sender.desired import Undo, Update
 from envsync.state import Leaf
 
 Fit = Callable[[Any], dict[str, torch.Tensor]]
@@ -38,17 +38,20 @@ class DesiredState:
         >>> state = DesiredState({"x": torch.tensor(0.0)})
         >>> state.version, float(state.default["config", "x"])
         (0, 0.0)
-        >>> state.keep_for_attach(3, [{"x": torch.tensor(1.0)}], None, None)
+        >>> state.keep_for_attach(3, {"x": torch.tensor(1.0)}, None, 1, None, None)
         3
-        >>> state.restored_rows is None, float(state.default["config", "x"])
+        >>> state.restored is None, float(state.default["config", "x"])
         (True, 1.0)
     """
 
     def __init__(self, config: Mapping[str, Leaf]) -> None:
         self.version = 0
         self.default: Flat = desired.start(config, {})
-        self.restored_rows: list[Flat] | None = None
-        """Per-env rows of a checkpoint loaded before the collector they belong to attached."""
+        self.restored: list[Update] | None = None
+        """Per-env rows of a checkpoint loaded before the collector they belong to attached,
+        as columns: updates of the positions ``0..restored_count - 1`` (the config's; one
+        per set of keys once each env's own env state joined them)."""
+        self.restored_count = 0
         self.unchecked_env_state: Any = None
         """A checkpoint's env state, fitted to the env-state template once it is known."""
         self.unchecked_rows: list[dict[str, torch.Tensor]] | None = None
@@ -70,38 +73,63 @@ class DesiredState:
         if self.unchecked_env_state is not None:
             self.set_default(desired.leaves({}, fit(self.unchecked_env_state), self.version))
             self.unchecked_env_state = None
-        if self.unchecked_rows is not None and self.restored_rows is not None:
-            for row, own in zip(self.restored_rows, self.unchecked_rows, strict=True):
-                row.update(desired.leaves({}, fit(own), self.version))
+        if self.unchecked_rows is not None and self.restored is not None:
+            rows = self.restored[0]  # the config's, of positions 0..n-1: a position is its index
+            own = [desired.leaves({}, fit(entries), self.version) for entries in self.unchecked_rows]
+            self.restored = [
+                Update(part.targets, part.shared, {**rows.take(part.targets).rows, **part.rows})
+                for part in Update.stacked(np.arange(self.restored_count), own)
+            ]
             self.unchecked_rows = None
         leaves = desired.start(config, template)
         leaves.update(self.default)
         return leaves
 
-    def rows_for(self, num_envs: int, envs_per_worker: int) -> list[Flat] | None:
-        """The restored per-env rows the next collector of ``num_envs`` envs starts from.
+    def rows_for(self, num_envs: int, envs_per_worker: int) -> list[Update] | None:
+        """The restored per-env rows the next collector of ``num_envs`` envs starts from
+        (call after :meth:`start_leaves`, which joins each env's own env state to them).
 
         Raises:
             ValidationError: the checkpoint has another number of rows.
         """
-        rows = self.restored_rows
-        if rows is not None and len(rows) != num_envs:
+        if self.restored is not None and self.restored_count != num_envs:
             what = "workers" if envs_per_worker == 1 else "envs"
             raise ValidationError(
-                f"the checkpoint has {len(rows)} {what[:-1]} configs; the collector has {num_envs} {what}"
+                f"the checkpoint has {self.restored_count} {what[:-1]} configs; the collector has {num_envs} {what}"
             )
+        return self.restored
+
+    def restored_row_list(self) -> list[Flat] | None:
+        """The restored rows as one flat per env (for a link that starts its envs from such
+        a list: Ray's; and for a checkpoint saved again before the collector attached)."""
+        if self.restored is None:
+            return None
+        rows: list[Flat] = [{} for _ in range(self.restored_count)]
+        for part in self.restored:
+            for position, target in enumerate(part.targets.tolist()):
+                rows[target] = part.row(position)
         return rows
 
     def keep_for_attach(
-        self, version: int, rows: list[dict[str, Leaf]], env_state: Any, own: list[dict[str, Any]] | None
+        self,
+        version: int,
+        first: Mapping[str, Leaf],
+        columns: Mapping[str, torch.Tensor] | None,
+        count: int,
+        env_state: Any,
+        own: list[dict[str, Any]] | None,
     ) -> int:
         """A checkpoint restored with no collector attached: what the next one starts from
-        (its env state is fitted at attach, when the env's keys are known); returns the
-        version now desired. A restore with envs' own env state is a version of its own."""
+        (``first``: the first row's config, what a worker joining later starts from;
+        ``columns``: every row's, ``count`` rows, or ``None`` for one); its env state is
+        fitted at attach, when the env's keys are known. Returns the version now desired. A
+        restore with envs' own env state is a version of its own."""
         self.version = max(self.version, version) + (own is not None)
-        self.set_default(desired.leaves(rows[0], {}, self.version))
-        per_env = len(rows) > 1 or own is not None
-        self.restored_rows = [desired.leaves(r, {}, self.version) for r in rows] if per_env else None
+        self.set_default(desired.leaves(first, {}, self.version))
+        self.restored, self.restored_count = None, count
+        if columns is not None or own is not None:
+            rows = columns if columns is not None else {k: torch.as_tensor(v).unsqueeze(0) for k, v in first.items()}
+            self.restored = [Update(np.arange(count), {}, {("config", k): v for k, v in rows.items()})]
         self.unchecked_env_state = env_state
         self.unchecked_rows = own
         return self.version

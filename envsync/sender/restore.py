@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from tensordict import TensorDictBase
-
 from envsync.levels import is_batched
 from envsync.sender.checkpoint import RestorePlan
 from envsync.sender.core import Core
@@ -27,8 +25,8 @@ def carry_out(core: Core, plan: RestorePlan, push: Push) -> int:
     for whole, book in plan.books.items():
         core.books.put(whole, book)
     if not plan.indices:
-        assert isinstance(plan.rows, list)  # columns only for running envs
-        return core.desired.keep_for_attach(plan.version, plan.rows, plan.env_state, plan.own)
+        columns = plan.fitted if plan.rows is not None else None
+        return core.desired.keep_for_attach(plan.version, plan.first, columns, plan.count, plan.env_state, plan.own)
     indices = plan.indices
     # the version at which each env (and each worker's batched env) holds the checkpoint's
     # statistics: its statistics book counts from there
@@ -50,6 +48,6 @@ def carry_out(core: Core, plan: RestorePlan, push: Push) -> int:
     if True in plan.books:
         heads = sorted({core.head(index) for index in indices})
         plan.books[True].loaded_into_running(at_whole, heads, plan.before[True])
-    if isinstance(plan.rows, TensorDictBase):  # a row per env, as columns
+    if plan.rows is not None:  # a row per env, as columns
         return push(config=plan.rows, envs=indices, wait=None)
-    return push(config=plan.rows[0], wait=None)
+    return push(config=plan.first, wait=None)
