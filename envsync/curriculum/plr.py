@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from envsync.curriculum.base import Strategy
@@ -130,41 +131,49 @@ class PLR(Strategy):
 
     def update_score(self, level: int, score: float) -> None:
         """Move a level's score towards ``score`` (by ``alpha``) and mark it seen."""
-        self.scores[level] = (1 - self.alpha) * self.scores[level] + self.alpha * score
-        self.seen[level] = True
+        scores = self.scores.numpy()  # the tensors' own memory: a scalar torch op per call cost ~10x
+        scores[level] = (1 - self.alpha) * scores[level] + self.alpha * score
+        self.seen.numpy()[level] = True
 
     def sample(self) -> int:
         """Draw the next level: replay a seen one, or a new one (see the module docstring)."""
-        seen = float(self.seen.float().mean())
+        seen = self.seen.numpy()
+        share = float(seen.mean(dtype=np.float32))
         if self.replay_schedule == "fixed":
-            replay = seen >= self.rho and (self.rng.random() > self.nu or seen == 1.0)
+            replay = share >= self.rho and (self.rng.random() > self.nu or share == 1.0)
         else:
-            replay = seen >= self.rho and self.rng.random() < seen
-        if replay or bool(self.seen.all()):
-            level = self._choice(self.replay_weights())
+            replay = share >= self.rho and self.rng.random() < share
+        if replay or bool(seen.all()):
+            level = self._choice(self._replay_weights(seen))
             self.draws["replay"] += 1
         else:
-            level = self._choice((~self.seen).double())
+            level = self._choice((~seen).astype(np.float64))
             self.draws["new"] += 1
-        self.staleness += 1
-        self.staleness[level] = 0
+        staleness = self.staleness.numpy()
+        staleness += 1
+        staleness[level] = 0
         return level
 
     def replay_weights(self) -> torch.Tensor:
         """``P_replay`` over every level (0 for unseen ones)."""
-        order = torch.argsort(self.scores, descending=True, stable=True)
-        ranks = torch.empty_like(self.scores)
-        ranks[order] = torch.arange(1, len(self.scores) + 1, dtype=torch.float64)
-        weights = _normalised((1.0 / ranks ** (1.0 / self.temperature)) * self.seen)
+        return torch.from_numpy(self._replay_weights(self.seen.numpy()))
+
+    def _replay_weights(self, seen: np.ndarray) -> np.ndarray:
+        scores = self.scores.numpy()
+        ranks = np.empty_like(scores)
+        ranks[np.argsort(-scores, kind="stable")] = np.arange(1, len(scores) + 1, dtype=np.float64)
+        weights = _normalised((1.0 / ranks ** (1.0 / self.temperature)) * seen)
         if self.staleness_coef > 0:
-            stale = _normalised(self.staleness ** (1.0 / self.staleness_temperature) * self.seen)
+            stale = _normalised(self.staleness.numpy() ** (1.0 / self.staleness_temperature) * seen)
             weights = (1 - self.staleness_coef) * weights + self.staleness_coef * stale
         return weights
 
-    def _choice(self, weights: torch.Tensor) -> int:
-        cumulative = torch.cumsum(weights / weights.sum(), 0).tolist()
-        pick = self.rng.random()
-        return next((i for i, c in enumerate(cumulative) if pick < c), len(cumulative) - 1)
+    def _choice(self, weights: np.ndarray) -> int:
+        total = weights.sum()
+        pick = self.rng.random()  # the first level whose cumulative weight is above it
+        if not total > 0:  # no weight anywhere (nothing seen, staleness all zero): the last level
+            return len(weights) - 1
+        return min(int(np.searchsorted(np.cumsum(weights / total), pick, side="right")), len(weights) - 1)
 
     # ---- resuming --------------------------------------------------------------------------
 
@@ -190,6 +199,6 @@ class PLR(Strategy):
         self.assigned.clear()
 
 
-def _normalised(weights: torch.Tensor) -> torch.Tensor:
+def _normalised(weights: np.ndarray) -> np.ndarray:
     total = weights.sum()
     return weights / total if total > 0 else weights
