@@ -13,9 +13,9 @@ same decisions at the same batches and pushes the same number of versions (check
 replayed pass costs what the live run cost, without the collection's noise around it. The
 figures are medians over passes of the CPU microseconds per batch.
 
-At thousands of worlds (``--worlds``), ADR runs live on one ``Collector`` of a natively
+At thousands of worlds (``--worlds``), ADR and PLR run live on one ``Collector`` of a natively
 batched env of ``n`` worlds (``WorldsEnv``, 1,000-step episodes, ``apply_at="step"``): the
-CPU time of ``ADR.observe`` per batch against the CPU time of the batch itself, the first
+CPU time of ``observe`` per batch against the CPU time of the batch itself, the first
 batches (every world's first decision) not counted.
 
     python benchmarks/bench_ledger.py [--quick] [--envs 1 4 8] [--worlds 4096 65536] [--profile]
@@ -50,6 +50,7 @@ class Args:
     worlds: list[int] = field(default_factory=lambda: [4096, 65536])  # ADR over one env of n worlds
     world_batches: int = 12  # live batches at each n (the first 2 not counted)
     world_horizons: list[int] = field(default_factory=lambda: [1000, 50])  # the worlds' episode lengths (steps)
+    world_strategies: list[str] = field(default_factory=lambda: ["ADR", "PLR"])
     frames_per_worker: int = 480  # per worker and batch, as bench_curriculum.py
     batches: int = 8  # batches kept from each strategy's live run
     passes: int = 7  # timed replays of them (after one warm-up pass)
@@ -60,7 +61,7 @@ class Args:
 
 def quick(args: Args) -> Args:
     return replace(
-        args, envs=[2], frames_per_worker=70, batches=4, passes=2, worlds=[256], world_batches=5, world_horizons=[8]
+        args, envs=[2], frames_per_worker=70, batches=4, passes=2, worlds=[256], world_batches=4, world_horizons=[8]
     )
 
 
@@ -198,9 +199,24 @@ def profile(builds: dict[str, Callable[[], Any]], recorded: dict[str, Recorded],
         pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
-def measure_worlds(n: int, horizon: int, args: Args) -> dict[str, Any]:
-    """ADR live over one collector of ``n`` worlds of ``horizon``-step episodes: CPU time of
-    ``observe`` per batch, and of the batch it observed (16 steps of every world)."""
+def world_strategy(name: str, sender: EnvStateSender) -> Any:
+    """ADR over a difficulty range, or PLR over ten difficulty levels (a level per world)."""
+    if name == "PLR":
+        return curriculum.PLR(sender, [{"difficulty": d / 10} for d in range(10)], seed=0)
+    return curriculum.ADR(
+        sender,
+        ranges={"difficulty": (0.0, 0.1)},
+        bounds={"difficulty": (0.0, 2.0)},
+        delta=0.05,
+        queue=10,
+        thresholds=(-1e9, 1e9),
+        seed=0,
+    )
+
+
+def measure_worlds(n: int, horizon: int, name: str, args: Args) -> dict[str, Any]:
+    """Strategy ``name`` live over one collector of ``n`` worlds of ``horizon``-step episodes:
+    CPU time of ``observe`` per batch, and of the batch it observed (16 steps of every world)."""
     from bench_envs import WorldsEnv
     from torchrl.collectors import Collector
 
@@ -212,15 +228,7 @@ def measure_worlds(n: int, horizon: int, args: Args) -> dict[str, Any]:
         total_frames=-1,
         weight_sync_schemes=sender.schemes(),
     )
-    adr = curriculum.ADR(
-        sender,
-        ranges={"difficulty": (0.0, 0.1)},
-        bounds={"difficulty": (0.0, 2.0)},
-        delta=0.05,
-        queue=10,
-        thresholds=(-1e9, 1e9),
-        seed=0,
-    )
+    adr = world_strategy(name, sender)
     observe, batch_cpu, frozen, pushes, episodes = [], [], [], 0, 0
     try:
         batches = iter(collector)
@@ -247,7 +255,7 @@ def measure_worlds(n: int, horizon: int, args: Args) -> dict[str, Any]:
     counted = max(len(observe), 1)
     return {
         "envs": n,
-        "what": f"ADR over n worlds, {horizon}-step episodes",
+        "what": f"{name} over n worlds, {horizon}-step episodes",
         "frames_per_batch": 16 * n,
         "pushes_per_batch": pushes / counted,
         "episodes_per_batch": episodes / counted,
@@ -280,7 +288,8 @@ COLUMNS = [
 
 def run(args: Args) -> dict[str, Any]:
     rows = [row for n in args.envs for row in measure(n, args)]
-    worlds = [measure_worlds(n, h, args) for n in args.worlds for h in args.world_horizons]
+    sizes = [(n, h) for n in args.worlds for h in args.world_horizons]
+    worlds = [measure_worlds(n, h, name, args) for n, h in sizes for name in args.world_strategies]
     notes = [
         "CPU time of the calling thread (time.thread_time()) in observe(batch): the ledger's "
         "attribution, and for a strategy its rule and its pushes (wait='received'; the wait "
@@ -289,7 +298,8 @@ def run(args: Args) -> dict[str, Any]:
         "median over passes; live: the median batch of the live run",
     ]
     notes.append(
-        "ADR over worlds: one Collector of WorldsEnv(n, horizon) (world i's episodes run horizon + i % 17 steps, "
+        "ADR and PLR (ten difficulty levels) over worlds: one Collector of WorldsEnv(n, horizon) "
+        "(world i's episodes run horizon + i % 17 steps, "
         f"all starting together), 16 steps a batch, apply_at='step', live, {args.world_batches} batches of which "
         "the first 2 (every world's first decision) are not counted; CPU time of the calling thread in observe "
         "and in the batch; with 1,000-step episodes none ends in these batches (the cost of carrying every "
