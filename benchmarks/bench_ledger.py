@@ -219,9 +219,11 @@ def world_strategy(name: str, sender: EnvStateSender) -> Any:
     )
 
 
-def measure_worlds(n: int, horizon: int, name: str, args: Args) -> dict[str, Any]:
-    """Strategy ``name`` live over one collector of ``n`` worlds of ``horizon``-step episodes:
-    CPU time of ``observe`` per batch, and of the batch it observed (16 steps of every world)."""
+def live_worlds(n: int, horizon: int, name: str, args: Args, *, freeze: bool) -> dict[str, Any]:
+    """Strategy ``name`` live over one collector of ``n`` worlds of ``horizon``-step episodes,
+    ``world_batches`` batches, the first 2 not counted (``freeze``: ``gc.freeze()`` after them):
+    CPU microseconds of each ``observe`` and of each batch it observed (16 steps of every
+    world), the pushes and the episodes."""
     from bench_envs import WorldsEnv
     from torchrl.collectors import Collector
 
@@ -233,45 +235,51 @@ def measure_worlds(n: int, horizon: int, name: str, args: Args) -> dict[str, Any
         total_frames=-1,
         weight_sync_schemes=sender.schemes(),
     )
-    adr = world_strategy(name, sender)
-    observe, batch_cpu, frozen, pushes, episodes = [], [], [], 0, 0
+    strategy = world_strategy(name, sender)
+    got: dict[str, Any] = {"observe": [], "batch": [], "pushes": 0, "episodes": 0}
     try:
         batches = iter(collector)
-        for i in range(2 * args.world_batches - 2):
-            if i == args.world_batches:
-                gc.freeze()  # what is alive now leaves the collector's full scans
+        for i in range(args.world_batches):
+            if i == 2 and freeze:
+                gc.freeze()  # what is alive now (torch's, the collector's) leaves the full collections
             begin = time.thread_time()
             batch = next(batches)
             middle = time.thread_time()
             version = sender.version
-            ended = adr.observe(batch)
+            ended = strategy.observe(batch)
             end = time.thread_time()
-            if args.world_batches <= i:
-                frozen.append(1e6 * (end - middle))
-            elif i >= 2:
-                batch_cpu.append(1e6 * (middle - begin))
-                observe.append(1e6 * (end - middle))
-                pushes += sender.version - version
-                episodes += len(ended)
+            if i >= 2:
+                got["batch"].append(1e6 * (middle - begin))
+                got["observe"].append(1e6 * (end - middle))
+                got["pushes"] += sender.version - version
+                got["episodes"] += len(ended)
     finally:
         gc.unfreeze()
         collector.shutdown()
         sender.close()
-    counted = max(len(observe), 1)
+    return got
+
+
+def measure_worlds(n: int, horizon: int, name: str, args: Args) -> dict[str, Any]:
+    """:func:`live_worlds` as users run it, and again with ``gc.freeze()``."""
+    got = live_worlds(n, horizon, name, args, freeze=False)
+    frozen = live_worlds(n, horizon, name, args, freeze=True)["observe"]
+    observe, counted = got["observe"], max(len(got["observe"]), 1)
+    episodes = got["episodes"]
     return {
         "envs": n,
         "what": f"{name} over n worlds, {horizon}-step episodes",
         "frames_per_batch": 16 * n,
-        "pushes_per_batch": pushes / counted,
+        "pushes_per_batch": got["pushes"] / counted,
         "episodes_per_batch": episodes / counted,
         "cpu_us_per_batch": mean(observe),
         "cpu_ns_per_frame": 1e3 * mean(observe) / (16 * n),
         "live_cpu_us_per_batch": mean(observe),
-        "batch_cpu_us": mean(batch_cpu),
+        "batch_cpu_us": mean(got["batch"]),
         "us_per_episode": mean(observe) / (episodes / counted) if episodes else None,
-        "share_of_batch": mean(observe) / mean(batch_cpu),
+        "share_of_batch": mean(observe) / mean(got["batch"]),
         "frozen_cpu_us_per_batch": mean(frozen),
-        "samples": {"cpu_us_per_batch": observe, "batch_cpu_us": batch_cpu, "frozen_cpu_us_per_batch": frozen},
+        "samples": {"cpu_us_per_batch": observe, "batch_cpu_us": got["batch"], "frozen_cpu_us_per_batch": frozen},
     }
 
 
@@ -310,8 +318,9 @@ def run(args: Args) -> dict[str, Any]:
         "about every other batch); CPU time of the calling thread in observe "
         "and in the batch; with 1,000-step episodes none ends in these batches (the cost of carrying every "
         "world's running piece), with 50-step ones about a quarter of the worlds end one a batch; "
-        "after gc.freeze(): as many batches more once the objects alive then (torch's, the collector's) were "
-        "moved out of Python's full collections, which an episode record per world makes frequent"
+        "after gc.freeze(): the same run again in the same process, gc.freeze() called after its first 2 "
+        "batches (the objects alive then, torch's and the collector's, leave Python's full collections, which "
+        "an episode record per world makes frequent)"
     )
     report = Report(NAME, args, rows + worlds, [("CPU per batch", COLUMNS)], {"plots": []}, [], notes)
     return report.write(args.out)
