@@ -5,13 +5,34 @@ some envs missing from a batch, versions changing mid-episode, every reduction."
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 
 from envsync.curriculum.columns import OpenPieces
-from envsync.curriculum.ledger import _Cuts, _Piece
+from envsync.curriculum.ledger import _Cuts, _Ended
+
+
+class _Piece(NamedTuple):
+    """A run of one env's frames under one version, within one episode: what the ledger made
+    piece by piece before it ran on columns."""
+
+    env: int
+    version: int
+    episode_return: float
+    length: int
+    values: dict[str, float]
+    whole: bool
+
+
+def _as_pieces(ended: _Ended) -> list[_Piece]:
+    names = list(ended.values)
+    columns = zip(
+        ended.env, ended.version, ended.returns, ended.lengths, ended.whole, *ended.values.values(), strict=True
+    )
+    return [_Piece(e, v, r, n, dict(zip(names, m, strict=True)), w) for e, v, r, n, w, *m in columns]
+
 
 REDUCTIONS = ("first", "last", "max", "min", "sum", "mean")
 
@@ -90,4 +111,4 @@ def test_pieces_by_columns_are_the_reference_pieces(seed: int) -> None:
             for name, how in reductions.items():
                 expected.reduce(name, how, measures[name])
                 got.reduce(name, how, measures[name])
-            assert _rounded(got.pieces(columns)) == _rounded(reference(expected, running))
+            assert _rounded(_as_pieces(got.pieces(columns))) == _rounded(reference(expected, running))

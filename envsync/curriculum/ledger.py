@@ -16,7 +16,7 @@ mid-episode: each piece is then credited to its own config and marked ``whole=Fa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -102,23 +102,16 @@ class Episode:
         )
 
 
-class _Piece(NamedTuple):
-    """A run of one env's frames under one version, within one episode (``"mean"`` measures
-    still as sums)."""
+class _Ended(NamedTuple):
+    """The pieces that ended in one batch, env by env, in order, as one list per column
+    (``"mean"`` measures still as sums): no object per piece until its record is made."""
 
-    env: int
-    version: int
-    episode_return: float
-    length: int
-    values: dict[str, float]
-    whole: bool
-
-    def finished(self, config: Entry, means: Sequence[str]) -> Episode:
-        """The record of this piece (the running sums of the ``means`` become means)."""
-        values = self.values
-        if means:
-            values = {n: v / self.length if n in means else v for n, v in values.items()}
-        return Episode(self.env, self.version, config, self.episode_return, self.length, values, self.whole)
+    env: list[int]
+    version: list[int]
+    returns: list[float]
+    lengths: list[int]
+    whole: list[bool]
+    values: dict[str, list[float]]
 
 
 class Ledger:
@@ -169,8 +162,18 @@ class Ledger:
         self.frames += batch.batch_size.numel()
         if cuts is None:
             return []
+        ended = cuts.pieces(self._open)
         entry = self.sender.config_history.entry  # where each (env, version) config is kept
-        episodes = [p.finished(entry(p.env, p.version), self._means) for p in cuts.pieces(self._open)]
+        names, means = list(ended.values), self._means
+        if names:
+            measured = [dict(zip(names, m, strict=True)) for m in zip(*ended.values.values(), strict=True)]
+        else:
+            measured = [{} for _ in ended.env]
+        if means:  # the running sums of the "mean" measures become means
+            pairs = zip(measured, ended.lengths, strict=True)
+            measured = [{k: x / n if k in means else x for k, x in d.items()} for d, n in pairs]
+        columns = zip(ended.env, ended.version, ended.returns, ended.lengths, ended.whole, measured, strict=True)
+        episodes = [Episode(e, v, entry(e, v), r, n, d, w) for e, v, r, n, w, d in columns]
         self._latest.raise_to(cuts.env, cuts.version)
         return episodes
 
@@ -266,10 +269,10 @@ class _Cuts:
         self.values[name] = out.astype(np.float64)
         self.reductions[name] = how
 
-    def pieces(self, running: OpenPieces) -> list[_Piece]:
+    def pieces(self, running: OpenPieces) -> _Ended:
         """The pieces that ended in this batch, env by env, in order; ``running`` (per env, the
         piece it left running) is merged into each env's first piece and replaced by its last
-        one. By vector ops over the pieces: a piece object is made only for what ended."""
+        one. By vector ops over the pieces, handed back as lists."""
         env, version, ended = self.env, self.version, self.ended
         returns, lengths = self.returns.copy(), self.lengths.copy()
         values = {name: v.copy() for name, v in self.values.items()}
@@ -304,36 +307,23 @@ class _Cuts:
         # that ended or were cut by a version change mid-episode ("step" mode)
         out_pieces = np.flatnonzero(ended | ~last)
         order = np.argsort(np.r_[2 * heads[broken], 2 * out_pieces + 1], kind="stable")
-        made: list[_Piece] = []
+        whole_out = whole[out_pieces] & ended[out_pieces]  # a piece cut mid-episode is not whole
+        columns = [env[out_pieces], version[out_pieces], returns[out_pieces], lengths[out_pieces], whole_out]
+        measured = {name: v[out_pieces] for name, v in values.items()}
         if len(broken):
             assert kept is not None
-            names = list(values)
-            made += [
-                _Piece(e, v, r, n, dict(zip(names, m, strict=True)), False)
-                for e, v, r, n, *m in zip(
-                    env[heads[broken]].tolist(),
-                    kept[1][broken].tolist(),
-                    kept[2][broken].tolist(),
-                    kept[3][broken].tolist(),
-                    *(kept[5][name][broken].tolist() for name in names),
-                    strict=True,
-                )
-            ]
-        names = list(values)
-        whole_out = whole[out_pieces] & ended[out_pieces]  # a piece cut mid-episode is not whole
-        made += [
-            _Piece(e, v, r, n, dict(zip(names, m, strict=True)), w)
-            for e, v, r, n, w, *m in zip(
-                env[out_pieces].tolist(),
-                version[out_pieces].tolist(),
-                returns[out_pieces].tolist(),
-                lengths[out_pieces].tolist(),
-                whole_out.tolist(),
-                *(values[name][out_pieces].tolist() for name in names),
-                strict=True,
-            )
-        ]
-        return [made[i] for i in order.tolist()]
+            cut = [env[heads[broken]], kept[1][broken], kept[2][broken], kept[3][broken], np.zeros(len(broken), bool)]
+            columns = [np.r_[a, b] for a, b in zip(cut, columns, strict=True)]
+            measured = {name: np.r_[kept[5][name][broken], v] for name, v in measured.items()}
+        env_out, version_out, returns_out, lengths_out, whole_list = (c[order].tolist() for c in columns)
+        return _Ended(
+            env_out,
+            version_out,
+            returns_out,
+            lengths_out,
+            whole_list,
+            {k: v[order].tolist() for k, v in measured.items()},
+        )
 
 
 def _columns(value: torch.Tensor, n: int) -> np.ndarray:
