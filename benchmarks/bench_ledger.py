@@ -227,6 +227,7 @@ def live_worlds(n: int, horizon: int, name: str, args: Args, *, freeze: bool) ->
     from bench_envs import WorldsEnv
     from torchrl.collectors import Collector
 
+    gc.collect()  # each run starts from a heap without the garbage of the runs before it
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
     collector = Collector(
         sender.env_fn(lambda: WorldsEnv(n, horizon=horizon)),
