@@ -164,14 +164,15 @@ class Ledger:
             return []
         ended = cuts.pieces(self._open)
         entry = self.sender.config_history.entry  # where each (env, version) config is kept
-        names, means = list(ended.values), self._means
+        values = {  # the running sums of the "mean" measures become means
+            k: [x / n for x, n in zip(v, ended.lengths, strict=True)] if k in self._means else v
+            for k, v in ended.values.items()
+        }
+        names = list(values)
         if names:
-            measured = [dict(zip(names, m, strict=True)) for m in zip(*ended.values.values(), strict=True)]
+            measured = [dict(zip(names, m, strict=True)) for m in zip(*values.values(), strict=True)]
         else:
             measured = [{} for _ in ended.env]
-        if means:  # the running sums of the "mean" measures become means
-            pairs = zip(measured, ended.lengths, strict=True)
-            measured = [{k: x / n if k in means else x for k, x in d.items()} for d, n in pairs]
         columns = zip(ended.env, ended.version, ended.returns, ended.lengths, ended.whole, measured, strict=True)
         episodes = [Episode(e, v, entry(e, v), r, n, d, w) for e, v, r, n, w, d in columns]
         self._latest.raise_to(cuts.env, cuts.version)

@@ -18,6 +18,7 @@ counter before it releases): it blocks only while a slot still owes the version.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ DRAIN_EVERY = 1024
 """Pushes between two takes-back of unwaited acknowledgement releases (:meth:`SlotWriter.flush`)."""
 
 
-class SlotWriter:
+class SlotWriter(ABC):
     """The sender's operations on a table (both links use it).
 
     Args:
@@ -300,9 +301,9 @@ class SlotWriter:
         inverse = inverse.ravel()
         return [(slots[inverse == i], self.table.error_text(int(slots[at]))) for i, at in enumerate(first.tolist())]
 
+    @abstractmethod
     def alive(self, worker: int) -> bool:
         """Whether the worker can still answer (each kind of link knows how to tell)."""
-        raise NotImplementedError
 
     def acks_columns(self) -> tuple[np.ndarray, ...]:
         """Copies of every slot's received, applied, failed and reached versions (what a Ray

@@ -174,9 +174,10 @@ class RestorePlan:
     Args:
         version: the checkpoint's version.
         first: the first row's config (the only one when every env has the same config).
-        rows: a checkpoint of many rows: its config as columns (a TensorDict of one row per
-            env, checked at once: 65,536 rows are not split into 65,536 configs), and
-            ``fitted`` those columns fitted to the template; ``None`` for one row.
+        columns: a checkpoint of many rows: its config as columns by dotted name, fitted to
+            the template at once (65,536 rows are not split into 65,536 configs); ``None``
+            for one row.
+        count: how many rows the checkpoint has.
         env_state: the env state pushed to every env, if any.
         own: each env's own env-state entries (pushed to it alone, or gathered from it).
         books: the statistics books the checkpoint restores, per level (``True``: the
@@ -189,18 +190,13 @@ class RestorePlan:
 
     version: int
     first: dict[str, Leaf]
-    rows: TensorDictBase | None
-    fitted: dict[str, torch.Tensor]
+    columns: dict[str, torch.Tensor] | None
+    count: int
     env_state: Any
     own: list[dict[str, Any]] | None
     books: dict[bool, StatsBook] = field(default_factory=dict)
     indices: list[int] = field(default_factory=list)
     before: dict[bool, dict[int, dict[str, Any]]] = field(default_factory=dict)
-
-    @property
-    def count(self) -> int:
-        """How many rows the checkpoint has."""
-        return 1 if self.rows is None else int(self.rows.batch_size[0])
 
 
 def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any]) -> RestorePlan:
@@ -220,11 +216,7 @@ def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any])
     count = 1 if config.batch_dims == 0 else int(config.batch_size[0])
     indices = core.fleet.collected()
     first = template.fit(config if config.batch_dims == 0 else config[0])
-    rows: TensorDictBase | None = None
-    fitted: dict[str, torch.Tensor] = {}
-    if count > 1:
-        _, fitted = template.fit_rows(config, count)  # every row checked at once, kept as columns
-        rows = config
+    columns = template.fit_rows(config, count)[1] if count > 1 else None  # every row checked at once
     own = _own_rows(state, count)
     if own is not None and len(own) != count:
         raise ValidationError(f"the checkpoint has {count} worker configs and {len(own)} worker env states")
@@ -238,7 +230,8 @@ def plan_restore(core: Core, template: ConfigTemplate, state: Mapping[str, Any])
         raise ValidationError(
             f"the checkpoint has {count} {what[:-1]} configs; the collector has {len(indices)} {what}"
         )
-    plan = RestorePlan(int(state["version"]), first, rows, fitted, state.get("env_state") or None, own, indices=indices)
+    env_state = state.get("env_state") or None
+    plan = RestorePlan(int(state["version"]), first, columns, count, env_state, own, indices=indices)
     if "stats" in state:
         own_stats = None if own is None else [any(k.startswith("stats.") for k in row) for row in own]
         plan.books[False] = StatsBook.from_state_dict(state["stats"], own_stats)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from tensordict import TensorDict
+
 from envsync.levels import is_batched
 from envsync.sender.checkpoint import RestorePlan
 from envsync.sender.core import Core
@@ -25,8 +27,8 @@ def carry_out(core: Core, plan: RestorePlan, push: Push) -> int:
     for whole, book in plan.books.items():
         core.books.put(whole, book)
     if not plan.indices:
-        columns = plan.fitted if plan.rows is not None else None
-        return core.desired.keep_for_attach(plan.version, plan.first, columns, plan.count, plan.env_state, plan.own)
+        kept = core.desired.keep_for_attach
+        return kept(plan.version, plan.first, plan.columns, plan.count, plan.env_state, plan.own)
     indices = plan.indices
     # the version at which each env (and each worker's batched env) holds the checkpoint's
     # statistics: its statistics book counts from there
@@ -48,6 +50,7 @@ def carry_out(core: Core, plan: RestorePlan, push: Push) -> int:
     if True in plan.books:
         heads = sorted({core.head(index) for index in indices})
         plan.books[True].loaded_into_running(at_whole, heads, plan.before[True])
-    if plan.rows is not None:  # a row per env, as columns
-        return push(config=plan.rows, envs=indices, wait=None)
+    if plan.columns is not None:  # a row per env, as columns
+        rows = TensorDict({tuple(k.split(".")): v for k, v in plan.columns.items()}, batch_size=[plan.count])
+        return push(config=rows, envs=indices, wait=None)
     return push(config=plan.first, wait=None)
