@@ -4,11 +4,16 @@ worlds (:func:`take_rows`, :func:`put_rows`), as a slice where the rows are cons
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 Rows = np.ndarray | slice
 """Row indices (int64), or the slice they make when they are consecutive (:func:`span_of`)."""
+
+Indices = Sequence[int] | np.ndarray | torch.Tensor
+"""Indices a user gives (``workers=``, ``envs=``): ints, or a 1-D integer array or tensor."""
 
 
 def span_of(indices: np.ndarray, *, ascending: bool = False) -> Rows:

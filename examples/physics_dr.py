@@ -72,12 +72,14 @@ class Args:
     queue: int = 8
     low_return: float = -100.0
     high_return: float = -20.0
+    boundary_fraction: float = 0.4
     seed: int = 0
     out: Path = DEFAULT_OUT
 
     @classmethod
     def smoke(cls) -> Args:
-        """A tiny budget for CI: short episodes, and thresholds every return passes (the ranges widen)."""
+        """A tiny budget for CI: short episodes, thresholds every return passes, and every env
+        at a boundary (its 16 decisions widen every boundary)."""
         return cls(
             workers=2,
             total_frames=2_048,
@@ -88,6 +90,7 @@ class Args:
             queue=1,
             low_return=-1e9,
             high_return=-1e9,
+            boundary_fraction=1.0,
         )
 
 
@@ -218,7 +221,7 @@ def train(args: Args) -> Log:
         ranges={"mass": (1.0, 1.0), "friction": (1.0, 1.0)},
         bounds={"mass": (0.5, 2.0), "friction": (0.3, 2.0)},
         delta=0.1,
-        boundary_fraction=0.4,
+        boundary_fraction=args.boundary_fraction,
         queue=args.queue,
         thresholds=(args.low_return, args.high_return),
         seed=args.seed,

@@ -3,6 +3,7 @@ batch ends, batches of several workers interleaved, measures reduced, bad input 
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from envsync import EnvStateSender, ValidationError
-from envsync.curriculum import Episode, Ledger, Measure
+from envsync.curriculum import Episode, Ledger, Measure, Strategy
 
 
 @pytest.fixture
@@ -186,3 +187,31 @@ def test_an_episodes_config_is_made_when_read_and_stays_exact_after_the_history_
     assert [e.config["difficulty"].item() for e in episodes] == pytest.approx([0.2, 1.2, 2.2, 3.2])
     assert [e.config["difficulty"].item() for e in episodes] == pytest.approx([0.2, 1.2, 2.2, 3.2])
     assert len(made) == 4  # once each
+
+
+def test_observing_a_batch_holds_off_the_cyclic_collector_and_leaves_it_as_found(sender: EnvStateSender) -> None:
+    seen: list[bool] = []
+
+    class Watch(Strategy):
+        def update(self, episodes: list[Episode]) -> None:
+            seen.append(gc.isenabled())
+
+    watch = Watch(sender)
+    batch = frames(0, [1, 1, 1, 2], [1, 1, 1, 2], [0, 0, 1, 0])
+    assert gc.isenabled()
+    assert summary(watch.observe(batch)) == [(0, 1, 3.0, 3, True)]
+    assert seen == [False] and gc.isenabled(), "off for the batch (the ledger and the rule), on after"
+    gc.disable()
+    try:
+        watch.observe(frames(0, [2, 2], [1, 1], [1, 0]))
+        assert seen == [False, False] and not gc.isenabled(), "turned off by the user: left off"
+    finally:
+        gc.enable()
+
+    class Failing(Strategy):
+        def update(self, episodes: list[Episode]) -> None:
+            raise RuntimeError("a rule that fails")
+
+    with pytest.raises(RuntimeError, match="a rule that fails"):
+        Failing(sender).observe(frames(1, [1, 1], [1, 1], [1, 0]))
+    assert gc.isenabled()

@@ -4,9 +4,11 @@ results, the lesson, the range, the priorities or the arm is exactly this."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -178,6 +180,21 @@ def test_adr_draws_boundary_envs_at_the_boundary(sender: EnvStateSender) -> None
     assert {extended.draw()[0]["difficulty"] for _ in range(50)} == {0.75, 2.25}
 
 
+def test_adr_draws_thousands_of_envs_as_columns_in_one_call(sender: EnvStateSender) -> None:
+    multi = ADR(sender, {"difficulty": (1.0, 2.0), "friction": (0.5, 0.6)}, boundary_fraction=0.4, seed=5)
+    columns, boundaries = multi.draws(65_536)
+    assert {n: c.shape for n, c in columns.items()} == {"difficulty": (65_536,), "friction": (65_536,)}
+    assert sum(b is not None for b in boundaries) / len(boundaries) == pytest.approx(0.4, abs=0.01)
+    for (name, side), count in Counter(b for b in boundaries if b is not None).items():
+        at = np.array([b == (name, side) for b in boundaries])
+        assert count / len(boundaries) == pytest.approx(0.1, abs=0.01)
+        assert (columns[name][at] == multi.range[name][side]).all(), "a boundary env sits at its boundary"
+    for name, (low, high) in multi.range.items():
+        assert ((columns[name] >= low) & (columns[name] <= high)).all()
+    rollout = np.array([b is None for b in boundaries])
+    assert len(np.unique(columns["difficulty"][rollout])) == rollout.sum(), "each rollout env draws its own"
+
+
 def test_adr_discards_results_of_a_boundary_that_moved(sender: EnvStateSender) -> None:
     strategy = adr(sender, queue=1)
     strategy.assigned[0, 5] = (HIGH, 2.0)
@@ -242,6 +259,18 @@ def test_plr_draws_new_levels_until_rho_then_replays_by_priority(sender: EnvStat
     plr.alpha = 0.5
     plr.update_score(1, 1.0)
     assert plr.scores[1].item() == 4.0
+
+
+@pytest.mark.parametrize("schedule", ["proportionate", "fixed"])
+def test_plr_draws_a_batch_of_levels_as_its_draws_one_by_one_would(sender: EnvStateSender, schedule: str) -> None:
+    levels = [{"difficulty": d / 10} for d in range(12)]
+    one, many = (PLR(sender, levels, replay_schedule=schedule, rho=0.3, staleness_coef=0.4, seed=9) for _ in range(2))
+    for plr in (one, many):
+        for level, score in ((0, 3.0), (4, 1.0), (7, 5.0), (11, 2.0)):
+            plr.update_score(level, score)
+    assert many.samples(500) == [one.sample() for _ in range(500)]
+    assert torch.equal(many.staleness, one.staleness) and many.draws == one.draws
+    assert one.draws["replay"] and one.draws["new"]
 
 
 def test_plr_fixed_schedule_and_rho(sender: EnvStateSender) -> None:

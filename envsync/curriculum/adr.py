@@ -30,7 +30,6 @@ the DeXtreme paper describes it.
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -111,7 +110,7 @@ class ADR(Strategy):
         self.extended_boundary_sample = extended_boundary_sample
         self.envs = None if envs is None else list(envs)
         self.queues: dict[Boundary, deque[float]] = {(n, s): deque(maxlen=queue) for n in self.names for s in (0, 1)}
-        self.rng = random.Random(seed)
+        self.rng = np.random.default_rng(seed)
         flat = sender.template.flat
         self._shapes = {n: tuple(flat[n].shape) if n in flat else () for n in self.names}
         self.assigned: dict[tuple[int, int], tuple[Boundary, float]] = {}
@@ -150,11 +149,14 @@ class ADR(Strategy):
         self.assigned = self.unsettled(self.assigned)
         due = self.due(self.envs)
         if due:
-            rows, boundaries = zip(*(self.draw() for _ in due), strict=True)
-            version = self.assign(dict(zip(due, rows, strict=True)))
-            for env, boundary in zip(due, boundaries, strict=True):
-                if boundary is not None:
-                    self.assigned[env, version] = (boundary, self.boundary_value(boundary))
+            columns, boundaries = self.draws(len(due))
+            version = self.assign_columns(due, columns)
+            values = {boundary: self.boundary_value(boundary) for boundary in self.queues}
+            self.assigned.update(
+                ((env, version), (boundary, values[boundary]))
+                for env, boundary in zip(due, boundaries, strict=True)
+                if boundary is not None
+            )
 
     def _objective(self, episode: Episode) -> float:
         return episode.episode_return if self.objective == "episode_return" else episode.measures[self.objective]
@@ -202,29 +204,31 @@ class ADR(Strategy):
         return value
 
     def draw(self) -> tuple[dict[str, Any], Boundary | None]:
-        """One env's next config, and the boundary it evaluates (``None``: a rollout env)."""
-        boundary: Boundary | None = None
-        if self.rng.random() < self.boundary_fraction:
-            mode = self.rng.randrange(2 * len(self.names))
-            boundary = (self.names[mode // 2], mode % 2)
-        row: dict[str, Any] = {n: self._uniform(n) for n in self.names}
-        if boundary is not None:
-            name = boundary[0]
-            row[name] = (
-                torch.full_like(row[name], self.boundary_value(boundary))
-                if self._shapes[name]
-                else (self.boundary_value(boundary))
-            )
-        return row, boundary
+        """One env's next config, and the boundary it evaluates (``None``: a rollout env):
+        :meth:`draws` of one env, a number per scalar parameter, a tensor per array one."""
+        columns, boundaries = self.draws(1)
+        row = {n: float(c[0]) if not self._shapes[n] else torch.from_numpy(c[0]) for n, c in columns.items()}
+        return row, boundaries[0]
 
-    def _uniform(self, name: str) -> float | torch.Tensor:
-        """A draw in ``name``'s range: one number, or one per element of an array parameter
-        (a mass factor per body)."""
-        shape = self._shapes[name]
-        if not shape:
-            return self.rng.uniform(*self.range[name])
-        values = [self.rng.uniform(*self.range[name]) for _ in range(int(np.prod(shape)))]
-        return torch.tensor(values, dtype=torch.float64).reshape(shape)
+    def draws(self, count: int) -> tuple[dict[str, np.ndarray], list[Boundary | None]]:
+        """The next configs of ``count`` envs as columns (float64, a row per env, an array
+        parameter's elements each drawn in its range), and the boundary each evaluates:
+        a few vector draws whatever ``count`` (a batch of thousands of worlds ends thousands
+        of episodes)."""
+        rng = self.rng
+        modes = rng.integers(0, 2 * len(self.names), size=count)  # the boundary, if one is drawn
+        modes[rng.random(count) >= self.boundary_fraction] = -1
+        columns = {}
+        for i, name in enumerate(self.names):
+            low, high = self.range[name]
+            column = rng.uniform(low, high, size=(count, *self._shapes[name]))
+            for side in (0, 1):
+                at = modes == 2 * i + side
+                if at.any():
+                    column[at] = self.boundary_value((name, side))
+            columns[name] = column
+        boundaries = [None if mode < 0 else (self.names[mode // 2], mode % 2) for mode in modes.tolist()]
+        return columns, boundaries
 
     def _ranges(self) -> dict[str, float]:
         return {f"{n}.{side}": self.range[n][i] for n in self.names for i, side in enumerate(("low", "high"))}
@@ -238,7 +242,7 @@ class ADR(Strategy):
             "range": {n: list(r) for n, r in self.range.items()},
             "queues": {f"{n}.{s}": list(q) for (n, s), q in self.queues.items()},
             "results": {f"{n}.{s}": count for (n, s), count in self.results.items()},
-            "rng": self.rng.getstate(),
+            "rng": self.rng.bit_generator.state,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -249,5 +253,7 @@ class ADR(Strategy):
             queue.clear()
             queue.extend(state["queues"][f"{n}.{s}"])
             self.results[n, s] = int(state["results"][f"{n}.{s}"])
-        self.rng.setstate(state["rng"])
+        # numpy's state; a checkpoint made with Python's random (before 2026-12-07) draws on from the seed
+        if isinstance(state["rng"], dict):
+            self.rng.bit_generator.state = state["rng"]
         self.assigned.clear()

@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync.curriculum.columns import VersionColumn
+from envsync.curriculum.heap import collections_deferred
 from envsync.curriculum.ledger import Episode, Ledger, Measure, NestedKey
 from envsync.errors import ValidationError
 from envsync.protocol import ApplyAt
@@ -107,12 +108,13 @@ class Strategy(ABC):
 
     def observe(self, batch: TensorDictBase) -> list[Episode]:
         """Attribute the batch's finished episodes, let the rule decide (and push); return them."""
-        episodes = self.ledger.observe(batch)
-        whole = [(e.env, e.version) for e in episodes if e.whole]
-        if whole:
-            envs, versions = np.array(whole, dtype=np.int64).T
-            self._whole.raise_to(envs, versions)
-        self.update(episodes)
+        with collections_deferred():  # the episodes' objects and the rule's, thousands a batch (see .heap)
+            episodes = self.ledger.observe(batch)
+            whole = [(e.env, e.version) for e in episodes if e.whole]
+            if whole:
+                envs, versions = np.array(whole, dtype=np.int64).T
+                self._whole.raise_to(envs, versions)
+            self.update(episodes)
         return episodes
 
     @abstractmethod
@@ -133,17 +135,19 @@ class Strategy(ABC):
         Every row names the same template names (dotted for nested ones).
         """
         envs = sorted(rows)
-        names = sorted(rows[envs[0]])
-        if any(sorted(rows[e]) != names for e in envs):
-            raise ValidationError(f"every env's row must give the same names; got {[sorted(rows[e]) for e in envs]}")
-        config = TensorDict(batch_size=[len(envs)])
-        for name in names:
-            values = [rows[e][name] for e in envs]
-            numbers = all(isinstance(v, int | float) for v in values)  # one call for a column of numbers
-            column = torch.tensor(values) if numbers else torch.stack([torch.as_tensor(v) for v in values])
-            config.set(tuple(name.split(".")), column)
-        version = self.sender.push(config=config, envs=envs, wait=self.wait)
-        self._decided.set(np.array(envs, dtype=np.int64), version)
+        return self.assign_columns(envs, columns_of([rows[e] for e in envs], "env's row"))
+
+    def assign_columns(self, envs: Sequence[int] | np.ndarray, columns: Mapping[str, Any]) -> int:
+        """Push one version that gives each of ``envs`` (distinct fleet indices) its row of
+        every column (template names, dotted for nested ones; leading dim: the envs, in
+        their order); return it. One push of columns, whatever the number of envs.
+        """
+        targets = np.asarray(envs, dtype=np.int64)
+        config = TensorDict(batch_size=[len(targets)])
+        for name, column in columns.items():
+            config.set(tuple(name.split(".")), torch.as_tensor(column))
+        version = self.sender.push(config=config, envs=targets, wait=self.wait)
+        self._decided.set(targets, version)
         return version
 
     def due(self, envs: Iterable[int] | None = None) -> list[int]:
@@ -199,6 +203,24 @@ class Strategy(ABC):
         self.ledger.frames = int(state.get("frames", 0))
         self._decided.clear()
         self._whole.clear()
+
+
+def columns_of(rows: Sequence[Mapping[str, Any]], what: str) -> dict[str, torch.Tensor]:
+    """Rows of configs (template names, dotted for nested ones, to values) as columns: a
+    tensor per name, a row each.
+
+    Raises:
+        ValidationError: the rows do not all give the same names (``what`` names a row).
+    """
+    names = sorted(rows[0])
+    if any(sorted(row) != names for row in rows):
+        raise ValidationError(f"every {what} must give the same names; got {[sorted(row) for row in rows]}")
+    columns = {}
+    for name in names:
+        values = [row[name] for row in rows]
+        numbers = all(isinstance(v, int | float) for v in values)  # one call for a column of numbers
+        columns[name] = torch.tensor(values) if numbers else torch.stack([torch.as_tensor(v) for v in values])
+    return columns
 
 
 def envs_of_workers(sender: Sender, workers: Sequence[int] | None = None) -> dict[int, list[int]]:

@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDictBase
 
 from envsync.curriculum.columns import OpenPieces, VersionColumn
+from envsync.curriculum.heap import collections_deferred
 from envsync.errors import ValidationError
 from envsync.sender.history import Entry
 from envsync.sender.sender import Sender
@@ -158,6 +159,10 @@ class Ledger:
             ValidationError: the batch lacks envsync's tags or a measure's key, or a measure
                 has more than one number per frame.
         """
+        with collections_deferred():  # an episode is a few objects, thousands a batch (see .heap)
+            return self._observe(batch)
+
+    def _observe(self, batch: TensorDictBase) -> list[Episode]:
         cuts = _Cuts.of(batch, self.measures)
         self.frames += batch.batch_size.numel()
         if cuts is None:

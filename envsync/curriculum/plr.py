@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from envsync.curriculum.base import Strategy
+from envsync.curriculum.base import Strategy, columns_of
 from envsync.curriculum.ledger import Episode, Measure, NestedKey
 from envsync.errors import ValidationError
 from envsync.sender.sender import Sender
@@ -98,6 +98,7 @@ class PLR(Strategy):
         if temperature <= 0 or staleness_temperature <= 0 or not 0 <= staleness_coef <= 1:
             raise ValidationError("PLR needs temperatures > 0 and staleness_coef in [0, 1]")
         self.levels = [dict(level) for level in levels]
+        self._table = columns_of(self.levels, "PLR level")  # a row per level: a batch's levels in one read
         self.score_fn = score
         self.temperature, self.staleness_temperature = temperature, staleness_temperature
         self.staleness_coef = staleness_coef
@@ -123,8 +124,8 @@ class PLR(Strategy):
         self.assigned = self.unsettled(self.assigned)
         due = self.due(self.envs)
         if due:
-            chosen = [self.sample() for _ in due]
-            version = self.assign({env: self.levels[level] for env, level in zip(due, chosen, strict=True)})
+            chosen = self.samples(len(due))
+            version = self.assign_columns(due, {name: column[chosen] for name, column in self._table.items()})
             self.assigned.update({(env, version): level for env, level in zip(due, chosen, strict=True)})
         if scored or due:
             self.record(seen=int(self.seen.sum()), **self.draws, scores=self.scores.tolist())
@@ -137,36 +138,52 @@ class PLR(Strategy):
 
     def sample(self) -> int:
         """Draw the next level: replay a seen one, or a new one (see the module docstring)."""
+        return self.samples(1)[0]
+
+    def samples(self, count: int) -> list[int]:
+        """Draw the next levels of ``count`` envs, one after the other (each draw makes the
+        others staler): the rank weights once (no score changes meanwhile), the staleness
+        weights at each draw."""
         seen = self.seen.numpy()
         share = float(seen.mean(dtype=np.float32))
-        if self.replay_schedule == "fixed":
-            replay = share >= self.rho and (self.rng.random() > self.nu or share == 1.0)
-        else:
-            replay = share >= self.rho and self.rng.random() < share
-        if replay or bool(seen.all()):
-            level = self._choice(self._replay_weights(seen))
-            self.draws["replay"] += 1
-        else:
-            level = self._choice((~seen).astype(np.float64))
-            self.draws["new"] += 1
-        staleness = self.staleness.numpy()
-        staleness += 1
-        staleness[level] = 0
-        return level
+        every = bool(seen.all())
+        ranked = self._rank_weights(seen)
+        unseen = (~seen).astype(np.float64)
+        staleness = self.staleness.numpy()  # the tensor's own memory
+        chosen = []
+        for _ in range(count):
+            if self.replay_schedule == "fixed":
+                replay = share >= self.rho and (self.rng.random() > self.nu or share == 1.0)
+            else:
+                replay = share >= self.rho and self.rng.random() < share
+            if replay or every:
+                level = self._choice(self._mixed(ranked, seen))
+                self.draws["replay"] += 1
+            else:
+                level = self._choice(unseen)
+                self.draws["new"] += 1
+            staleness += 1
+            staleness[level] = 0
+            chosen.append(level)
+        return chosen
 
     def replay_weights(self) -> torch.Tensor:
         """``P_replay`` over every level (0 for unseen ones)."""
-        return torch.from_numpy(self._replay_weights(self.seen.numpy()))
+        seen = self.seen.numpy()
+        return torch.from_numpy(self._mixed(self._rank_weights(seen), seen))
 
-    def _replay_weights(self, seen: np.ndarray) -> np.ndarray:
+    def _rank_weights(self, seen: np.ndarray) -> np.ndarray:
         scores = self.scores.numpy()
         ranks = np.empty_like(scores)
         ranks[np.argsort(-scores, kind="stable")] = np.arange(1, len(scores) + 1, dtype=np.float64)
-        weights = _normalised((1.0 / ranks ** (1.0 / self.temperature)) * seen)
-        if self.staleness_coef > 0:
-            stale = _normalised(self.staleness.numpy() ** (1.0 / self.staleness_temperature) * seen)
-            weights = (1 - self.staleness_coef) * weights + self.staleness_coef * stale
-        return weights
+        return _normalised((1.0 / ranks ** (1.0 / self.temperature)) * seen)
+
+    def _mixed(self, ranked: np.ndarray, seen: np.ndarray) -> np.ndarray:
+        """The rank weights mixed with the staleness weights of now."""
+        if self.staleness_coef <= 0:
+            return ranked
+        stale = _normalised(self.staleness.numpy() ** (1.0 / self.staleness_temperature) * seen)
+        return (1 - self.staleness_coef) * ranked + self.staleness_coef * stale
 
     def _choice(self, weights: np.ndarray) -> int:
         total = weights.sum()

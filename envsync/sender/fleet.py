@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from envsync.errors import ValidationError
+from envsync.indexing import Indices
 from envsync.links.base import Flat, SenderLink
 from envsync.sender.mirror import Mirror
 
@@ -240,12 +241,12 @@ class Fleet:
                     index += 1
         return out
 
-    def targets(self, workers: Sequence[int] | None, envs: Sequence[int] | None = None) -> list[int]:
+    def targets(self, workers: Sequence[int] | None, envs: Indices | None = None) -> list[int]:
         """The env indices that ``workers`` (every env of each) or ``envs`` name, validated
         against the live fleet (default: every live env)."""
         return self.target_array(workers, envs).tolist()
 
-    def target_array(self, workers: Sequence[int] | None, envs: Sequence[int] | None = None) -> np.ndarray:
+    def target_array(self, workers: Sequence[int] | None, envs: Indices | None = None) -> np.ndarray:
         """:meth:`targets` as an int64 array, checked by vector ops (a curriculum names
         thousands of envs among tens of thousands at every push)."""
         if workers is not None and envs is not None:
@@ -263,7 +264,7 @@ class Fleet:
         return np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
 
 
-def _chosen(requested: Sequence[int], live: np.ndarray, what: str, plural: str) -> np.ndarray:
+def _chosen(requested: Indices, live: np.ndarray, what: str, plural: str) -> np.ndarray:
     """``requested`` (ints, or a 1-D integer array or tensor) without repeats (first come
     first), each checked against ``live`` (ascending). Vector ops throughout: a curriculum
     names thousands of envs at every push; a live fleet without gaps is checked by its ends,

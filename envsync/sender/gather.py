@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from envsync import stats
 from envsync.errors import AckTimeout, EnvSyncError, GatherError, ValidationError, WorkerApplyError
-from envsync.indexing import take_rows
+from envsync.indexing import Indices, take_rows
 from envsync.levels import PREFIX, is_batched, selector_level
 from envsync.protocol import ApplyAt, Kind, Request
 from envsync.reinit import STATS, Selector
@@ -69,7 +69,7 @@ def gather(
     env_state: Sequence[str | tuple[str, ...]] | None,
     workers: Sequence[int] | None,
     timeout: float,
-    envs: Sequence[int] | None = None,
+    envs: Indices | None = None,
 ) -> TensorDict:
     """Read env-state entries back (see :meth:`Sender.gather`): one env's own entries from
     each targeted env, then a batched env's own (``batched.*``) once per worker, from its
@@ -98,7 +98,7 @@ def gather(
 
 
 def read_attributes(
-    core: Core, paths: list[str], workers: Sequence[int] | None, envs: Sequence[int] | None, timeout: float
+    core: Core, paths: list[str], workers: Sequence[int] | None, envs: Indices | None, timeout: float
 ) -> TensorDict:
     """What each targeted env holds at attribute ``paths`` (see :meth:`Sender.read_attributes`):
     one row per env, a path's parts as nested keys."""
@@ -109,7 +109,7 @@ def read_attributes(
     return TensorDict({tuple(p.split(".")): columns[p] for p in paths}, batch_size=[len(targets)])
 
 
-def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Sequence[int] | None) -> np.ndarray:
+def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Indices | None) -> np.ndarray:
     with core.lock:
         core.check_open()
         core.prune()

@@ -14,6 +14,7 @@ import numpy as np
 from tensordict import TensorDict
 
 from envsync.errors import ValidationError
+from envsync.indexing import Indices
 from envsync.reinit import Selector
 from envsync.sender import gather
 from envsync.sender.core import Core
@@ -62,7 +63,7 @@ class ReadBack:
         env_state: Sequence[str | tuple[str, ...]] | None = None,
         *,
         workers: Sequence[int] | None = None,
-        envs: Sequence[int] | None = None,
+        envs: Indices | None = None,
         timeout: float = 30.0,
     ) -> TensorDict:
         """Read env-state entries back from workers, at a safe point (a rollout's end, or at
@@ -94,7 +95,7 @@ class ReadBack:
         paths: Sequence[str],
         *,
         workers: Sequence[int] | None = None,
-        envs: Sequence[int] | None = None,
+        envs: Indices | None = None,
         timeout: float = 30.0,
     ) -> TensorDict:
         """Read back what each env holds at attribute paths, at a safe point (a rollout's end,

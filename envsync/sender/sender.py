@@ -22,6 +22,7 @@ import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
 from envsync.errors import ValidationError
+from envsync.indexing import Indices
 from envsync.links.base import Flat
 from envsync.protocol import ApplyAt, Until
 from envsync.reinit import Policy, ReinitSpec, Selector
@@ -169,7 +170,7 @@ class Sender(ReadBack):
         env_state: Mapping[str, Any] | TensorDictBase | None = None,
         *,
         workers: Sequence[int] | None = None,
-        envs: Sequence[int] | None = None,
+        envs: Indices | None = None,
         wait: str | None = "received",
         timeout: float = 30.0,
     ) -> int:
@@ -254,7 +255,7 @@ class Sender(ReadBack):
         *,
         until: str = "applied",
         workers: Sequence[int] | None = None,
-        envs: Sequence[int] | None = None,
+        envs: Indices | None = None,
         timeout: float = 30.0,
     ) -> None:
         """Block until the workers have received or applied ``version``.

@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from envsync.errors import ValidationError
+from envsync.indexing import Indices
 from envsync.levels import is_batched
 from envsync.links.base import Flat
 from envsync.sender import desired
@@ -70,7 +71,7 @@ class Updates:
         config: Mapping[str, Any] | TensorDictBase | None,
         env_state: Mapping[str, Any] | TensorDictBase | None,
         workers: Sequence[int] | None,
-        envs: Sequence[int] | None,
+        envs: Indices | None,
     ) -> Plan:
         """The updates of ``push(config, env_state, workers=, envs=)``.
 
