@@ -13,8 +13,8 @@ same decisions at the same batches and pushes the same number of versions (check
 replayed pass costs what the live run cost, without the collection's noise around it. The
 figures are medians over passes of the CPU microseconds per batch.
 
-At thousands of worlds (``--worlds``), ADR and PLR run live on one ``Collector`` of a natively
-batched env of ``n`` worlds (``WorldsEnv``, 1,000-step episodes, ``apply_at="step"``): the
+At thousands of worlds (``--worlds``), ADR, PLR and a UCB1 bandit run live on one
+``Collector`` of a natively batched env of ``n`` worlds (``WorldsEnv``, 1,000-step episodes, ``apply_at="step"``): the
 CPU time of ``observe`` per batch against the CPU time of the batch itself, the first
 batches (every world's first decision) not counted.
 
@@ -50,7 +50,7 @@ class Args:
     worlds: list[int] = field(default_factory=lambda: [4096, 65536])  # ADR over one env of n worlds
     world_batches: int = 12  # live batches at each n (the first 2 not counted)
     world_horizons: list[int] = field(default_factory=lambda: [1000, 50])  # the worlds' episode lengths (steps)
-    world_strategies: list[str] = field(default_factory=lambda: ["ADR", "PLR"])
+    world_strategies: list[str] = field(default_factory=lambda: ["ADR", "PLR", "Bandit"])
     frames_per_worker: int = 480  # per worker and batch, as bench_curriculum.py
     batches: int = 8  # batches kept from each strategy's live run
     passes: int = 7  # timed replays of them (after one warm-up pass)
@@ -205,9 +205,12 @@ def mean(values: Sequence[float]) -> float:
 
 
 def world_strategy(name: str, sender: EnvStateSender) -> Any:
-    """ADR over a difficulty range, or PLR over ten difficulty levels (a level per world)."""
+    """ADR over a difficulty range, PLR over ten difficulty levels (a level per world), or a
+    UCB1 bandit over the same ten levels (an arm per world)."""
     if name == "PLR":
         return curriculum.PLR(sender, [{"difficulty": d / 10} for d in range(10)], seed=0)
+    if name == "Bandit":
+        return curriculum.Bandit(sender, [{"difficulty": d / 10} for d in range(10)], reward_range=(-100.0, 100.0))
     return curriculum.ADR(
         sender,
         ranges={"difficulty": (0.0, 0.1)},
@@ -312,7 +315,7 @@ def run(args: Args) -> dict[str, Any]:
         "median over passes; live: the median batch of the live run",
     ]
     notes.append(
-        "ADR and PLR (ten difficulty levels) over worlds: one Collector of WorldsEnv(n, horizon) "
+        "ADR, PLR and a UCB1 Bandit (ten difficulty levels) over worlds: one Collector of WorldsEnv(n, horizon) "
         "(world i's episodes run horizon + i % 17 steps, "
         f"all starting together), 16 steps a batch, apply_at='step', live, {args.world_batches} batches of which "
         "the first 2 (every world's first decision) are not counted, means over the rest (a strategy decides "

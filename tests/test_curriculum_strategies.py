@@ -319,6 +319,21 @@ def test_exp3_updates_weights_by_importance_weighted_rewards(sender: EnvStateSen
     assert sum(picks) / len(picks) == pytest.approx(p1, abs=0.03)
 
 
+@pytest.mark.parametrize("rule", ["ucb1", "exp3"])
+def test_a_bandit_pulls_a_batch_of_arms_as_its_pulls_one_by_one_would(sender: EnvStateSender, rule: str) -> None:
+    arms = [{"difficulty": d / 4} for d in range(5)]
+    one, many = (Bandit(sender, arms, rule=rule, gamma=0.3, seed=4) for _ in range(2))
+    for bandit in (one, many):
+        for arm, value in ((0, 0.2), (2, 0.9), (2, 0.7)):
+            bandit.reward(arm, value, 0.2 if rule == "exp3" else None)
+    assert many.selects(300) == [one.select() for _ in range(300)]
+    assert many._pending == one._pending and torch.equal(many.weights, one.weights)
+    if rule == "ucb1":
+        assert one.selects(1) == [2], "after the untried arms (1, 3, 4 first), the best bound"
+    else:
+        assert len(set(many.selects(300))) == 5, "EXP3 draws every arm"
+
+
 def test_bandit_rewards_whole_episodes_scaled(sender: EnvStateSender) -> None:
     bandit = Bandit(sender, [{"difficulty": d} for d in (0.0, 1.0)], reward_range=(10.0, 30.0))
     bandit.pulls[0, 2] = (1, 0.5)

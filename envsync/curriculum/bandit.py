@@ -20,9 +20,10 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from envsync.curriculum.base import Strategy, envs_of_workers
+from envsync.curriculum.base import Strategy, columns_of, envs_of_workers
 from envsync.curriculum.ledger import Episode, Measure, NestedKey
 from envsync.errors import ValidationError
 from envsync.sender.sender import Sender
@@ -82,6 +83,7 @@ class Bandit(Strategy):
         if reward_range[1] <= reward_range[0] or not 0 < gamma <= 1:
             raise ValidationError(f"Bandit needs reward_range low < high, gamma in (0, 1]; got {reward_range}, {gamma}")
         self.arms = [dict(arm) for arm in arms]
+        self._table = columns_of(self.arms, "arm")  # a row per arm: a batch's pulls in one read
         self.rule, self.per, self.reward_fn, self.reward_range, self.gamma = rule, per, reward, reward_range, gamma
         self.counts = torch.zeros(len(arms), dtype=torch.int64)
         self.sums = torch.zeros(len(arms), dtype=torch.float64)
@@ -94,22 +96,25 @@ class Bandit(Strategy):
 
     def select(self) -> int:
         """The arm of the next pull (see the module docstring)."""
+        return self.selects(1)[0]
+
+    def selects(self, count: int) -> list[int]:
+        """The arms of the next ``count`` pulls, as many calls of :meth:`select` would give
+        them: no reward comes in between, so EXP3's probabilities (a draw each) and UCB1's
+        bounds are computed once."""
         if self.rule == "exp3":
-            probabilities = self.probabilities().tolist()
-            pick, total = self.rng.random(), 0.0
-            for arm, p in enumerate(probabilities):
-                total += p
-                if pick < total:
-                    return arm
-            return len(probabilities) - 1
-        untried = [a for a in range(len(self.arms)) if self.counts[a] == 0 and a not in self._pending]
-        if untried:
-            self._pending.append(untried[0])
-            return untried[0]
+            cumulative = np.cumsum(self.probabilities().numpy())  # in order, as a running total
+            picks = np.array([self.rng.random() for _ in range(count)])
+            # each pull's arm: the first whose running total is above its draw (the last if none)
+            return np.searchsorted(cumulative, picks, side="right").clip(max=len(cumulative) - 1).tolist()
+        untried = [a for a in np.flatnonzero(self.counts.numpy() == 0).tolist() if a not in self._pending][:count]
+        self._pending.extend(untried)
+        if len(untried) == count:
+            return untried
         n = max(int(self.counts.sum()), 1)
         counts = self.counts.clamp(min=1).double()
         bounds = self.sums / counts + torch.sqrt(2 * math.log(n) / counts)
-        return int(torch.argmax(bounds))
+        return untried + [int(torch.argmax(bounds))] * (count - len(untried))
 
     def probabilities(self) -> torch.Tensor:
         """EXP3's draw probabilities."""
@@ -118,14 +123,16 @@ class Bandit(Strategy):
 
     def reward(self, arm: int, value: float, probability: float | None = None) -> None:
         """Take one reward in ``[0, 1]`` for ``arm`` (EXP3: of a pull drawn with ``probability``)."""
-        self.counts[arm] += 1
-        self.sums[arm] += value
+        # on numpy views of the tensors' own memory: a scalar torch op per call cost ~10x
+        self.counts.numpy()[arm] += 1
+        self.sums.numpy()[arm] += value
         if arm in self._pending:
             self._pending.remove(arm)
         if self.rule == "exp3":
             p = probability if probability is not None else float(self.probabilities()[arm])
-            self.weights[arm] *= math.exp(self.gamma * (value / p) / len(self.arms))
-            self.weights /= self.weights.max()  # the same probabilities, kept in range
+            weights = self.weights.numpy()
+            weights[arm] *= math.exp(self.gamma * (value / p) / len(self.arms))
+            weights /= weights.max()  # the same probabilities, kept in range
 
     def scaled(self, episode: Episode) -> float:
         """An episode's reward mapped to ``[0, 1]``."""
@@ -143,12 +150,12 @@ class Bandit(Strategy):
         self.pulls = self.unsettled(self.pulls)
         groups = self._due_groups()
         if groups:
-            chosen = [self.select() for _ in groups]
+            chosen = self.selects(len(groups))
             probabilities = self.probabilities().tolist()
-            rows = {env: self.arms[arm] for group, arm in zip(groups, chosen, strict=True) for env in group}
-            version = self.assign(rows)
-            for group, arm in zip(groups, chosen, strict=True):
-                self.pulls.update({(env, version): (arm, probabilities[arm]) for env in group})
+            envs = [env for group in groups for env in group]
+            arms = [arm for group, arm in zip(groups, chosen, strict=True) for _ in group]
+            version = self.assign_columns(envs, {name: column[arms] for name, column in self._table.items()})
+            self.pulls.update({(env, version): (arm, probabilities[arm]) for env, arm in zip(envs, arms, strict=True)})
         if rewarded or groups:
             self.record(counts=self.counts.tolist(), means=(self.sums / self.counts.clamp(min=1)).tolist())
 
