@@ -181,3 +181,57 @@ def test_a_strategy_over_thousands_of_worlds_decides_exactly_the_due_ones_from_c
     finally:
         collector.shutdown()
         sender.close()
+
+
+def test_the_docs_strategy_of_columns_gives_every_due_world_its_row_in_one_push() -> None:
+    """The ``Jitter`` strategy of docs/curriculum.md ("Your own strategy"), run as written
+    over one collector of 1,024 natively batched worlds: every due world gets its own row in
+    one push a batch, and each world holds the row of its latest decision."""
+    import re
+    from functools import partial
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+    from helpers import NativeCounterEnv
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "curriculum.md"
+    pattern = r"```python\n(import numpy as np\nfrom envsync import curriculum\n\nclass Jitter.*?)```"
+    block = re.search(pattern, docs.read_text(), re.S)
+    assert block is not None, "the Jitter example is in docs/curriculum.md"
+    namespace: dict[str, Any] = {}
+    exec(compile(block.group(1), str(docs), "exec"), namespace)
+    n = 1024
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(partial(NativeCounterEnv, n, horizon=3)),
+        None,
+        frames_per_batch=8 * n,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    jitter = namespace["Jitter"](sender, seed=1)
+    pushes: list[int] = []
+    push = sender.push
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        pushes.append(len(kwargs["envs"]))
+        return push(*args, **kwargs)
+
+    sender.push = counted  # type: ignore[method-assign]
+    try:
+        batches = iter(collector)
+        episodes = 0
+        for _ in range(4):
+            episodes += len(jitter.observe(next(batches)))
+        assert pushes[0] == n and len(pushes) == 4 and all(0 < p <= n for p in pushes), pushes
+        assert episodes > n
+        held = sender.read_attributes(["difficulty"])["difficulty"].flatten()
+        latest = [sender.config_history.versions(e)[-1] for e in range(n)]
+        desired = torch.stack([sender.config_at(e, v)["difficulty"] for e, v in enumerate(latest)])
+        assert torch.equal(held.float(), desired.float()), "each world holds the row of its latest decision"
+        assert len(np.unique(desired.numpy())) > n // 2, "rows of their own"
+        assert all(0.0 <= r["centre"] <= 2.0 for r in jitter.history())
+    finally:
+        collector.shutdown()
+        sender.close()
