@@ -128,6 +128,24 @@ def test_bandit_per_worker_over_async_workers_of_parallel_envs() -> None:
 
 
 @pytest.mark.timeout(120)
+def worlds_collector(n: int) -> tuple[EnvStateSender, Collector]:
+    """A sender and one ``Collector`` of ``n`` natively batched worlds (3-step episodes, 8
+    steps a batch, ``apply_at="step"``)."""
+    from functools import partial
+
+    from helpers import NativeCounterEnv
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
+    collector = Collector(
+        sender.env_fn(partial(NativeCounterEnv, n, horizon=3)),
+        None,
+        frames_per_batch=8 * n,
+        total_frames=-1,
+        weight_sync_schemes=sender.schemes(),
+    )
+    return sender, collector
+
+
 def test_a_strategy_over_thousands_of_worlds_decides_exactly_the_due_ones_from_columns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -137,21 +155,10 @@ def test_a_strategy_over_thousands_of_worlds_decides_exactly_the_due_ones_from_c
     config history), and no batch lists the fleet's envs one by one (``due()`` walked every
     env in Python and ``num_envs`` made a list of every env index: ~12 ms a batch at 65,536
     worlds, 0.3 ms now)."""
-    from functools import partial
-
-    from helpers import NativeCounterEnv
-
     from envsync.sender.fleet import Fleet
 
     n = 4096
-    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    collector = Collector(
-        sender.env_fn(partial(NativeCounterEnv, n, horizon=3)),
-        None,
-        frames_per_batch=8 * n,
-        total_frames=-1,
-        weight_sync_schemes=sender.schemes(),
-    )
+    sender, collector = worlds_collector(n)
     adr = ADR(sender, ranges={"difficulty": (0.0, 0.1)}, delta=0.05, queue=4, thresholds=(-1e9, 1e9), seed=0)
     listed: list[int] = []
     indices = Fleet.indices
@@ -188,12 +195,10 @@ def test_the_docs_strategy_of_columns_gives_every_due_world_its_row_in_one_push(
     over one collector of 1,024 natively batched worlds: every due world gets its own row in
     one push a batch, and each world holds the row of its latest decision."""
     import re
-    from functools import partial
     from pathlib import Path
 
     import numpy as np
     import torch
-    from helpers import NativeCounterEnv
 
     docs = Path(__file__).resolve().parents[1] / "docs" / "curriculum.md"
     pattern = r"```python\n(import numpy as np\nfrom envsync import curriculum\n\nclass Jitter.*?)```"
@@ -202,14 +207,7 @@ def test_the_docs_strategy_of_columns_gives_every_due_world_its_row_in_one_push(
     namespace: dict[str, Any] = {}
     exec(compile(block.group(1), str(docs), "exec"), namespace)
     n = 1024
-    sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")
-    collector = Collector(
-        sender.env_fn(partial(NativeCounterEnv, n, horizon=3)),
-        None,
-        frames_per_batch=8 * n,
-        total_frames=-1,
-        weight_sync_schemes=sender.schemes(),
-    )
+    sender, collector = worlds_collector(n)
     jitter = namespace["Jitter"](sender, seed=1)
     pushes: list[int] = []
     push = sender.push
