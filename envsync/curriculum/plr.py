@@ -148,6 +148,7 @@ class PLR(Strategy):
         share = float(seen.mean(dtype=np.float32))
         every = bool(seen.all())
         ranked = self._rank_weights(seen)
+        scaled = (1 - self.staleness_coef) * ranked  # the rank part of every draw's mix
         unseen = (~seen).astype(np.float64)
         staleness = self.staleness.numpy()  # the tensor's own memory
         chosen = []
@@ -157,7 +158,7 @@ class PLR(Strategy):
             else:
                 replay = share >= self.rho and self.rng.random() < share
             if replay or every:
-                level = self._choice(self._mixed(ranked, seen))
+                level = self._choice(self._mixed(ranked, seen, staleness, scaled))
                 self.draws["replay"] += 1
             else:
                 level = self._choice(unseen)
@@ -178,12 +179,22 @@ class PLR(Strategy):
         ranks[np.argsort(-scores, kind="stable")] = np.arange(1, len(scores) + 1, dtype=np.float64)
         return _normalised((1.0 / ranks ** (1.0 / self.temperature)) * seen)
 
-    def _mixed(self, ranked: np.ndarray, seen: np.ndarray) -> np.ndarray:
-        """The rank weights mixed with the staleness weights of now."""
+    def _mixed(
+        self,
+        ranked: np.ndarray,
+        seen: np.ndarray,
+        staleness: np.ndarray | None = None,
+        scaled: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The rank weights mixed with the staleness weights of now (``staleness``: the
+        tensor's numpy view, ``scaled``: the rank part of the mix, when the caller holds them)."""
         if self.staleness_coef <= 0:
             return ranked
-        stale = _normalised(self.staleness.numpy() ** (1.0 / self.staleness_temperature) * seen)
-        return (1 - self.staleness_coef) * ranked + self.staleness_coef * stale
+        stale = self.staleness.numpy() if staleness is None else staleness
+        exponent = 1.0 / self.staleness_temperature
+        stale = _normalised((stale if exponent == 1.0 else stale**exponent) * seen)  # x ** 1.0 is x
+        scaled = (1 - self.staleness_coef) * ranked if scaled is None else scaled
+        return scaled + self.staleness_coef * stale
 
     def _choice(self, weights: np.ndarray) -> int:
         total = weights.sum()
