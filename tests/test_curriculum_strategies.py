@@ -205,6 +205,19 @@ def test_adr_discards_results_of_a_boundary_that_moved(sender: EnvStateSender) -
     assert strategy.range["difficulty"] == [1.0, 2.25], "env 1 ran the old boundary 2.0; (0, 6) was no boundary"
 
 
+def test_columns_of_another_length_than_the_envs_are_refused_before_a_push(sender: EnvStateSender) -> None:
+    class Still(Strategy):
+        def update(self, episodes: list[Episode]) -> None:
+            pass
+
+    still = Still(sender)
+    with pytest.raises(ValidationError, match="column 'difficulty' has 1 rows; one row per env needs 2"):
+        still.assign_columns([0, 1], {"difficulty": [0.1]})
+    with pytest.raises(ValidationError, match="column 'friction' has a single value"):
+        still.assign_columns([0, 1], {"difficulty": [0.1, 0.2], "friction": 0.5})
+    assert sender.version == 0, "nothing was pushed"
+
+
 def test_adr_refuses_bad_settings(sender: EnvStateSender) -> None:
     for kwargs, match in [
         ({"delta_style": "exponential"}, "delta_style"),

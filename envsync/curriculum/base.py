@@ -141,11 +141,19 @@ class Strategy(ABC):
         """Push one version that gives each of ``envs`` (distinct fleet indices) its row of
         every column (template names, dotted for nested ones; leading dim: the envs, in
         their order); return it. One push of columns, whatever the number of envs.
+
+        Raises:
+            ValidationError: a column has another number of rows than there are envs (and
+                what the push refuses: an unknown name or env, a value that does not fit).
         """
         targets = np.asarray(envs, dtype=np.int64)
         config = TensorDict(batch_size=[len(targets)])
         for name, column in columns.items():
-            config.set(tuple(name.split(".")), torch.as_tensor(column))
+            value = torch.as_tensor(column)
+            if value.ndim == 0 or len(value) != len(targets):
+                rows = "a single value" if value.ndim == 0 else f"{len(value)} rows"
+                raise ValidationError(f"column {name!r} has {rows}; one row per env needs {len(targets)}")
+            config.set(tuple(name.split(".")), value)
         version = self.sender.push(config=config, envs=targets, wait=self.wait)
         self._decided.set(targets, version)
         return version
