@@ -429,6 +429,8 @@ class ModelMachine(RuleBasedStateMachine):
         if failure is None:
             failure = self.surface_failure(version, envs)
         self.raised_once(failure)
+        unconfirmed = [note for note in getattr(failure, "__notes__", []) if "not confirmed" in note]
+        expect(not unconfirmed, "a failure is raised with its rollback in place", f"{unconfirmed}")
         expect(failure.version == version, "rollback", f"WorkerApplyError for version {failure.version}, not {version}")
         expect(failure.worker in workers, "rollback", f"the error names worker {failure.worker}, not one of {workers}")
         expect(failure.rollback == version + 1 == self.sender.version, "rollback", f"rollback {failure.rollback}")

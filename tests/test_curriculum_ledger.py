@@ -164,7 +164,7 @@ def test_an_episodes_config_is_made_when_read_and_stays_exact_after_the_history_
     ``TensorDict`` only when it is read, once (most strategies never read it: making one for
     each of 25,000 episodes a batch cost more than the batch); a record is never written
     again, so a config read after the history pruned its entry is still the one that ran."""
-    from envsync.curriculum import ledger as module
+    from envsync.sender import history as module  # where an entry's config is made (Entry.config)
 
     made: list[int] = []
     nest = module.nest

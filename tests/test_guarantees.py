@@ -102,6 +102,32 @@ def test_a_failed_apply_rolls_the_whole_fleet_back() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["single", "sync"])
+def test_a_failing_push_in_reset_mode_is_raised_with_its_rollback_received_while_idle(kind: str) -> None:
+    """Reset mode: a version that an env fails at its reset is raised by a wait for
+    "applied", its rollback confirmed as received (armed for each env's next reset, which an
+    idle collector never reaches: the wait confirmed "applied" for 5 s, then noted it was not).
+    A ``MultiAsyncCollector``'s workers collect on between ``next()`` calls (never idle): the
+    model-based test's async reset cells raise failures there, and check the same note."""
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=picky_on_worker_one, apply_at="reset")
+    makers = [partial(make_counter_env, label=1)] if kind == "single" else labelled()
+    with start_method("fork"):
+        collector = build(kind, sender, makers)
+    try:
+        next(iter(collector))
+        failing = sender.push(config={"difficulty": -1.0}, wait="received")
+        collector.reset()  # every env resets into the failing version
+        with pytest.raises(WorkerApplyError) as info:
+            sender.wait(failing, until="applied", timeout=30)
+        assert info.value.version == failing and info.value.rollback == failing + 1
+        assert not [note for note in getattr(info.value, "__notes__", []) if "not confirmed" in note]
+        sender.wait(failing + 1, until="received", timeout=1)
+    finally:
+        collector.shutdown()
+        sender.close()
+
+
+@pytest.mark.timeout(120)
 def test_a_rollback_restores_transform_state_on_every_worker() -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply=picky_on_worker_one, apply_at="step")
     with start_method("fork"):

@@ -29,7 +29,6 @@ from envsync.curriculum.heap import collections_deferred
 from envsync.errors import ValidationError
 from envsync.sender.history import Entry
 from envsync.sender.sender import Sender
-from envsync.state import nest
 
 NestedKey = str | tuple[str, ...]
 REDUCTIONS = ("last", "first", "sum", "mean", "max", "min")
@@ -93,7 +92,7 @@ class Episode:
     def config(self) -> TensorDictBase:
         """The exact config it ran under (a ``TensorDict`` shaped like the template)."""
         if isinstance(self._config, Entry):
-            self._config = nest(self._config.leaves(), copy=True)
+            self._config = self._config.config()
         return self._config
 
     def __repr__(self) -> str:

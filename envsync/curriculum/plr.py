@@ -147,8 +147,7 @@ class PLR(Strategy):
         seen = self.seen.numpy()
         share = float(seen.mean(dtype=np.float32))
         every = bool(seen.all())
-        ranked = self._rank_weights(seen)
-        scaled = (1 - self.staleness_coef) * ranked  # the rank part of every draw's mix
+        scaled = (1 - self.staleness_coef) * self._rank_weights(seen)  # the rank part of every draw's mix
         unseen = (~seen).astype(np.float64)
         staleness = self.staleness.numpy()  # the tensor's own memory
         chosen = []
@@ -158,7 +157,7 @@ class PLR(Strategy):
             else:
                 replay = share >= self.rho and self.rng.random() < share
             if replay or every:
-                level = self._choice(self._mixed(ranked, seen, staleness, scaled))
+                level = self._choice(self._mixed(scaled, seen, staleness))
                 self.draws["replay"] += 1
             else:
                 level = self._choice(unseen)
@@ -171,7 +170,8 @@ class PLR(Strategy):
     def replay_weights(self) -> torch.Tensor:
         """``P_replay`` over every level (0 for unseen ones)."""
         seen = self.seen.numpy()
-        return torch.from_numpy(self._mixed(self._rank_weights(seen), seen))
+        scaled = (1 - self.staleness_coef) * self._rank_weights(seen)
+        return torch.from_numpy(self._mixed(scaled, seen, self.staleness.numpy()))
 
     def _rank_weights(self, seen: np.ndarray) -> np.ndarray:
         scores = self.scores.numpy()
@@ -179,21 +179,13 @@ class PLR(Strategy):
         ranks[np.argsort(-scores, kind="stable")] = np.arange(1, len(scores) + 1, dtype=np.float64)
         return _normalised((1.0 / ranks ** (1.0 / self.temperature)) * seen)
 
-    def _mixed(
-        self,
-        ranked: np.ndarray,
-        seen: np.ndarray,
-        staleness: np.ndarray | None = None,
-        scaled: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """The rank weights mixed with the staleness weights of now (``staleness``: the
-        tensor's numpy view, ``scaled``: the rank part of the mix, when the caller holds them)."""
+    def _mixed(self, scaled: np.ndarray, seen: np.ndarray, staleness: np.ndarray) -> np.ndarray:
+        """The rank part of the mix (``scaled``: the rank weights times ``1 - staleness_coef``)
+        plus the staleness weights of ``staleness`` now."""
         if self.staleness_coef <= 0:
-            return ranked
-        stale = self.staleness.numpy() if staleness is None else staleness
+            return scaled  # 1.0 times the rank weights: those exactly
         exponent = 1.0 / self.staleness_temperature
-        stale = _normalised((stale if exponent == 1.0 else stale**exponent) * seen)  # x ** 1.0 is x
-        scaled = (1 - self.staleness_coef) * ranked if scaled is None else scaled
+        stale = _normalised((staleness if exponent == 1.0 else staleness**exponent) * seen)  # x ** 1.0 is x
         return scaled + self.staleness_coef * stale
 
     def _choice(self, weights: np.ndarray) -> int:

@@ -141,10 +141,7 @@ def _progress(
                 raise _timeout(core, version, late, sorted(set(dead) | set(gone)), mode)
             return still
     except WorkerApplyError as err:
-        # in "reset" mode the rollback is armed for each env's next reset, which an idle env
-        # never reaches: what can be confirmed is that every env received it
-        confirm = Until.RECEIVED if core.resets else mode
-        _confirm_rollback(core, err, confirm, time.monotonic() + 5.0)
+        _confirm_rollback(core, err, mode, time.monotonic() + 5.0)
         raise
 
 
@@ -193,9 +190,12 @@ def _reset_trap(core: Core, version: int, late: list[int]) -> str:
 
 
 def _confirm_rollback(core: Core, err: WorkerApplyError, until: Until, deadline: float) -> None:
-    """Wait (without holding the core's lock) until the rollback is in place too."""
+    """Wait (without holding the core's lock) until the rollback is in place too: as far as
+    the wait asked (``until``), and in ``"reset"`` mode received, since there it is armed
+    for each env's next reset, which an idle env never reaches."""
     if err.rollback is None:
         return
+    until = Until.RECEIVED if core.resets else until
     try:
         with core.lock:
             targets = core.fleet.indices()

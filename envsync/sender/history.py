@@ -92,6 +92,10 @@ class Entry(NamedTuple):
         """The config's values by dotted name (read them, do not write into them)."""
         return self.record.config(self.row)
 
+    def config(self) -> TensorDict:
+        """The config as a ``TensorDict`` shaped like the template, of copies of its own."""
+        return nest(self.leaves(), copy=True)
+
 
 def _chain(before: np.ndarray, before_row: np.ndarray) -> tuple[np.ndarray | int, np.ndarray | int]:
     """The links to the previous entries, kept as two numbers when they all point into one
@@ -324,7 +328,7 @@ class ConfigHistory:
         Raises:
             ValidationError: the env never ran that version, or the entry was pruned.
         """
-        return nest(self.entry(env, version).leaves(), copy=True)
+        return self.entry(env, version).config()
 
     def entry(self, env: int, version: int) -> Entry:
         """Where the history holds :meth:`config` (its values by dotted name: ``.leaves()``),
