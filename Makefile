@@ -45,8 +45,10 @@ test: lint typecheck unit docs
 # The wider set, CI's second step (.ci/run: make test, then make wide): the tests marked `wide`,
 # in one pytest run: every other model-based cell once at its fixed seed (with make test's
 # subset: every cell once), the Ray cells of the matrix for MultiSync/MultiAsync collectors, the
-# load runs at a quarter of make soak's sizes, the short push soak with spawned workers, two slow
-# Ray tests (a stalled actor; a program that never closes its sender), and the
+# load runs at a quarter of make soak's sizes, the short push soak with spawned workers, the slow
+# Ray tests (a stalled actor; a program that never closes its sender; the kinds of a killed actor
+# and of a batched Ray worker beyond the one make test keeps), a spawned MultiSyncCollector's
+# end-to-end push (make test keeps a spawned Collector and MultiAsyncCollector), and the
 # slowest benchmark smoke runs (bench_ray, bench_push_instructions, bench_switch_latency,
 # bench_curriculum_instructions, bench_worlds).
 wide: $(STAMP)

@@ -118,7 +118,14 @@ def test_import_envsync_never_imports_ray() -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("kind", [MultiSyncCollector, MultiAsyncCollector, Collector], ids=["sync", "async", "single"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(MultiSyncCollector, id="sync", marks=pytest.mark.wide),  # make test keeps one kind (~9 s each)
+        pytest.param(MultiAsyncCollector, id="async"),
+        pytest.param(Collector, id="single", marks=pytest.mark.wide),  # a Collector's Ray cells stay in make test
+    ],
+)
 def test_push_reaches_every_env_on_every_node_and_a_killed_actor_is_reported_dead(
     cluster: Any, kind: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -286,8 +286,10 @@ def test_each_node_gets_one_object_of_its_own_rows_per_push_decoded_once(cluster
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     ("kind", "batched"),
-    [(MultiSyncCollector, "serial"), (Collector, "parallel")],
-    ids=["sync-serial", "single-parallel"],
+    [
+        pytest.param(MultiSyncCollector, "serial", id="sync-serial", marks=pytest.mark.wide),  # ~9 s: one in make test
+        pytest.param(Collector, "parallel", id="single-parallel"),
+    ],
 )
 def test_batched_envs_behind_a_ray_collector_take_a_row_per_env(cluster: Any, kind: type, batched: str) -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply="set_difficulty", apply_at="step")

@@ -68,12 +68,11 @@ class _Record:
     before: np.ndarray | int  # per row, the number of the env's previous record (-1: none); one for all
     before_row: np.ndarray | int  # and its row there; one record's rows in order: the first's
     alive: np.ndarray  # per row, still kept
+    row_bytes: int  # the bytes of one row of ``rows``
+    shared_bytes: tuple[tuple[int, int], ...]  # per shared leaf, its id and bytes (counted once: :func:`_sizes`)
 
     def config(self, row: int) -> dict[str, Leaf]:
         return {**self.shared, **{k: v[row] for k, v in self.rows.items()}}
-
-    def row_bytes(self) -> int:
-        return sum(int(v[0].nbytes) for v in self.rows.values()) if len(self.alive) else 0
 
     def previous(self, row: int) -> tuple[int, int]:
         """The record and row of the env's entry before this one's row ``row``."""
@@ -125,9 +124,12 @@ def _sizes(records: list[_Record]) -> list[int]:
     counted: set[int] = set()
     sizes = []
     for record in records:
-        fresh = [leaf for leaf in record.shared.values() if id(leaf) not in counted]
-        counted.update(id(leaf) for leaf in fresh)
-        sizes.append(record.row_bytes() + sum(_nbytes(leaf) for leaf in fresh))
+        size = record.row_bytes
+        for identity, nbytes in record.shared_bytes:
+            if identity not in counted:
+                counted.add(identity)
+                size += nbytes
+        sizes.append(size)
     return sizes
 
 
@@ -170,6 +172,7 @@ class ConfigHistory:
         self._latest = np.full(0, -1, dtype=np.int64)  # per env: the number of its latest record
         self._latest_row = np.zeros(0, dtype=np.int64)
         self._latest_version = np.zeros(0, dtype=np.int64)
+        self._newest = -1  # the newest version recorded (for any env)
         self._since_prune = 0
         self._bytes_since = 0  # bytes recorded since the last prune
         self._entries_since = 0  # entries (rows) recorded since the last prune
@@ -212,22 +215,27 @@ class ConfigHistory:
         self._grow(int(envs.max()) + 1)
         at = span_of(envs)  # every env of a collector: slices
         before, before_row = self._latest[at].copy(), self._latest_row[at].copy()  # kept by the record
-        again = (before >= 0) & (self._latest_version[at] >= version)
-        if again.any():  # only envs numbered again
+        if version <= self._newest:  # only envs numbered again can hold an entry at or after it
+            again = (before >= 0) & (self._latest_version[at] >= version)
             for position in np.flatnonzero(again).tolist():
                 before[position], before_row[position] = self._first_before(
                     int(before[position]), int(before_row[position]), version
                 )
+        self._newest = max(self._newest, version)
         number = self._next
         self._next += 1
         alive = np.ones(len(envs), dtype=bool)
-        self._records[number] = _Record(version, at, dict(shared), dict(rows), *_chain(before, before_row), alive)
+        row_bytes = sum(_nbytes(v) // len(envs) for v in rows.values())  # a row of each column
+        shared_bytes = tuple((id(v), _nbytes(v)) for v in shared.values())
+        chain = _chain(before, before_row)
+        record = _Record(version, at, dict(shared), dict(rows), *chain, alive, row_bytes, shared_bytes)
+        self._records[number] = record
         self._latest[at] = number
         self._latest_row[at] = np.arange(len(envs))
         self._latest_version[at] = version
         self._since_prune += 1
         self._entries_since += len(envs)
-        self._bytes_since += sum(_nbytes(v) for v in rows.values()) + sum(_nbytes(v) for v in shared.values())
+        self._bytes_since += row_bytes * len(envs) + sum(nbytes for _, nbytes in shared_bytes)
         # a prune reads every entry: due once as many were recorded as it kept last time
         due = self._since_prune >= max(SLACK, self.keep) and self._entries_since >= self._kept
         if applied is not None and (due or self._bytes_since > self.keep_bytes):
@@ -259,19 +267,22 @@ class ConfigHistory:
         few workers) go into one table sorted by env, a few dozen vector operations in all
         (the walk would make a few per record: 150k instructions a push at 4 workers)."""
         self._since_prune = self._bytes_since = self._entries_since = self._kept = 0
-        records = [self._records[number] for number in reversed(list(self._records))]
+        numbers = list(self._records)[::-1]
+        records = [self._records[number] for number in numbers]
         if not records:
             return
         sizes = _sizes(records)
         reached_version = applied(np.arange(len(self._latest), dtype=np.int64))
-        if sum(len(record.alive) for record in records) >= WALK * len(records):
+        lengths = np.array([len(record.alive) for record in records])
+        if int(lengths.sum()) >= WALK * len(records):
             keeps = self._walk(records, sizes, reached_version)
+            kept = [int(np.count_nonzero(keep)) for keep in keeps]
         else:
-            keeps = self._sorted(records, sizes, reached_version)
-        for number, keep in zip(list(reversed(list(self._records))), keeps, strict=True):
-            if keep.any():
+            keeps, kept = self._sorted(records, lengths, sizes, reached_version)
+        for number, keep, count in zip(numbers, keeps, kept, strict=True):
+            if count:
                 self._records[number].alive = keep
-                self._kept += int(np.count_nonzero(keep))
+                self._kept += count
             else:
                 del self._records[number]
 
@@ -295,11 +306,13 @@ class ConfigHistory:
             keeps.append(live)
         return keeps
 
-    def _sorted(self, records: list[_Record], sizes: list[int], reached_version: np.ndarray) -> list[np.ndarray]:
+    def _sorted(
+        self, records: list[_Record], lengths: np.ndarray, sizes: list[int], reached_version: np.ndarray
+    ) -> tuple[list[np.ndarray], list[int]]:
         """:meth:`_walk`'s answer from one table of every entry (newest record first) grouped
         by env by one stable sort: the entry in effect, the rank and the bytes of the older
-        ones by cumulative sums within each env's group."""
-        lengths = np.array([len(record.alive) for record in records])
+        ones by cumulative sums within each env's group; and how many each record keeps (one
+        sum per record, made at once)."""
         envs = np.concatenate([_indices(record.targets) for record in records])
         alive = np.concatenate([record.alive for record in records])
         versions = np.repeat(np.array([record.version for record in records], dtype=np.int64), lengths)
@@ -319,7 +332,8 @@ class ConfigHistory:
         keep = np.empty(len(e), dtype=bool)
         keep[order] = live & (~past | kept_past)
         ends = np.cumsum(lengths)
-        return [keep[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist(), strict=True)]
+        kept = np.add.reduceat(keep, ends - lengths).tolist()  # every record holds a row at least
+        return [keep[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist(), strict=True)], kept
 
     def config(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` ran under ``version`` (a ``TensorDict`` shaped like the
