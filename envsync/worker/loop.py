@@ -91,7 +91,14 @@ class WorkerLoop:
                 # torchrl's workers never notice a killed main process (they hold its pipe
                 # ends themselves and wait forever): without a sender, end the worker
                 os._exit(1)
-            for member in self._live() or ():
+            # the members as the wait left them (one that closed meanwhile says so itself,
+            # and is dropped by the next turn's look; none is woken once the interpreter exits)
+            for ref in self._members:
+                member = ref()
+                if EXITING.is_set():
+                    break
+                if member is None or member.closed:
+                    continue
                 try:
                     member.on_wake()
                 except Exception:
