@@ -102,7 +102,7 @@ class SlotWriter(ABC):
         whole = len(slots) == self.num_workers
         region = [k for k in shared if k[0] in BROADCAST] if whole and self.num_workers > 1 and not undo else []
         at: Any = slice(None) if whole else slots
-        with all_locked(self._locks_of(slots), "writing worker %d", int(slots[0])):
+        with all_locked(self._locks_of(at if whole else slots), "writing worker %d", int(slots[0])):
             for key in region:
                 self._put_region(key, shared[key])
                 self._written(at, key, version)
@@ -116,9 +116,10 @@ class SlotWriter(ABC):
             counters["target"][at] = version
             self.table.pushed[0] = version  # after the targets: a reader that sees it sees them
 
-    def _locks_of(self, slots: np.ndarray) -> list[Any]:
-        """The distinct locks of ``slots``, in lock order (slots of a group share one)."""
-        if len(slots) == 1:
+    def _locks_of(self, slots: np.ndarray | slice) -> list[Any]:
+        """The distinct locks of ``slots`` (or every slot, a slice), in lock order (slots of a
+        group share one)."""
+        if not isinstance(slots, slice) and len(slots) == 1:
             return [self._locks[int(slots[0])]]
         return [self._locks[number] for number in ascending(self._lock_of[slots])]
 
@@ -277,8 +278,14 @@ class SlotWriter(ABC):
         # the semaphore of the loop that serves each worker's slot (see SlotReader.route_to),
         # released once however many of the workers it serves (a native env's rows share one)
         slots = np.asarray(workers, dtype=np.int64)
-        routes = self._wake_to[slots]
-        chosen = np.where(routes > 0, routes - 1, slots)
+        # every slot (distinct): their routes in slot order, as a view, not gathered (65,536
+        # rows are 512 KB a column)
+        whole = len(slots) == self.num_workers
+        routes = self._wake_to[slice(None) if whole else slots]
+        if len(routes) and routes[0] > 0 and routes.min() == routes.max():  # all to one loop (an env's rows)
+            self._wakes[int(self._wake_of[int(routes[0]) - 1])].release()
+            return
+        chosen = np.where(routes > 0, routes - 1, np.arange(len(routes)) if whole else slots)
         wakes = self._wakes
         for number in ascending(self._wake_of[chosen]):
             wakes[number].release()
