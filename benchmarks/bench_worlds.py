@@ -308,9 +308,10 @@ class ZeroAction:
         return tensordict.set("action", self.action.clone())
 
 
+POLICIES = ("random", "zeros")
+
+
 def _policy(n: int, args: Args) -> Any:
-    if args.policy not in ("random", "zeros"):
-        raise SystemExit(f"--policy {args.policy!r}: expected 'random' or 'zeros'")
     return None if args.policy == "random" else ZeroAction(n)
 
 
@@ -1210,6 +1211,8 @@ def run(args: Args) -> dict[str, Any]:
 
 
 def _run(args: Args) -> dict[str, Any]:
+    if args.policy not in POLICIES:
+        raise SystemExit(f"--policy {args.policy!r}: expected one of {POLICIES}")
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     rows: list[dict[str, Any]] = []

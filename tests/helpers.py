@@ -93,6 +93,12 @@ def push_to_a_killed_process(sender: Any, process: Any, *, timeout: float) -> tu
     raise AssertionError("a push waiting for a killed process returned")
 
 
+def unconfirmed_rollback(error: BaseException) -> list[str]:
+    """The notes of a raised failure that say its rollback was not confirmed (the wait gave
+    up on it: a failure must be raised with its rollback in place)."""
+    return [note for note in getattr(error, "__notes__", []) if "not confirmed" in note]
+
+
 def rows(batch: TensorDictBase) -> list[TensorDictBase]:
     """The batch as a list of time-ordered streams (one per env)."""
     batch = batch.cpu()

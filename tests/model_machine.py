@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 from conftest import KINDS, build
-from helpers import start_method
+from helpers import start_method, unconfirmed_rollback
 from hypothesis.stateful import RuleBasedStateMachine
 from model_envs import (
     LOC_KEY,
@@ -429,7 +429,7 @@ class ModelMachine(RuleBasedStateMachine):
         if failure is None:
             failure = self.surface_failure(version, envs)
         self.raised_once(failure)
-        unconfirmed = [note for note in getattr(failure, "__notes__", []) if "not confirmed" in note]
+        unconfirmed = unconfirmed_rollback(failure)
         expect(not unconfirmed, "a failure is raised with its rollback in place", f"{unconfirmed}")
         expect(failure.version == version, "rollback", f"WorkerApplyError for version {failure.version}, not {version}")
         expect(failure.worker in workers, "rollback", f"the error names worker {failure.worker}, not one of {workers}")

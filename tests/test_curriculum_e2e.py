@@ -127,7 +127,6 @@ def test_bandit_per_worker_over_async_workers_of_parallel_envs() -> None:
     assert longest < 2.0
 
 
-@pytest.mark.timeout(120)
 def worlds_collector(n: int) -> tuple[EnvStateSender, Collector]:
     """A sender and one ``Collector`` of ``n`` natively batched worlds (3-step episodes, 8
     steps a batch, ``apply_at="step"``)."""
@@ -146,6 +145,7 @@ def worlds_collector(n: int) -> tuple[EnvStateSender, Collector]:
     return sender, collector
 
 
+@pytest.mark.timeout(120)
 def test_a_strategy_over_thousands_of_worlds_decides_exactly_the_due_ones_from_columns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -190,6 +190,7 @@ def test_a_strategy_over_thousands_of_worlds_decides_exactly_the_due_ones_from_c
         sender.close()
 
 
+@pytest.mark.timeout(120)
 def test_the_docs_strategy_of_columns_gives_every_due_world_its_row_in_one_push() -> None:
     """The ``Jitter`` strategy of docs/curriculum.md ("Your own strategy"), run as written
     over one collector of 1,024 natively batched worlds: every due world gets its own row in

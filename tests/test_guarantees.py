@@ -20,6 +20,7 @@ from helpers import (
     push_to_a_killed_process,
     rows,
     start_method,
+    unconfirmed_rollback,
 )
 
 import envsync
@@ -120,7 +121,7 @@ def test_a_failing_push_in_reset_mode_is_raised_with_its_rollback_received_while
         with pytest.raises(WorkerApplyError) as info:
             sender.wait(failing, until="applied", timeout=30)
         assert info.value.version == failing and info.value.rollback == failing + 1
-        assert not [note for note in getattr(info.value, "__notes__", []) if "not confirmed" in note]
+        assert not unconfirmed_rollback(info.value)
         sender.wait(failing + 1, until="received", timeout=1)
     finally:
         collector.shutdown()

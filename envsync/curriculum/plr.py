@@ -147,7 +147,7 @@ class PLR(Strategy):
         seen = self.seen.numpy()
         share = float(seen.mean(dtype=np.float32))
         every = bool(seen.all())
-        scaled = (1 - self.staleness_coef) * self._rank_weights(seen)  # the rank part of every draw's mix
+        scaled = self._rank_part(seen)  # the same for every draw of the batch
         unseen = (~seen).astype(np.float64)
         staleness = self.staleness.numpy()  # the tensor's own memory
         chosen = []
@@ -170,8 +170,11 @@ class PLR(Strategy):
     def replay_weights(self) -> torch.Tensor:
         """``P_replay`` over every level (0 for unseen ones)."""
         seen = self.seen.numpy()
-        scaled = (1 - self.staleness_coef) * self._rank_weights(seen)
-        return torch.from_numpy(self._mixed(scaled, seen, self.staleness.numpy()))
+        return torch.from_numpy(self._mixed(self._rank_part(seen), seen, self.staleness.numpy()))
+
+    def _rank_part(self, seen: np.ndarray) -> np.ndarray:
+        """The rank part of the mix: the rank weights times ``1 - staleness_coef``."""
+        return (1 - self.staleness_coef) * self._rank_weights(seen)
 
     def _rank_weights(self, seen: np.ndarray) -> np.ndarray:
         scores = self.scores.numpy()

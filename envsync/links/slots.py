@@ -102,7 +102,7 @@ class SlotWriter(ABC):
         whole = len(slots) == self.num_workers
         region = [k for k in shared if k[0] in BROADCAST] if whole and self.num_workers > 1 and not undo else []
         at: Any = slice(None) if whole else slots
-        with all_locked(self._locks_of(at if whole else slots), "writing worker %d", int(slots[0])):
+        with all_locked(self._locks_of(at), "writing worker %d", int(slots[0])):
             for key in region:
                 self._put_region(key, shared[key])
                 self._written(at, key, version)
