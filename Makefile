@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # it too, for a pytest run outside make.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: demo test lint typecheck unit wide soak bench docs examples-smoke test-nightly test-mjlab test-playground clean
+.PHONY: demo test lint typecheck unit wide soak bench docs examples-smoke test-nightly test-mjlab test-playground test-genesis clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -110,6 +110,19 @@ $(PLAYGROUND)/.installed: pyproject.toml
 test-playground: $(PLAYGROUND)/.installed
 	$(PLAYGROUND)/bin/python -m pytest -q -rfE --durations=10 tests/test_playground.py
 
+# Per-world physics in Genesis (its CPU backend) in a venv of its own: genesis-world brings quadrants, vtk,
+# opencv and more (4.2 GB with torch, ~3 minutes to install here). Not in .ci/run: see docs/batched.md.
+GENESIS := .venv-genesis
+$(GENESIS)/.installed: pyproject.toml
+	test -x $(GENESIS)/bin/python || $(PY) -m venv $(GENESIS)
+	$(GENESIS)/bin/python -m pip install --quiet --upgrade pip
+	$(GENESIS)/bin/python -m pip install --quiet torch==2.13.0
+	$(GENESIS)/bin/python -m pip install --quiet torch==2.13.0 -e ".[genesis]" pytest pytest-timeout
+	touch $(GENESIS)/.installed
+
+test-genesis: $(GENESIS)/.installed
+	$(GENESIS)/bin/python -m pytest -q -rfE --durations=10 tests/test_genesis.py
+
 docs: $(STAMP)
 	test -x $(BIN)/mkdocs || $(BIN)/python -m pip install --quiet -e ".[docs]"
 	$(BIN)/mkdocs build --strict -d build/site
@@ -121,4 +134,4 @@ bench: $(STAMP)
 	$(BIN)/envsync bench
 
 clean:
-	rm -rf $(VENV) $(NIGHTLY) $(MJLAB) $(PLAYGROUND) build *.egg-info
+	rm -rf $(VENV) $(NIGHTLY) $(MJLAB) $(PLAYGROUND) $(GENESIS) build *.egg-info

@@ -521,6 +521,25 @@ def run_to_exit(code: str, *args: str, timeout: float = 150) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in result.stdout.splitlines() if ": " in line)
 
 
+class Trajectories:
+    """Per trajectory (``("collector", "traj_ids")``), across the batches of a simulator test: the
+    versions it ran (``mixed``: how many ran more than one), and the episodes that ended."""
+
+    def __init__(self) -> None:
+        self.ran: dict[tuple[int, int], set[int]] = {}
+        self.ended = 0
+
+    def add(self, batch: TensorDictBase) -> None:
+        flat = batch.reshape(-1)
+        keys = zip(flat["env_index"].tolist(), flat["collector", "traj_ids"].tolist(), strict=True)
+        for key, version in zip(keys, flat["next", "env_version"].tolist(), strict=True):
+            self.ran.setdefault(key, set()).add(version)
+        self.ended += int(flat["next", "done"].sum())
+
+    def mixed(self) -> int:
+        return sum(len(versions) > 1 for versions in self.ran.values())
+
+
 def run_adr_example(name: str, out: Any) -> tuple[dict[str, Any], str]:
     """Run ``examples/<name>.py --smoke --out out`` as a script (the simulator examples run
     in their own venvs: this interpreter's); check that it exited cleanly and that both of

@@ -175,6 +175,20 @@ def test_playground_adr_without_playground_exits_non_zero_saying_how_to_install_
     assert not (tmp_path / "playground_adr.json").exists()
 
 
+def test_genesis_adr_without_genesis_exits_non_zero_saying_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The main venv has no Genesis: the example says where it runs. Its smoke run is
+    tests/test_genesis.py's, in the genesis venv."""
+    monkeypatch.setitem(sys.modules, "genesis", None)  # `import genesis` raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        load("genesis_adr").main(["--smoke", "--out", str(tmp_path)])
+    message = str(exit_info.value.code)
+    assert message.startswith("Genesis is missing") and "make .venv-genesis/.installed" in message
+    assert ".venv-genesis/bin/python examples/genesis_adr.py" in message
+    assert not (tmp_path / "genesis_adr.json").exists()
+
+
 @pytest.mark.timeout(180)
 def test_physics_dr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("mujoco")

@@ -27,7 +27,7 @@ from tensordict import TensorDict, TensorDictBase
 jax = pytest.importorskip("jax")
 pytest.importorskip("mujoco_playground")
 
-from helpers import run_adr_example  # noqa: E402
+from helpers import Trajectories, run_adr_example  # noqa: E402
 from playground_envs import FRICTION, MASS, POLE, SUBTREE, make_cartpole, make_cartpoles_16, make_cartpoles_32  # noqa: E402
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 
@@ -264,24 +264,6 @@ def check_frames(
         want = torch.stack([hinge * f, SUBTREE * f, SUBTREE * f, invweight / f], dim=-1)
         wrong += int((~torch.isclose(seen[:, :4], want.float(), rtol=1e-5).all(-1)).sum())
     return wrong, flat.shape[0]
-
-
-class Trajectories:
-    """Per trajectory (``("collector", "traj_ids")``), across batches: the versions it ran."""
-
-    def __init__(self) -> None:
-        self.ran: dict[tuple[int, int], set[int]] = {}
-        self.ended = 0
-
-    def add(self, batch: TensorDictBase) -> None:
-        flat = batch.reshape(-1)
-        keys = zip(flat["env_index"].tolist(), flat["collector", "traj_ids"].tolist(), strict=True)
-        for key, version in zip(keys, flat["next", "env_version"].tolist(), strict=True):
-            self.ran.setdefault(key, set()).add(version)
-        self.ended += int(flat["next", "done"].sum())
-
-    def mixed(self) -> int:
-        return sum(len(versions) > 1 for versions in self.ran.values())
 
 
 def drive(collector: Any, sender: EnvStateSender, mode: str) -> tuple[int, int, set[int], Trajectories]:
