@@ -80,46 +80,35 @@ test-nightly:
 	$(NIGHTLY)/bin/python -m pip install --quiet cloudpickle gymnasium numpy tqdm pytest pytest-timeout hypothesis psutil
 	$(NIGHTLY)/bin/python -m pytest -q tests/test_matrix.py tests/test_model.py tests/test_receiver.py tests/test_policy_version.py -k "not ray and not soak"
 
-# Per-world physics in mjlab (MuJoCo Warp) on Warp's CPU device, in a venv of its own: mjlab pins
-# mujoco~=3.11, the main venv's mujoco extra is 4.0 (gymnasium's HalfCheetah-v5). torchvision is named
-# with torch 2.13's version: mjlab -> rsl-rl-lib -> torchvision, whose newest release pins torch 2.14
-# and would replace the CPU torch with a CUDA build. About 3 minutes of tests, plus about a minute of
-# Warp kernel compilation the first time on a machine (cached in ~/.cache/warp).
-MJLAB := .venv-mjlab
-$(MJLAB)/.installed: pyproject.toml
-	test -x $(MJLAB)/bin/python || $(PY) -m venv $(MJLAB)
-	$(MJLAB)/bin/python -m pip install --quiet --upgrade pip
-	$(MJLAB)/bin/python -m pip install --quiet torch==2.13.0
-	$(MJLAB)/bin/python -m pip install --quiet torch==2.13.0 torchvision==0.28.0 -e ".[mjlab]" pytest pytest-timeout
-	touch $(MJLAB)/.installed
+# A simulator's venv of its own, .venv-<extra> with envsync[<extra>] (each simulator pins what the main
+# venv cannot hold): torch first, pinned, and named again with the extra, so that pip keeps the CPU wheel;
+# PINS_<extra> names what must be pinned beside it.
+.venv-%/.installed: pyproject.toml
+	test -x .venv-$*/bin/python || $(PY) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet torch==2.13.0
+	.venv-$*/bin/python -m pip install --quiet torch==2.13.0 $(PINS_$*) -e ".[$*]" pytest pytest-timeout
+	touch .venv-$*/.installed
 
+# Per-world physics in mjlab (MuJoCo Warp) on Warp's CPU device: mjlab pins mujoco~=3.11, the main
+# venv's mujoco extra is 4.0 (gymnasium's HalfCheetah-v5). torchvision is pinned: mjlab -> rsl-rl-lib ->
+# torchvision, whose newest release pins torch 2.14 and would replace the CPU torch with a CUDA build.
+# About 3 minutes of tests, plus about a minute of Warp kernel compilation the first time on a machine
+# (cached in ~/.cache/warp).
+MJLAB := .venv-mjlab
+PINS_mjlab := torchvision==0.28.0
 test-mjlab: $(MJLAB)/.installed
 	$(MJLAB)/bin/python -m pytest -q -rfE --durations=10 tests/test_mjlab.py
 
-# Per-world physics in MuJoCo Playground (MJX, JAX on the CPU) in a venv of its own: playground brings
-# jax, mujoco-mjx and warp-lang, which the main venv does not need. torch first, pinned, and named again
-# with the extra, so pip keeps the CPU wheel. About 4 minutes of tests on 2 cores (5.6 from an empty venv).
+# Per-world physics in MuJoCo Playground (MJX, JAX on the CPU): playground brings jax, mujoco-mjx and
+# warp-lang, which the main venv does not need. About 4 minutes of tests on 2 cores (5.6 from an empty venv).
 PLAYGROUND := .venv-playground
-$(PLAYGROUND)/.installed: pyproject.toml
-	test -x $(PLAYGROUND)/bin/python || $(PY) -m venv $(PLAYGROUND)
-	$(PLAYGROUND)/bin/python -m pip install --quiet --upgrade pip
-	$(PLAYGROUND)/bin/python -m pip install --quiet torch==2.13.0
-	$(PLAYGROUND)/bin/python -m pip install --quiet torch==2.13.0 -e ".[playground]" pytest pytest-timeout
-	touch $(PLAYGROUND)/.installed
-
 test-playground: $(PLAYGROUND)/.installed
 	$(PLAYGROUND)/bin/python -m pytest -q -rfE --durations=10 tests/test_playground.py
 
-# Per-world physics in Genesis (its CPU backend) in a venv of its own: genesis-world brings quadrants, vtk,
-# opencv and more (4.2 GB with torch, ~3 minutes to install here). Not in .ci/run: see docs/batched.md.
+# Per-world physics in Genesis (its CPU backend): genesis-world brings quadrants, vtk, opencv and more
+# (4.2 GB with torch, ~3 minutes to install here). Not in .ci/run: see docs/domain_randomization.md.
 GENESIS := .venv-genesis
-$(GENESIS)/.installed: pyproject.toml
-	test -x $(GENESIS)/bin/python || $(PY) -m venv $(GENESIS)
-	$(GENESIS)/bin/python -m pip install --quiet --upgrade pip
-	$(GENESIS)/bin/python -m pip install --quiet torch==2.13.0
-	$(GENESIS)/bin/python -m pip install --quiet torch==2.13.0 -e ".[genesis]" pytest pytest-timeout
-	touch $(GENESIS)/.installed
-
 test-genesis: $(GENESIS)/.installed
 	$(GENESIS)/bin/python -m pytest -q -rfE --durations=10 tests/test_genesis.py
 

@@ -540,6 +540,59 @@ class Trajectories:
         return sum(len(versions) > 1 for versions in self.ran.values())
 
 
+Factors = dict[tuple[int, int], tuple[float, ...]]
+"""Per (env_index, env_version): that world's row of each pushed config name."""
+
+
+def every_frame_names_its_physics(
+    collector: Any,
+    sender: Any,
+    mode: str,
+    names: tuple[str, ...],
+    draw: Any,
+    check: Any,
+    *,
+    worlds: int,
+    frames: int = 10_000,
+) -> None:
+    """Drive a collector of simulator worlds: after every batch, push ``draw(generator, n)``
+    (one row per world of each of ``names``), waiting until applied (until received in
+    ``"reset"`` mode, where each world applies at its own reset); check every batch with
+    ``check(batch, factors)`` -> (mis-tagged, checked) frames, the simulator's physics against
+    the rows each frame's (env_index, env_version) names (:data:`Factors`). Then assert:
+    ``worlds`` envs in the fleet, no frame mis-tagged over ``frames``, several versions ran,
+    worlds ended episodes (partial resets), and a version lands inside a trajectory only in
+    ``"step"`` mode. Shuts the collector down."""
+    n, default = sender.num_envs, sender.desired_config()
+    factors: Factors = {(env, 0): tuple(float(default[name]) for name in names) for env in range(n)}
+    wrong = checked = 0
+    trajectories, versions = Trajectories(), set()
+    generator = torch.Generator().manual_seed(0)
+    try:
+        assert n == worlds, n
+        for batch in collector:
+            bad, count = check(batch, factors)
+            wrong, checked = wrong + bad, checked + count
+            trajectories.add(batch)
+            versions |= set(batch["next", "env_version"].flatten().tolist())
+            if checked >= frames:
+                break
+            rows = draw(generator, n)
+            version = sender.push(config=rows, wait="received" if mode == "reset" else "applied")
+            columns = torch.stack([rows[name].double() for name in names], dim=-1).tolist()
+            factors.update({(env, version): tuple(row) for env, row in enumerate(columns)})
+    finally:
+        collector.shutdown()
+        sender.close()
+    assert checked >= frames and wrong == 0, (wrong, checked)
+    assert len(versions) >= 4, versions
+    assert trajectories.ended >= 2 * n, trajectories.ended  # worlds ended episodes: partial resets ran
+    if mode == "step":  # a push lands mid-episode
+        assert trajectories.mixed() > 0
+    else:  # at a world's own reset, or after its running episode was cut: never inside one
+        assert trajectories.mixed() == 0, trajectories.mixed()
+
+
 def run_adr_example(name: str, out: Any) -> tuple[dict[str, Any], str]:
     """Run ``examples/<name>.py --smoke --out out`` as a script (the simulator examples run
     in their own venvs: this interpreter's); check that it exited cleanly and that both of

@@ -90,3 +90,20 @@ def make_cartpoles_16() -> Any:
 
 def make_cartpoles_32() -> Any:
     return make_cartpole(32)
+
+
+def counted(make: Any) -> Any:
+    """``make``'s worlds under a ``StepCounter`` with a horizon no episode reaches: torchrl's
+    Playground wrapper gives no ``"truncated"`` entry, which ``apply_at="truncate"`` needs (it
+    says so at attach), and a ``StepCounter`` adds one only with ``max_steps``."""
+    from torchrl.envs import StepCounter, TransformedEnv
+
+    return TransformedEnv(make(), StepCounter(max_steps=100 * EPISODE_STEPS))
+
+
+def make_counted_cartpoles_16() -> Any:
+    return counted(make_cartpoles_16)
+
+
+def make_counted_cartpoles_32() -> Any:
+    return counted(make_cartpoles_32)

@@ -22,7 +22,7 @@ from tensordict import TensorDict, TensorDictBase
 pytest.importorskip("genesis")
 
 from genesis_envs import EPISODE_STEPS, make_boxes, make_boxes_16, make_boxes_32  # noqa: E402
-from helpers import Trajectories, run_adr_example  # noqa: E402
+from helpers import Factors, every_frame_names_its_physics, run_adr_example  # noqa: E402
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 
 from envsync import EnvStateSender, ValidationError  # noqa: E402
@@ -123,7 +123,7 @@ def test_pushes_of_a_few_rows_are_held_by_the_simulator_when_applied() -> None:
 # ---- every frame of real collectors --------------------------------------------------------
 
 
-def check_frames(batch: TensorDictBase, factors: dict[tuple[int, int], tuple[float, float]]) -> tuple[int, int]:
+def check_frames(batch: TensorDictBase, factors: Factors) -> tuple[int, int]:
     """(mis-tagged, checked) frames: what each frame's step (or reset) computed from its world's
     model (the mass matrix's diagonals, the friction ratio) against the factors its
     (env_index, env_version) names, at the root and under "next"."""
@@ -138,29 +138,10 @@ def check_frames(batch: TensorDictBase, factors: dict[tuple[int, int], tuple[flo
     return wrong, flat.shape[0]
 
 
-def drive(collector: Any, sender: EnvStateSender, mode: str) -> tuple[int, int, set[int], Trajectories]:
-    """Push a random mass and friction factor per world after every batch (waiting until
-    applied, except in ``"reset"`` mode); return (mis-tagged frames, frames checked, versions
-    seen, trajectories)."""
-    n = sender.num_envs or 0
-    factors = {(env, 0): (1.0, 1.0) for env in range(n)}
-    wrong = checked = 0
-    trajectories, versions = Trajectories(), set()
-    generator = torch.Generator().manual_seed(0)
-    for batch in collector:
-        bad, count = check_frames(batch, factors)
-        wrong, checked = wrong + bad, checked + count
-        trajectories.add(batch)
-        versions |= set(batch["next", "env_version"].flatten().tolist())
-        if checked >= FRAMES:
-            break
-        mass = 0.5 + 1.5 * torch.rand(n, generator=generator, dtype=torch.float64)
-        friction = 0.2 + torch.rand(n, generator=generator, dtype=torch.float64)
-        version = sender.push(
-            config={"mass": mass, "friction": friction}, wait="received" if mode == "reset" else "applied"
-        )
-        factors.update({(env, version): (float(mass[env]), float(friction[env])) for env in range(n)})
-    return wrong, checked, versions, trajectories
+def draw(generator: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """A random mass and friction factor per world."""
+    mass = 0.5 + 1.5 * torch.rand(n, generator=generator, dtype=torch.float64)
+    return {"mass": mass, "friction": 0.2 + torch.rand(n, generator=generator, dtype=torch.float64)}
 
 
 COLLECTORS: dict[str, Callable[..., Any]] = {  # 32 worlds: one env of 32, or two workers of 16 (spawned)
@@ -170,7 +151,7 @@ COLLECTORS: dict[str, Callable[..., Any]] = {  # 32 worlds: one env of 32, or tw
 }
 
 
-@pytest.mark.parametrize("mode", ["reset", "step"])
+@pytest.mark.parametrize("mode", ["reset", "step", "truncate"])
 @pytest.mark.parametrize("kind", list(COLLECTORS))
 @pytest.mark.timeout(400)
 def test_every_frame_of_ten_thousand_names_the_physics_its_world_ran(kind: str, mode: str) -> None:
@@ -179,19 +160,9 @@ def test_every_frame_of_ten_thousand_names_the_physics_its_world_ran(kind: str, 
         collector = COLLECTORS[kind](
             sender, frames_per_batch=32 * EPISODE_STEPS, total_frames=-1, weight_sync_schemes=sender.schemes()
         )
-    try:
-        assert sender.num_envs == 32
-        wrong, checked, versions, trajectories = drive(collector, sender, mode)
-    finally:
-        collector.shutdown()
-        sender.close()
-    assert checked >= FRAMES and wrong == 0, (wrong, checked)
-    assert len(versions) >= 4, versions
-    assert trajectories.ended >= 64, trajectories.ended  # worlds ended episodes: partial resets ran
-    if mode == "step":  # a push lands mid-episode
-        assert trajectories.mixed() > 0
-    else:  # at a world's own reset: never inside a trajectory
-        assert trajectories.mixed() == 0, trajectories.mixed()
+    every_frame_names_its_physics(
+        collector, sender, mode, ("mass", "friction"), draw, check_frames, worlds=32, frames=FRAMES
+    )
 
 
 # ---- the example ---------------------------------------------------------------------------

@@ -27,8 +27,18 @@ from tensordict import TensorDict, TensorDictBase
 jax = pytest.importorskip("jax")
 pytest.importorskip("mujoco_playground")
 
-from helpers import Trajectories, run_adr_example  # noqa: E402
-from playground_envs import FRICTION, MASS, POLE, SUBTREE, make_cartpole, make_cartpoles_16, make_cartpoles_32  # noqa: E402
+from helpers import Factors, every_frame_names_its_physics, run_adr_example  # noqa: E402
+from playground_envs import (  # noqa: E402
+    FRICTION,
+    MASS,
+    POLE,
+    SUBTREE,
+    make_cartpole,
+    make_cartpoles_16,
+    make_cartpoles_32,
+    make_counted_cartpoles_16,
+    make_counted_cartpoles_32,
+)
 from torchrl.collectors import Collector, MultiAsyncCollector, MultiSyncCollector  # noqa: E402
 
 from envsync import EnvStateSender, ValidationError  # noqa: E402
@@ -247,9 +257,7 @@ def test_a_per_world_field_that_moves_the_geometry_is_refused_when_the_worlds_ar
 # ---- every frame names the physics its world ran, in collectors ------------------------------
 
 
-def check_frames(
-    batch: TensorDictBase, factors: dict[tuple[int, int], float], built: tuple[float, float]
-) -> tuple[int, int]:
+def check_frames(batch: TensorDictBase, factors: Factors, built: tuple[float, float]) -> tuple[int, int]:
     """(mis-tagged, checked) frames: what each frame's step computed from its world's model
     (the joint-space inertia's diagonal ``M[1, 1]``, ``M[0, 0]``; the derived subtree mass and
     ``dof_invweight0``) against the factor its (env_index, env_version) names, at the root
@@ -259,63 +267,46 @@ def check_frames(
     wrong = 0
     for prefix in ((), ("next",)):
         keys = zip(flat[(*prefix, "env_index")].tolist(), flat[(*prefix, "env_version")].tolist(), strict=True)
-        f = torch.tensor([factors[key] for key in keys])
+        f = torch.tensor([factors[key][0] for key in keys])  # the mass factor
         seen = flat[(*prefix, "physics")]
         want = torch.stack([hinge * f, SUBTREE * f, SUBTREE * f, invweight / f], dim=-1)
         wrong += int((~torch.isclose(seen[:, :4], want.float(), rtol=1e-5).all(-1)).sum())
     return wrong, flat.shape[0]
 
 
-def drive(collector: Any, sender: EnvStateSender, mode: str) -> tuple[int, int, set[int], Trajectories]:
-    """Push a random mass factor per world after every batch (waiting until applied, except in
-    ``"reset"`` mode); return (mis-tagged frames, frames checked, versions seen, trajectories)."""
-    factors = {(env, 0): 1.0 for env in range(sender.num_envs or 0)}
-    built = built_constants()
-    wrong = checked = 0
-    trajectories, versions = Trajectories(), set()
-    generator = torch.Generator().manual_seed(0)
-    for batch in collector:
-        bad, count = check_frames(batch, factors, built)
-        wrong, checked = wrong + bad, checked + count
-        trajectories.add(batch)
-        versions |= set(batch["next", "env_version"].flatten().tolist())
-        if checked >= FRAMES:
-            break
-        rows = 0.5 + 1.5 * torch.rand(sender.num_envs or 0, generator=generator, dtype=torch.float64)
-        version = sender.push(config={"mass": rows}, wait="received" if mode == "reset" else "applied")
-        factors.update({(env, version): float(rows[env]) for env in range(len(rows))})
-    return wrong, checked, versions, trajectories
+def draw(generator: torch.Generator, n: int) -> dict[str, torch.Tensor]:
+    """A random mass factor per world."""
+    return {"mass": 0.5 + 1.5 * torch.rand(n, generator=generator, dtype=torch.float64)}
 
 
 COLLECTORS: dict[str, Callable[..., Any]] = {  # 32 worlds: one env of 32, or two workers of 16 (spawned)
-    "single": lambda s, **kw: Collector(s.env_fn(make_cartpoles_32), None, **kw),
-    "multisync": lambda s, **kw: MultiSyncCollector([s.env_fn(make_cartpoles_16)] * 2, None, **kw),
-    "multiasync": lambda s, **kw: MultiAsyncCollector([s.env_fn(make_cartpoles_16)] * 2, None, **kw),
+    "single": lambda s, worlds, **kw: Collector(s.env_fn(worlds[32]), None, **kw),
+    "multisync": lambda s, worlds, **kw: MultiSyncCollector([s.env_fn(worlds[16])] * 2, None, **kw),
+    "multiasync": lambda s, worlds, **kw: MultiAsyncCollector([s.env_fn(worlds[16])] * 2, None, **kw),
 }
+WORLDS = {32: make_cartpoles_32, 16: make_cartpoles_16}
+COUNTED = {32: make_counted_cartpoles_32, 16: make_counted_cartpoles_16}  # with a "truncated" entry
 
 
-@pytest.mark.parametrize("mode", ["reset", "step"])
+@pytest.mark.parametrize("mode", ["reset", "step", "truncate"])
 @pytest.mark.parametrize("kind", list(COLLECTORS))
 @pytest.mark.timeout(300)
 def test_every_frame_of_ten_thousand_names_the_physics_its_world_ran(kind: str, mode: str) -> None:
     sender = EnvStateSender(config={"mass": 1.0}, apply="set_physics", apply_at=mode)
     with start_method("spawn"):
         collector = COLLECTORS[kind](
-            sender, frames_per_batch=32 * 25, total_frames=-1, weight_sync_schemes=sender.schemes()
+            sender,
+            COUNTED if mode == "truncate" else WORLDS,
+            frames_per_batch=32 * 25,
+            total_frames=-1,
+            weight_sync_schemes=sender.schemes(),
         )
-    try:
-        assert sender.num_envs == 32
-        wrong, checked, versions, trajectories = drive(collector, sender, mode)
-    finally:
-        collector.shutdown()
-        sender.close()
-    assert checked >= FRAMES and wrong == 0, (wrong, checked)
-    assert len(versions) >= 4, versions
-    assert trajectories.ended >= 64, trajectories.ended  # worlds ended episodes: partial resets ran
-    if mode == "step":  # a push lands mid-episode
-        assert trajectories.mixed() > 0
-    else:  # at a world's own reset: never inside a trajectory
-        assert trajectories.mixed() == 0, trajectories.mixed()
+    built = built_constants()
+
+    def check(batch: TensorDictBase, factors: Factors) -> tuple[int, int]:
+        return check_frames(batch, factors, built)
+
+    every_frame_names_its_physics(collector, sender, mode, ("mass",), draw, check, worlds=32, frames=FRAMES)
 
 
 # ---- the example ---------------------------------------------------------------------------

@@ -121,7 +121,7 @@ class Probe:
             raise ValidationError(
                 f"apply_at={spec.apply_at.value!r} (with the reinit policies given) ends episodes as "
                 f"truncated and needs a 'truncated' done key on the env (it has {env.done_keys}); "
-                "add a StepCounter or use GymEnv"
+                "add StepCounter(max_steps=...) (it adds one) or use GymEnv"
             )
         plan(self.chain(env), leaf_rules)
         if self.owned or env is not self.env:

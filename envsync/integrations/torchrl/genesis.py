@@ -88,7 +88,7 @@ class GenesisWorlds(GenesisWrapper):
         scene = gs.Scene(
             show_viewer=False,
             sim_options=gs.options.SimOptions(dt=dt),
-            rigid_options=gs.options.RigidOptions(batch_links_info=True, batch_dofs_info=True),
+            rigid_options=gs.options.RigidOptions(batch_links_info=True),  # a mass per world
         )
         scene.add_entity(gs.morphs.Plane())
         box = scene.add_entity(gs.morphs.Box(size=(0.2, 0.2, 0.1), pos=(0.0, 0.0, 0.05)))
@@ -151,8 +151,9 @@ class GenesisWorlds(GenesisWrapper):
         if "mass" in rows:
             self._body.set_mass(self._built_mass * rows["mass"], envs_idx=ids)
         if "friction" in rows:
-            self._friction[ids] = rows["friction"].float().unsqueeze(-1).expand(-1, len(self._links))
-            self._body.set_friction_ratio(self._friction[ids], links_idx_local=self._links, envs_idx=ids)
+            ratios = rows["friction"].float().unsqueeze(-1).expand(-1, len(self._links))
+            self._friction[ids] = ratios
+            self._body.set_friction_ratio(ratios, links_idx_local=self._links, envs_idx=ids)
 
     @staticmethod
     def _factor(name: str, value: Any, count: int) -> torch.Tensor:
@@ -172,10 +173,9 @@ class GenesisWorlds(GenesisWrapper):
         """Each world's friction ratio of the body's geoms, as the simulator holds it ``(n, geoms)``."""
         from genesis.utils.misc import qd_to_torch
 
-        solver = self._body.solver
-        ratio = qd_to_torch(solver.dyn_state.geoms.friction_ratio, transpose=True, copy=True)
-        start = self._body.geom_start
-        return ratio[:, start : start + self._body.n_geoms]
+        body = self._body
+        geoms = slice(body.geom_start, body.geom_start + body.n_geoms)  # this body's, not every geom's
+        return qd_to_torch(body.solver.dyn_state.geoms.friction_ratio, col_mask=geoms, transpose=True, copy=True)
 
     @property
     def model(self) -> _WorldsModel:
