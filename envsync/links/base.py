@@ -102,12 +102,14 @@ class Outbox(Protocol):
         ``shared`` values for all of them (written once for all where the link can), one row
         each of ``rows``; ``undo``: a version whose env-state changes they must undo."""
 
-    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
+    def notify(self, workers: Sequence[int] | np.ndarray, *, here: bool = False) -> None:
         """Wake the worker loops that serve these workers, each loop once (the rows of a
         natively batched env share one): an idle worker applies at once (per
         the apply mode), a busy one acknowledges receipt at once (its next safe point applies). Waking busy
         workers too halves "received" with 10-20 workers on 2 cores: a woken thread is
-        scheduled sooner than a busy main thread's next step."""
+        scheduled sooner than a busy main thread's next step. ``here``: the caller waits for
+        them, so an in-process link may run the loop's turn in the caller's thread
+        (:mod:`envsync.links.inline`); a push that does not wait returns at once."""
 
     def flush(self, version: int) -> None:
         """Every write of ``version`` to this link is done (a link that batches, e.g. one
@@ -247,6 +249,11 @@ class Notices(Protocol):
 
     def poke(self) -> None:
         """Wake the loop that serves this end (as the sender's notify does)."""
+
+    def turns_here(self, turn: Callable[[], bool]) -> None:
+        """Let the sender's notices run ``turn`` (the loop's turn; it returns whether it ran)
+        in the sender's thread: an in-process link does (:mod:`envsync.links.inline`), a link
+        between processes wakes the loop's thread."""
 
     def owner_alive(self) -> bool:
         """Whether the sender's process still runs (a worker whose sender died exits)."""

@@ -4,7 +4,6 @@ the sender and receiver logic, which then run in milliseconds."""
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from envsync.links.base import Key
+from envsync.links.inline import InlineWake, semaphore
 from envsync.links.locks import per_slot
 from envsync.links.rows_reader import RowsReader
 from envsync.links.slot_reader import SlotReader
@@ -51,9 +51,9 @@ class LocalLink(SlotWriter):
         table = Table(_zeroed(size, fields), fields, num_workers, group=group)
         groups = -(-num_workers // group)  # one lock, wake-up and relay per group of slots (a native env's rows)
         group_locks = [threading.Lock() for _ in range(groups)]
-        group_wakes = [_semaphore() for _ in range(2 * groups)]
+        group_wakes = [InlineWake() for _ in range(2 * groups)]  # a notice runs the loop's turn here
         locks, wakes = per_slot(group_locks, group_wakes, num_workers, group)
-        super().__init__(table, locks, wakes, (_semaphore(), _semaphore()))
+        super().__init__(table, locks, wakes, (semaphore(), semaphore()))
         self.initialise(leaves)
         self._alive = alive
         self._ends = LocalHandle(table, locks, wakes, self._acks)
@@ -67,12 +67,12 @@ class LocalLink(SlotWriter):
     def close(self) -> None:
         return None
 
-
-def _semaphore() -> Any:
-    """A semaphore for threads of this process, in C (a POSIX semaphore, unlinked at once:
-    no name, no file, nothing to clean up): ``threading.Semaphore`` is a condition variable
-    in Python, and a push takes and gives these several times over its two threads."""
-    return multiprocessing.get_context("fork").Semaphore(0)
+    def _wake(self, number: int, here: bool) -> None:
+        wake = self._wakes[number]
+        if here:
+            wake.deliver()  # the loop's turn in this thread, when it can run here
+        else:
+            wake.release()
 
 
 def _zeroed(size: int, fields: list[Field]) -> torch.Tensor:

@@ -169,7 +169,7 @@ class RayLink:
         self._pending.append((workers, version, undo, dict(shared), dict(rows)))
         self._target[workers] = version
 
-    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
+    def notify(self, workers: Sequence[int] | np.ndarray, *, here: bool = False) -> None:
         return None  # the relay notifies the node's workers when it writes them
 
     def flush(self, version: int) -> None:

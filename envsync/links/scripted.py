@@ -96,6 +96,6 @@ class ScriptedLink(LocalLink):
         self.script = script
         self.ends = [self.handle().open(w) for w in range(num_workers)]
 
-    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
+    def notify(self, workers: Sequence[int] | np.ndarray, *, here: bool = False) -> None:
         for worker in np.asarray(workers).tolist():
             self.script(self.ends[worker])

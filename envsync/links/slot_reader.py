@@ -15,6 +15,7 @@ import torch
 from envsync.buffers import ArrayBuffers
 from envsync.errors import EnvSyncError
 from envsync.links.base import Header, Key, Notices
+from envsync.links.inline import InlineWake
 from envsync.links.locks import locked, take_back
 from envsync.links.records import request_of, sealed_reply, unseal
 from envsync.links.table import Table, pid_alive
@@ -143,6 +144,14 @@ class SlotReader:
     def _routed(self, index: int, column: np.ndarray) -> Any:
         route = int(column[self.worker])
         return self._wakes[route - 1 if route else index]
+
+    def turns_here(self, turn: Callable[[], bool]) -> None:
+        """Let the sender's notices for this end (and those routed to it) run ``turn``, the
+        loop's turn, in the sender's thread (an in-process link, :mod:`envsync.links.inline`);
+        across processes a notice wakes the loop's thread, and this does nothing."""
+        wake = self._wakes[self._own]
+        if isinstance(wake, InlineWake):
+            wake.turn = turn
 
     def poke_relay(self) -> None:
         """Wake the loop that waits on this slot's relay (the group beside the batched env)."""

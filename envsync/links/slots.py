@@ -274,7 +274,7 @@ class SlotWriter(ABC):
         reply = reply_of(unseal(data))
         return reply if reply.id == request else None
 
-    def notify(self, workers: Sequence[int] | np.ndarray) -> None:
+    def notify(self, workers: Sequence[int] | np.ndarray, *, here: bool = False) -> None:
         # the semaphore of the loop that serves each worker's slot (see SlotReader.route_to),
         # released once however many of the workers it serves (a native env's rows share one)
         slots = np.asarray(workers, dtype=np.int64)
@@ -283,12 +283,16 @@ class SlotWriter(ABC):
         whole = len(slots) == self.num_workers
         routes = self._wake_to[slice(None) if whole else slots]
         if len(routes) and routes[0] > 0 and routes.min() == routes.max():  # all to one loop (an env's rows)
-            self._wakes[int(self._wake_of[int(routes[0]) - 1])].release()
+            self._wake(int(self._wake_of[int(routes[0]) - 1]), here)
             return
         chosen = np.where(routes > 0, routes - 1, np.arange(len(routes)) if whole else slots)
-        wakes = self._wakes
         for number in ascending(self._wake_of[chosen]):
-            wakes[number].release()
+            self._wake(number, here)
+
+    def _wake(self, number: int, here: bool) -> None:
+        """Wake the loop that waits on the wake-up numbered ``number`` (its semaphore: a loop
+        in another process runs nowhere else, ``here`` or not)."""
+        self._wakes[number].release()
 
     def status(self, worker: int) -> WorkerStatus:
         return self.table.status(worker)

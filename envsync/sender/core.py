@@ -154,15 +154,18 @@ class Core:
             self.applied_array if pruning else None,
         )
 
-    def publish(self, updates: Sequence[Update], *, default: Flat | None, undo_mark: int = 0) -> int:
+    def publish(
+        self, updates: Sequence[Update], *, default: Flat | None, undo_mark: int = 0, here: bool = False
+    ) -> int:
         """Write each update under a new version, to each attachment's slots at once, then
         notify them; ``default`` also changes what workers joining later start from. What
         each replaced is kept (the undo of this push), the mirrors and the config history
-        follow."""
+        follow. ``here``: the caller waits for the workers (:meth:`SenderLink.notify`)."""
         state = self.desired
         version = state.version + 1
         undo = Undo(version)
         links: dict[int, SenderLink] = {}
+        notices: list[tuple[SenderLink, np.ndarray]] = []
         for update in updates:
             for part in self.fleet.split(update.targets):
                 rows = update if part.positions is None else update.take(part.positions)
@@ -173,8 +176,7 @@ class Core:
                 mirror.set(slots, rows.shared, rows.rows)
                 links[id(attachment.link)] = attachment.link
                 self.record_history(version, attachment, slots, pruning=True, pushed=rows.rows)
-                # woken last: an in-process worker loop would take the GIL from what is left above
-                attachment.link.notify(slots)
+                notices.append((attachment.link, slots))
         for link in links.values():
             link.flush(version)
         if default is not None:
@@ -182,6 +184,10 @@ class Core:
             state.set_default(default)
         state.version = version
         state.undo = undo
+        # woken last, once the push is whole: an in-process link runs the loop's turn here, and
+        # an apply there may push again (a worker loop elsewhere would take the GIL meanwhile)
+        for link, slots in notices:
+            link.notify(slots, here=here)
         return version
 
     def roll_back(self, failed: int) -> int | None:

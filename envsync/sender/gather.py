@@ -151,7 +151,8 @@ def ask(
         for part in parts:
             part.attachment.link.send_request(part.slots, request)
         for part in parts:
-            part.attachment.link.notify(part.slots)  # each loop woken once, after every request is in
+            # each loop woken once, after every request is in (an in-process one's turn runs here)
+            part.attachment.link.notify(part.slots, here=True)
     return _await_replies(core, targets, request.id, timeout, expect)
 
 

@@ -12,6 +12,12 @@ Woken by the sender (or every half second), the loop calls each member's ``on_wa
 acknowledges what reached its envs, and, when the collector does not drive them, applies
 what is due while idle and answers requests.
 
+On the in-process link (a ``Collector``'s env beside the sender) the sender's notice runs the
+turn in the sender's thread (:meth:`WorkerLoop.turn_here`, :mod:`envsync.links.inline`): no
+thread hop, no GIL passed back and forth; the loop's thread takes a notice only when that turn
+cannot run at once (another thread holds an env, a turn already runs in the thread), and
+does its periodic turn.
+
 The loop holds its members by weakref and ends once none is left (when each is ``closed``
 or gone), or when the interpreter shuts down (:mod:`envsync.shutdown`). It is the only place
 that notices a dead sender: torchrl's workers never notice a killed main process, so a loop
@@ -42,8 +48,10 @@ class Member(Protocol):
     def closed(self) -> bool:
         """Whether the member left the loop."""
 
-    def on_wake(self) -> None:
-        """A notice came (or a period passed): acknowledge, and while idle apply and answer."""
+    def on_wake(self, blocking: bool = True) -> bool:
+        """A notice came (or a period passed): acknowledge, and while idle apply and answer;
+        return whether it did (``blocking=False``: nothing done while another thread holds
+        the member's envs)."""
 
     def on_error(self, text: str) -> None:
         """An error escaped :meth:`on_wake` (applies and answers report their own): report
@@ -61,6 +69,7 @@ class WorkerLoop:
         self.home = home
         self._members: list[weakref.ReferenceType[Member]] = []
         self.running = True
+        self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"envsync-loop-{home.worker}")
 
     def start(self) -> None:
@@ -82,6 +91,41 @@ class WorkerLoop:
                 del _LOOPS[self.home.link_name]
             return None
 
+    def turn_here(self) -> bool:
+        """A turn in the calling thread (the sender's notice on an in-process link,
+        :mod:`envsync.links.inline`); return whether it ran. It does not where it cannot run
+        at once: the interpreter exits, the loop ended, a turn already runs in this thread (an
+        apply that pushes), or another thread holds a member's envs (a collector stepping
+        them in another thread); the loop's thread then takes the notice."""
+        if not self.running or self._pid != os.getpid() or getattr(_HERE, "turn", False):
+            return False
+        return self._turn(blocking=False)
+
+    def _turn(self, *, blocking: bool) -> bool:
+        """Call each member's ``on_wake`` (from the list the turn began with: one that closed
+        meanwhile says so itself, and is dropped by the next look; none is woken once the
+        interpreter exits). ``blocking=False`` (a turn in the sender's thread): stop at a
+        member that cannot run now or raises, and return ``False``: the loop's thread does
+        every member again (each is idempotent) and reports what raised."""
+        _HERE.turn = True
+        try:
+            for ref in self._members:
+                member = ref()
+                if EXITING.is_set():
+                    return blocking
+                if member is None or member.closed:
+                    continue
+                try:
+                    if not member.on_wake(blocking):
+                        return False
+                except Exception:
+                    if not blocking:
+                        return False
+                    member.on_error(traceback.format_exc())
+            return True
+        finally:
+            _HERE.turn = False
+
     def _run(self) -> None:
         home = self.home
         while self._live() is not None:
@@ -91,20 +135,11 @@ class WorkerLoop:
                 # torchrl's workers never notice a killed main process (they hold its pipe
                 # ends themselves and wait forever): without a sender, end the worker
                 os._exit(1)
-            # the members as the wait left them (one that closed meanwhile says so itself,
-            # and is dropped by the next turn's look; none is woken once the interpreter exits)
-            for ref in self._members:
-                member = ref()
-                if EXITING.is_set():
-                    break
-                if member is None or member.closed:
-                    continue
-                try:
-                    member.on_wake()
-                except Exception:
-                    member.on_error(traceback.format_exc())
+            self._turn(blocking=True)
 
 
+_HERE = threading.local()
+"""Whether a turn runs in this thread (:meth:`WorkerLoop.turn_here`)."""
 _LOOPS: dict[str, WorkerLoop] = {}
 """This process's running loops, by link."""
 _REGISTRY = threading.Lock()
@@ -129,6 +164,7 @@ def serve(member: Member, ends: Sequence[Notices]) -> None:
         fresh = loop is None or not loop.running
         if fresh:
             loop = _LOOPS[first.link_name] = WorkerLoop(first)
+            first.turns_here(loop.turn_here)
         assert loop is not None
         for end in ends:
             end.route_to(loop.home)
