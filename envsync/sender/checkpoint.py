@@ -122,9 +122,11 @@ def _stats_of(
 def _keep_restored_rows(state: DesiredState, out: dict[str, Any]) -> None:
     """The per-worker rows a loaded checkpoint holds for the next collector: saved again
     before that collector exists, they are not lost."""
-    rows = state.restored_row_list()
-    assert rows is not None
-    out["config"] = TensorDict.stack([nest(desired.section(r, "config")) for r in rows])
+    columns = state.restored_columns("config")
+    assert columns is not None
+    out["config"] = TensorDict(
+        {tuple(name.split(".")): column for name, column in columns.items()}, batch_size=[state.restored_count]
+    )
     if state.unchecked_rows is not None:
         out["env_state_rows"] = [{k: v.clone() for k, v in r.items()} for r in state.unchecked_rows]
 

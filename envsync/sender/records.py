@@ -21,7 +21,7 @@ from envsync.links.base import Flat, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus, failure_to_raise
 from envsync.sender import desired
 from envsync.sender.desired import Undo, Update
-from envsync.state import Leaf
+from envsync.state import Leaf, tensor_of
 
 Fit = Callable[[Any], dict[str, torch.Tensor]]
 """Fits env-state entries to the env-state template (raises ``ValidationError``)."""
@@ -101,7 +101,7 @@ class DesiredState:
 
     def restored_row_list(self) -> list[Flat] | None:
         """The restored rows as one flat per env (for a link that starts its envs from such
-        a list: Ray's; and for a checkpoint saved again before the collector attached)."""
+        a list: Ray's, one per remote worker)."""
         if self.restored is None:
             return None
         rows: list[Flat] = [{} for _ in range(self.restored_count)]
@@ -109,6 +109,26 @@ class DesiredState:
             for position, target in enumerate(part.targets.tolist()):
                 rows[target] = part.row(position)
         return rows
+
+    def restored_columns(self, section: str) -> dict[str, torch.Tensor] | None:
+        """The restored rows' leaves of ``section`` (``"config"``) as columns, by dotted name,
+        ``restored_count`` rows each: one write per part and leaf, no dict per env (a checkpoint
+        of 65,536 worlds saved again before its collector attached)."""
+        if self.restored is None:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for part in self.restored:
+            index = torch.from_numpy(part.targets)
+            for key, leaf in (*part.shared.items(), *part.rows.items()):
+                if key[0] != section:
+                    continue
+                value = tensor_of(leaf)
+                column = out.get(key[1])
+                if column is None:
+                    shape = value.shape if key in part.shared else value.shape[1:]
+                    column = out[key[1]] = torch.zeros((self.restored_count, *shape), dtype=value.dtype)
+                column[index] = value
+        return out
 
     def keep_for_attach(
         self,
