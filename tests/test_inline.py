@@ -187,3 +187,39 @@ def test_an_apply_that_pushes_does_not_run_the_next_push_inside_itself() -> None
     finally:
         collector.shutdown()
         sender.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_apply_run_in_the_senders_thread_holds_its_env_not_the_sender() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def apply(env: Any, config: Any) -> None:
+        value = float(config["difficulty"])
+        if value == 7.0:  # a slow apply (a simulator's setters, a re-init's rollout)
+            started.set()
+            release.wait(20)
+        env.set_difficulty(value)
+
+    sender = EnvStateSender(config={"difficulty": 0.0}, apply=apply, apply_at="step")
+    collector = Collector(
+        sender.env_fn(CounterEnv), None, frames_per_batch=4, total_frames=-1, weight_sync_schemes=sender.schemes()
+    )
+    try:
+        next(iter(collector))
+        pushed: list[int] = []
+        pusher = threading.Thread(
+            target=lambda: pushed.append(sender.push(config={"difficulty": 7.0}, wait="applied", timeout=20))
+        )
+        pusher.start()
+        assert started.wait(20)  # the apply runs in the pusher's thread, inside its push
+        start = time.monotonic()
+        before = sender.versions()  # the sender's lock is free meanwhile
+        assert time.monotonic() - start < 1.0
+        assert before == [0] and not pushed
+        release.set()
+        pusher.join(20)
+        assert pushed == [1] and sender.versions() == [1] and collector.env.difficulty == 7.0
+    finally:
+        release.set()
+        collector.shutdown()
+        sender.close()

@@ -51,6 +51,7 @@ class Core:
         self.lock = threading.RLock()
         self.closed = False
         self._requests = 0
+        self._unwoken: list[tuple[SenderLink, np.ndarray]] = []  # published, their loops not woken yet
 
     # ---- the fleet, kept current -------------------------------------------------------------
 
@@ -154,18 +155,16 @@ class Core:
             self.applied_array if pruning else None,
         )
 
-    def publish(
-        self, updates: Sequence[Update], *, default: Flat | None, undo_mark: int = 0, here: bool = False
-    ) -> int:
-        """Write each update under a new version, to each attachment's slots at once, then
-        notify them; ``default`` also changes what workers joining later start from. What
-        each replaced is kept (the undo of this push), the mirrors and the config history
-        follow. ``here``: the caller waits for the workers (:meth:`SenderLink.notify`)."""
+    def publish(self, updates: Sequence[Update], *, default: Flat | None, undo_mark: int = 0) -> int:
+        """Write each update under a new version, to each attachment's slots at once;
+        ``default`` also changes what workers joining later start from. What each replaced is
+        kept (the undo of this push), the mirrors and the config history follow. The workers'
+        loops are woken by :meth:`wake`, once the caller let go of the sender's lock."""
         state = self.desired
         version = state.version + 1
         undo = Undo(version)
         links: dict[int, SenderLink] = {}
-        notices: list[tuple[SenderLink, np.ndarray]] = []
+        notices = []
         for update in updates:
             for part in self.fleet.split(update.targets):
                 rows = update if part.positions is None else update.take(part.positions)
@@ -184,11 +183,28 @@ class Core:
             state.set_default(default)
         state.version = version
         state.undo = undo
-        # woken last, once the push is whole: an in-process link runs the loop's turn here, and
-        # an apply there may push again (a worker loop elsewhere would take the GIL meanwhile)
-        for link, slots in notices:
-            link.notify(slots, here=here)
+        self._unwoken += notices  # woken once the push is whole (an apply run in :meth:`wake` may push)
         return version
+
+    def to_wake(self, link: SenderLink, slots: np.ndarray) -> None:
+        """Have :meth:`wake` wake the loops of ``slots`` of ``link`` (a request written to them)."""
+        self._unwoken.append((link, slots))
+
+    def wake(self, *, here: bool) -> None:
+        """Wake the loops of what was published (or asked) and not woken yet, each loop once a
+        link. Called with the sender's lock free: an in-process link runs the loop's turn in
+        this thread when ``here`` (the caller waits for the workers, :meth:`SenderLink.notify`),
+        and an apply run there holds only its env, never the sender. A link closed meanwhile
+        (its collector shut down, the sender closed) has no loop left to wake."""
+        with self.lock:
+            notices, self._unwoken = self._unwoken, []
+        for link, slots in notices:
+            try:
+                link.notify(slots, here=here)
+            except RuntimeError:
+                with self.lock:
+                    if not self.closed and any(a.link is link for a in self.fleet.attachments):
+                        raise
 
     def roll_back(self, failed: int) -> int | None:
         """Publish, as a new version, what the failed latest push replaced; return it (``None``
@@ -207,6 +223,7 @@ class Core:
                 updates.append(desired.restamped(part if kept.all() else part.take(np.flatnonzero(kept)), reload))
         version = self.publish(updates, default=undo.default, undo_mark=failed)
         state.undo = None
+        self.wake(here=False)  # under the caller's lock: the loops' own threads apply it
         return version
 
 

@@ -150,9 +150,8 @@ def ask(
         parts = core.fleet.split(targets)
         for part in parts:
             part.attachment.link.send_request(part.slots, request)
-        for part in parts:
-            # each loop woken once, after every request is in (an in-process one's turn runs here)
-            part.attachment.link.notify(part.slots, here=True)
+            core.to_wake(part.attachment.link, part.slots)
+    core.wake(here=True)  # each loop once, every request in, the lock let go (an in-process turn answers here)
     return _await_replies(core, targets, request.id, timeout, expect)
 
 

@@ -225,7 +225,8 @@ class Sender(ReadBack):
             acks.raise_failures(self._core)
             updates, default = prepare()
             self._check_configs(updates, default)
-            version = self._core.publish(updates, default=default, here=until is not None)
+            version = self._core.publish(updates, default=default)
+        self._core.wake(here=until is not None)  # the lock let go: an in-process apply may run here
         targets = [update.targets for update in updates if len(update.targets)]
         if until is not None and targets:
             chosen = targets[0] if len(targets) == 1 else np.concatenate(targets)
