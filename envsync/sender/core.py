@@ -164,7 +164,6 @@ class Core:
         version = state.version + 1
         undo = Undo(version)
         links: dict[int, SenderLink] = {}
-        notices = []
         for update in updates:
             for part in self.fleet.split(update.targets):
                 rows = update if part.positions is None else update.take(part.positions)
@@ -175,7 +174,7 @@ class Core:
                 mirror.set(slots, rows.shared, rows.rows)
                 links[id(attachment.link)] = attachment.link
                 self.record_history(version, attachment, slots, pruning=True, pushed=rows.rows)
-                notices.append((attachment.link, slots))
+                self.to_wake(attachment.link, slots)  # woken by wake(), once the push is whole
         for link in links.values():
             link.flush(version)
         if default is not None:
@@ -183,11 +182,11 @@ class Core:
             state.set_default(default)
         state.version = version
         state.undo = undo
-        self._unwoken += notices  # woken once the push is whole (an apply run in :meth:`wake` may push)
         return version
 
     def to_wake(self, link: SenderLink, slots: np.ndarray) -> None:
-        """Have :meth:`wake` wake the loops of ``slots`` of ``link`` (a request written to them)."""
+        """Have :meth:`wake` wake the loops of ``slots`` of ``link`` (a version or a request
+        written to them: woken once the push is whole, since an apply run there may push)."""
         self._unwoken.append((link, slots))
 
     def wake(self, *, here: bool) -> None:

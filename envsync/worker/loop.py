@@ -36,6 +36,7 @@ from typing import Protocol
 
 from envsync.links.base import Notices
 from envsync.shutdown import EXITING, on_shutdown
+from envsync.worker.owner import Owner
 
 PERIOD = 0.5
 """Longest wait for a notice before the sender's liveness is checked (and members woken)."""
@@ -44,14 +45,15 @@ PERIOD = 0.5
 class Member(Protocol):
     """An owner of envs the loop serves (a receiver, or a batched env's group)."""
 
+    owner: Owner
+    """Its envs' owner: a turn holds its lock for the member's ``on_wake``."""
+
     @property
     def closed(self) -> bool:
         """Whether the member left the loop."""
 
-    def on_wake(self, blocking: bool = True) -> bool:
-        """A notice came (or a period passed): acknowledge, and while idle apply and answer;
-        return whether it did (``blocking=False``: nothing done while another thread holds
-        the member's envs)."""
+    def on_wake(self) -> None:
+        """A notice came (or a period passed): acknowledge, and while idle apply and answer."""
 
     def on_error(self, text: str) -> None:
         """An error escaped :meth:`on_wake` (applies and answers report their own): report
@@ -102,11 +104,12 @@ class WorkerLoop:
         return self._turn(blocking=False)
 
     def _turn(self, *, blocking: bool) -> bool:
-        """Call each member's ``on_wake`` (from the list the turn began with: one that closed
-        meanwhile says so itself, and is dropped by the next look; none is woken once the
-        interpreter exits). ``blocking=False`` (a turn in the sender's thread): stop at a
-        member that cannot run now or raises, and return ``False``: the loop's thread does
-        every member again (each is idempotent) and reports what raised."""
+        """Call each member's ``on_wake`` under its owner's lock (from the list the turn began
+        with: one that closed meanwhile says so itself, and is dropped by the next look; none
+        is woken once the interpreter exits). ``blocking=False`` (a turn in the sender's
+        thread): stop at a member whose lock another thread holds, or that raises, and return
+        ``False``: the loop's thread does every member again (each is idempotent) and reports
+        what raised."""
         _HERE.turn = True
         try:
             for ref in self._members:
@@ -115,13 +118,17 @@ class WorkerLoop:
                     return blocking
                 if member is None or member.closed:
                     continue
+                lock = member.owner.lock
+                if not lock.acquire(blocking):
+                    return False
                 try:
-                    if not member.on_wake(blocking):
-                        return False
+                    member.on_wake()
                 except Exception:
                     if not blocking:
                         return False
                     member.on_error(traceback.format_exc())
+                finally:
+                    lock.release()
             return True
         finally:
             _HERE.turn = False

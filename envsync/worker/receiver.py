@@ -211,19 +211,13 @@ class EnvStateReceiver(Generic[L]):
             self.apply_if_idle()
         self.serve()
 
-    def on_wake(self, blocking: bool = True) -> bool:
-        """Called by the worker loop when woken by the sender (or every half second); return
-        whether it ran (``blocking=False``: not while another thread holds the env)."""
-        if not self._lock.acquire(blocking):
-            return False
-        try:
+    def on_wake(self) -> None:
+        """Called by the worker loop when woken by the sender (or every half second)."""
+        with self._lock:
             self._notice(self.link.target())
             if not self.owner.driven:
                 self.apply_if_idle()
                 self.serve()
-        finally:
-            self._lock.release()
-        return True
 
     def serve(self) -> None:
         """Answer a pending request by its kind (at a safe point): the env's entries, or what

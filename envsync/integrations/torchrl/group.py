@@ -167,20 +167,14 @@ class EnvGroup:
         """The sub-envs whose pending version must end their episode as truncated."""
         return self.pending().tolist() if self.spec.truncates else []
 
-    def on_wake(self, blocking: bool = True) -> bool:
-        """The worker loop was woken: acknowledge what reached the envs; apply and serve if
-        idle (``blocking=False``: not while another thread holds the batched env)."""
-        if not self._lock.acquire(blocking):
-            return False
-        try:
+    def on_wake(self) -> None:
+        """The worker loop was woken: acknowledge what reached the envs; apply and serve if idle."""
+        with self._lock:
             self.envs.notice()
             if not self.owner.driven:
                 self.apply_if_idle()
                 self.catch_up()
                 self.serve()
-        finally:
-            self._lock.release()
-        return True
 
     def on_error(self, text: str) -> None:
         """An error escaped :meth:`on_wake`: every env with a version pending fails it (its
