@@ -47,10 +47,11 @@ test: lint typecheck unit docs
 # subset: every cell once), the Ray cells of the matrix for MultiSync/MultiAsync collectors, the
 # load runs at a quarter of make soak's sizes, the short push soak with spawned workers, the slow
 # Ray tests (a stalled actor; a program that never closes its sender; the kinds of a killed actor
-# and of a batched Ray worker beyond the one make test keeps), a spawned MultiSyncCollector's
-# end-to-end push (make test keeps a spawned Collector and MultiAsyncCollector), and the
-# slowest benchmark smoke runs (bench_ray, bench_push_instructions, bench_switch_latency,
-# bench_curriculum_instructions, bench_worlds).
+# and of a batched Ray worker beyond the one make test keeps; the Ray twins of tests make test runs
+# locally: sync_stats over two nodes, a checkpoint of every worker, the ledger, a bandit per worker),
+# a spawned MultiSyncCollector's end-to-end push (make test keeps a spawned Collector and
+# MultiAsyncCollector), and the slowest benchmark smoke runs (bench_ray, bench_push_instructions,
+# bench_switch_latency, bench_curriculum_instructions, bench_worlds).
 wide: $(STAMP)
 	$(BIN)/python -m pytest -q -rfE --durations=25 -m wide
 

@@ -74,6 +74,7 @@ def seen_by_vecnorm(batch: TensorDictBase, first: bool) -> dict[int, torch.Tenso
     return out
 
 
+@pytest.mark.wide  # make wide (~5 s): its local twin runs in make test
 @pytest.mark.timeout(300)
 def test_sync_stats_over_two_nodes_equals_the_statistics_of_every_observation(cluster: Any) -> None:
     sender = spread_sender()
@@ -102,6 +103,7 @@ def test_sync_stats_over_two_nodes_equals_the_statistics_of_every_observation(cl
         sender.close()
 
 
+@pytest.mark.wide  # make wide (~5 s): its local twin runs in make test
 @pytest.mark.timeout(300)
 def test_a_checkpoint_of_every_worker_resumes_into_a_new_ray_collector(cluster: Any) -> None:
     sender = spread_sender()
@@ -378,6 +380,7 @@ def test_sync_stats_of_batched_envs_over_ray(cluster: Any) -> None:
         sender.close()
 
 
+@pytest.mark.wide  # make wide (~5 s): its local twin runs in make test
 @pytest.mark.timeout(300)
 def test_the_ledger_credits_every_episode_over_ray_exactly(cluster: Any) -> None:
     """The curriculum's ledger on batches of a RayCollector (2 nodes x a MultiSyncCollector
@@ -399,6 +402,7 @@ def test_the_ledger_credits_every_episode_over_ray_exactly(cluster: Any) -> None
     check_exact(episodes, truth, WORKERS)
 
 
+@pytest.mark.wide  # make wide (~5 s): its local twin runs in make test
 @pytest.mark.timeout(300)
 def test_a_bandit_per_worker_over_ray_is_rewarded_by_the_episodes_that_ran_each_pull(cluster: Any) -> None:
     """A curriculum strategy over Ray (2 nodes x a MultiSyncCollector of 2 workers): each
