@@ -138,6 +138,40 @@ def test_both_ways_of_pruning_keep_the_same_entries(seed: int, monkeypatch: pyte
     assert any(len(v) < 10 for v in kept[0]), "something was pruned"
 
 
+@pytest.mark.parametrize("seed", range(24))
+def test_a_walk_that_stops_early_keeps_what_the_sort_keeps(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A walk stops once every env is past its entry in effect and ``keep`` older ones (the
+    records left are dropped whole): on random histories, often pushed to every env, pruned
+    now and then along the way, with ``keep`` from 0 to 4 and a byte budget or none, the walk
+    and the sort keep exactly the same versions of every env."""
+    import envsync.sender.history as module
+
+    kept = []
+    for walk in (0, 1 << 30):  # always walk, always sort
+        monkeypatch.setattr(module, "WALK", walk)
+        rng = np.random.default_rng(seed)
+        history = ConfigHistory(keep=int(rng.integers(0, 5)), keep_bytes=int(rng.choice([3 << 12, 1 << 30])))
+        count = int(rng.integers(2, 12))
+        big = torch.zeros(1 << 10)
+
+        def applied(envs: np.ndarray, versions: np.ndarray) -> np.ndarray:
+            # the history asks for every index its columns hold (grown by doubling): none beyond
+            return np.concatenate([versions, np.zeros(max(0, len(envs) - len(versions)), dtype=np.int64)])[envs]
+
+        for version in range(int(rng.integers(10, 80))):
+            every = rng.random() < 0.4
+            envs = np.arange(count) if every else np.sort(rng.choice(count, rng.integers(1, count + 1), replace=False))
+            shared = {"w": big} if version % 5 == 0 else {"w": torch.full((1 << 10,), float(version))}
+            history.record_rows(version, envs, shared, {"difficulty": torch.rand(len(envs))})
+            if rng.random() < 0.1:
+                versions = rng.integers(0, version + 1, size=count)
+                history.prune(lambda envs, versions=versions: applied(envs, versions))
+        versions = rng.integers(0, 80, size=count)
+        history.prune(lambda envs, versions=versions: applied(envs, versions))
+        kept.append([history.versions(env) for env in range(count)])
+    assert kept[0] == kept[1]
+
+
 def test_an_env_numbered_again_starts_over() -> None:
     history = ConfigHistory()
     history.record(0, {0: leaves(0.0)})

@@ -290,12 +290,18 @@ class ConfigHistory:
         """Per record (newest first), its rows kept: each record against per-env running
         columns (the entry in effect found yet, the older entries and their bytes so far)."""
         size = len(reached_version)
-        found = np.zeros(size, dtype=bool)  # per env: its entry in effect is behind us
-        older = np.zeros(size, dtype=np.int64)  # the entries older than it so far
+        # an index with no entry (the columns grow by doubling) counts as done from the start
+        unused = self._latest[:size] < 0
+        found = unused.copy()  # per env: its entry in effect is behind us
+        older = np.where(unused, self.keep, 0).astype(np.int64)  # the entries older than it so far
         held = np.zeros(size, dtype=np.int64)  # and their bytes
         keeps = []
+        done = False  # every env past its entry in effect and `keep` older ones: the rest goes
         for record, nbytes in zip(records, sizes, strict=True):
             envs, live = record.targets, record.alive
+            if done:
+                keeps.append(np.zeros(len(live), dtype=bool))
+                continue
             past = live & found[envs]
             if past.any():
                 older[envs] += past
@@ -304,6 +310,11 @@ class ConfigHistory:
                 live = live & (~past | ((rank <= self.keep) & ((rank == 1) | (bytes_ <= self.keep_bytes))))
             found[envs] |= live & (record.version <= reached_version[envs])
             keeps.append(live)
+            # after a record over a run of envs (a push to every env gives each an older entry),
+            # two reads tell whether every older record left is dropped whole: pushes to every
+            # world walk half the records a prune finds (at 65,536 worlds ~0.3 ms a push)
+            if isinstance(envs, slice) and found.all() and older.min() >= self.keep:
+                done = True
         return keeps
 
     def _sorted(
