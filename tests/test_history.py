@@ -172,6 +172,44 @@ def test_a_walk_that_stops_early_keeps_what_the_sort_keeps(seed: int, monkeypatc
     assert kept[0] == kept[1]
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_records_of_runs_pushed_again_link_each_env_to_its_own_previous_entry(seed: int) -> None:
+    """A record of the same run of envs as the record before it is linked to it by two numbers,
+    with no pass over the envs: on random histories of pushes to every env, to a run of them
+    (often the same run again), to a random set, and now and then a version numbered again,
+    every env's versions and its config at every version are those of a plain model of it."""
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(3, 10))
+    history = ConfigHistory(keep=1 << 20)
+    model: dict[int, list[tuple[int, float]]] = {env: [] for env in range(count)}
+    version, run = 0, np.arange(count)
+    for _ in range(int(rng.integers(20, 60))):
+        kind = rng.random()
+        if kind < 0.3:
+            envs = np.arange(count)
+        elif kind < 0.7:  # a run, most often the previous one again
+            if rng.random() < 0.4:
+                first = int(rng.integers(0, count))
+                run = np.arange(first, int(rng.integers(first + 1, count + 1)))
+            envs = run
+        else:
+            envs = np.sort(rng.choice(count, int(rng.integers(1, count + 1)), replace=False))
+        version = version + 1 if rng.random() < 0.9 else max(0, version - int(rng.integers(0, 3)))
+        values = torch.rand(len(envs))
+        history.record_rows(version, envs, {}, {"difficulty": values})
+        for env, value in zip(envs.tolist(), values.tolist(), strict=True):
+            model[env] = [entry for entry in model[env] if entry[0] < version] + [(version, value)]
+    for env, entries in model.items():
+        assert history.versions(env) == [v for v, _ in entries], env
+        for asked in range(version + 1):
+            held = [value for v, value in entries if v <= asked]
+            if held:
+                assert history.config(env, asked)["difficulty"].item() == pytest.approx(held[-1]), (env, asked)
+            else:
+                with pytest.raises(ValidationError):
+                    history.config(env, asked)
+
+
 def test_an_env_numbered_again_starts_over() -> None:
     history = ConfigHistory()
     history.record(0, {0: leaves(0.0)})

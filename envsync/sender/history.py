@@ -214,24 +214,18 @@ class ConfigHistory:
             return
         self._grow(int(envs.max()) + 1)
         at = span_of(envs)  # every env of a collector: slices
-        before, before_row = self._latest[at].copy(), self._latest_row[at].copy()  # kept by the record
-        if version <= self._newest:  # only envs numbered again can hold an entry at or after it
-            again = (before >= 0) & (self._latest_version[at] >= version)
-            for position in np.flatnonzero(again).tolist():
-                before[position], before_row[position] = self._first_before(
-                    int(before[position]), int(before_row[position]), version
-                )
+        chain, in_order = self._before(at, version)
         self._newest = max(self._newest, version)
         number = self._next
         self._next += 1
         alive = np.ones(len(envs), dtype=bool)
         row_bytes = sum(_nbytes(v) // len(envs) for v in rows.values())  # a row of each column
         shared_bytes = tuple((id(v), _nbytes(v)) for v in shared.values())
-        chain = _chain(before, before_row)
         record = _Record(version, at, dict(shared), dict(rows), *chain, alive, row_bytes, shared_bytes)
         self._records[number] = record
         self._latest[at] = number
-        self._latest_row[at] = np.arange(len(envs))
+        if not in_order:
+            self._latest_row[at] = np.arange(len(envs))
         self._latest_version[at] = version
         self._since_prune += 1
         self._entries_since += len(envs)
@@ -240,6 +234,25 @@ class ConfigHistory:
         due = self._since_prune >= max(SLACK, self.keep) and self._entries_since >= self._kept
         if applied is not None and (due or self._bytes_since > self.keep_bytes):
             self.prune(applied)
+
+    def _before(self, at: Rows, version: int) -> tuple[tuple[np.ndarray | int, np.ndarray | int], bool]:
+        """The links of a new record of envs ``at`` to their previous entries (:func:`_chain`),
+        and whether each env's latest entry is already its row of the latest record, in order.
+        That is so when the latest record was this very run of envs and ``version`` is newer
+        than every recorded one (a push to every env after another): two numbers, no pass over
+        the envs (at 65,536 worlds three copies and compares of every env's links a push)."""
+        last = self._records.get(self._next - 1)
+        previous_run = last.targets if last is not None and isinstance(last.targets, slice) else None
+        if isinstance(at, slice) and previous_run == at and version > self._newest:
+            return (self._next - 1, 0), True
+        before, before_row = self._latest[at].copy(), self._latest_row[at].copy()  # kept by the record
+        if version <= self._newest:  # only envs numbered again can hold an entry at or after it
+            again = (before >= 0) & (self._latest_version[at] >= version)
+            for position in np.flatnonzero(again).tolist():
+                before[position], before_row[position] = self._first_before(
+                    int(before[position]), int(before_row[position]), version
+                )
+        return _chain(before, before_row), False
 
     def _first_before(self, number: int, row: int, version: int) -> tuple[int, int]:
         """The newest entry of a chain, from ``(number, row)`` on, older than ``version``."""
