@@ -17,7 +17,7 @@ LAYERS: dict[str, set[str]] = {
     "rules": {"protocol", "errors", "state", "indexing", "fitting", "buffers", "shutdown", "stats"}
     | {"configure", "reinit", "levels", "spec"},
     "links": {"links"},
-    "core": {"core", "records", "desired", "mirror", "books", "fleet", "history"},
+    "core": {"core", "records", "desired", "mirror", "books", "fleet", "history", "pruning"},
     "sender": {"sender", "reads", "acks", "gather", "checkpoint", "restore", "updates", "port", "probe"},
     "receiver": {"receiver", "rows", "env_adapter", "places", "gate", "siblings", "loop", "owner"},
     "integrations": {"integrations", "curriculum", "envs", "demo", "cli", "__main__", "apply", "__init__"},

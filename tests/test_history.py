@@ -119,7 +119,7 @@ def test_both_ways_of_pruning_keep_the_same_entries(seed: int, monkeypatch: pyte
     """A prune walks records of many rows and sorts records of a few: on the same random
     history (pushes to random envs, some to every env in order, a large shared leaf now and
     then, each env's own applied version) both keep exactly the same versions of every env."""
-    import envsync.sender.history as module
+    import envsync.sender.pruning as module
 
     kept = []
     for walk in (0, 1 << 30):  # always walk, always sort
@@ -144,7 +144,7 @@ def test_a_walk_that_stops_early_keeps_what_the_sort_keeps(seed: int, monkeypatc
     records left are dropped whole): on random histories, often pushed to every env, pruned
     now and then along the way, with ``keep`` from 0 to 4 and a byte budget or none, the walk
     and the sort keep exactly the same versions of every env."""
-    import envsync.sender.history as module
+    import envsync.sender.pruning as module
 
     kept = []
     for walk in (0, 1 << 30):  # always walk, always sort

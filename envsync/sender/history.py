@@ -19,7 +19,7 @@ the ``keep`` newest entries of each env, and of those only as many as fit in ``k
 ``keep_bytes`` were recorded, or once both ``SLACK`` records (``keep`` records, if more) and
 as many entries as the last prune kept were recorded: records of many rows walked newest
 first, each ranked against per-env running columns, records of a few rows in one table
-sorted by env (:meth:`ConfigHistory.prune`), and the records no env needs are dropped. A
+sorted by env (:mod:`envsync.sender.pruning`), and the records no env needs are dropped. A
 prune costs a few vector passes over the entries it finds, at most twice those it keeps:
 paid once per entry recorded, whatever the number of worlds (the sorted table alone, every
 64 records, cost 8 ms a push with 65,536 worlds and a 10% curriculum; the walk alone 150k
@@ -44,6 +44,7 @@ from envsync.errors import ValidationError
 from envsync.indexing import Rows, span_of
 from envsync.links.base import Flat
 from envsync.sender.desired import section
+from envsync.sender.pruning import kept_rows
 from envsync.state import Leaf, nest
 
 SLACK = 16
@@ -53,10 +54,6 @@ last prune kept."""
 
 Applied = Callable[[np.ndarray], np.ndarray]
 """The version each of these envs (fleet indices) applied."""
-
-WALK = 256
-"""Rows a record holds on average from which a prune walks the records one by one rather than
-sorting every entry by env (see :meth:`ConfigHistory.prune`)."""
 
 
 @dataclass
@@ -69,7 +66,7 @@ class _Record:
     before_row: np.ndarray | int  # and its row there; one record's rows in order: the first's
     alive: np.ndarray  # per row, still kept
     row_bytes: int  # the bytes of one row of ``rows``
-    shared_bytes: tuple[tuple[int, int], ...]  # per shared leaf, its id and bytes (counted once: :func:`_sizes`)
+    shared_bytes: tuple[tuple[int, int], ...]  # per shared leaf, its id and bytes (counted once, see pruning)
 
     def config(self, row: int) -> dict[str, Leaf]:
         return {**self.shared, **{k: v[row] for k, v in self.rows.items()}}
@@ -109,34 +106,8 @@ def _chain(before: np.ndarray, before_row: np.ndarray) -> tuple[np.ndarray | int
     return before, before_row
 
 
-def _indices(targets: Rows) -> np.ndarray:
-    """A record's envs as indices (its slice's, when it names a run of them)."""
-    return np.arange(targets.start, targets.stop, dtype=np.int64) if isinstance(targets, slice) else targets
-
-
 def _nbytes(leaf: Leaf) -> int:
     return int(getattr(leaf, "nbytes", 8))
-
-
-def _sizes(records: list[_Record]) -> list[int]:
-    """The bytes an entry of each record (newest first) counts: its row, and its shared
-    leaves no newer record holds (a shared leaf counts with the newest record that holds it)."""
-    counted: set[int] = set()
-    sizes = []
-    for record in records:
-        size = record.row_bytes
-        for identity, nbytes in record.shared_bytes:
-            if identity not in counted:
-                counted.add(identity)
-                size += nbytes
-        sizes.append(size)
-    return sizes
-
-
-def _within(running: np.ndarray, starts: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """A cumulative sum restarted at each group's start (``running``: the sum over all rows)."""
-    before = np.r_[0, running][starts]  # the sum before each group
-    return running - before[group]
 
 
 class ConfigHistory:
@@ -274,90 +245,22 @@ class ConfigHistory:
             self._latest_version = np.concatenate([self._latest_version, np.zeros(more, dtype=np.int64)])
 
     def prune(self, applied: Applied) -> None:
-        """Drop the entries no frame can still carry (see the module docstring). Records of
-        many rows (:data:`WALK` on average or more: a curriculum over thousands of worlds) are
-        walked newest first, a few vector operations each; records of a few rows (a push to a
-        few workers) go into one table sorted by env, a few dozen vector operations in all
-        (the walk would make a few per record: 150k instructions a push at 4 workers)."""
+        """Drop the entries no frame can still carry (see the module docstring), those
+        :func:`~envsync.sender.pruning.kept_rows` does not keep."""
         self._since_prune = self._bytes_since = self._entries_since = self._kept = 0
         numbers = list(self._records)[::-1]
         records = [self._records[number] for number in numbers]
         if not records:
             return
-        sizes = _sizes(records)
         reached_version = applied(np.arange(len(self._latest), dtype=np.int64))
-        lengths = np.array([len(record.alive) for record in records])
-        if int(lengths.sum()) >= WALK * len(records):
-            keeps = self._walk(records, sizes, reached_version)
-            kept = [int(np.count_nonzero(keep)) for keep in keeps]
-        else:
-            keeps, kept = self._sorted(records, lengths, sizes, reached_version)
+        # an index with no entry (the columns grow by doubling) counts as done from the start
+        keeps, kept = kept_rows(records, reached_version, self.keep, self.keep_bytes, unused=self._latest < 0)
         for number, keep, count in zip(numbers, keeps, kept, strict=True):
             if count:
                 self._records[number].alive = keep
                 self._kept += count
             else:
                 del self._records[number]
-
-    def _walk(self, records: list[_Record], sizes: list[int], reached_version: np.ndarray) -> list[np.ndarray]:
-        """Per record (newest first), its rows kept: each record against per-env running
-        columns (the entry in effect found yet, the older entries and their bytes so far)."""
-        size = len(reached_version)
-        # an index with no entry (the columns grow by doubling) counts as done from the start
-        unused = self._latest[:size] < 0
-        found = unused.copy()  # per env: its entry in effect is behind us
-        older = np.where(unused, self.keep, 0).astype(np.int64)  # the entries older than it so far
-        held = np.zeros(size, dtype=np.int64)  # and their bytes
-        keeps = []
-        done = False  # every env past its entry in effect and `keep` older ones: the rest goes
-        for record, nbytes in zip(records, sizes, strict=True):
-            envs, live = record.targets, record.alive
-            if done:
-                keeps.append(np.zeros(len(live), dtype=bool))
-                continue
-            past = live & found[envs]
-            if past.any():
-                older[envs] += past
-                held[envs] += past * nbytes
-                rank, bytes_ = older[envs], held[envs]
-                live = live & (~past | ((rank <= self.keep) & ((rank == 1) | (bytes_ <= self.keep_bytes))))
-            found[envs] |= live & (record.version <= reached_version[envs])
-            keeps.append(live)
-            # after a record over a run of envs (a push to every env gives each an older entry),
-            # two reads tell whether every older record left is dropped whole: pushes to every
-            # world walk half the records a prune finds (at 65,536 worlds ~0.3 ms a push)
-            if isinstance(envs, slice) and found.all() and older.min() >= self.keep:
-                done = True
-        return keeps
-
-    def _sorted(
-        self, records: list[_Record], lengths: np.ndarray, sizes: list[int], reached_version: np.ndarray
-    ) -> tuple[list[np.ndarray], list[int]]:
-        """:meth:`_walk`'s answer from one table of every entry (newest record first) grouped
-        by env by one stable sort: the entry in effect, the rank and the bytes of the older
-        ones by cumulative sums within each env's group; and how many each record keeps (one
-        sum per record, made at once)."""
-        envs = np.concatenate([_indices(record.targets) for record in records])
-        alive = np.concatenate([record.alive for record in records])
-        versions = np.repeat(np.array([record.version for record in records], dtype=np.int64), lengths)
-        size = np.repeat(np.array(sizes, dtype=np.int64), lengths)
-        reached = versions <= reached_version[envs]
-        order = np.argsort(envs, kind="stable")  # each env's entries together, newest first
-        e, live = envs[order], alive[order]
-        starts = np.flatnonzero(np.r_[True, e[1:] != e[:-1]])
-        group = np.cumsum(np.r_[False, e[1:] != e[:-1]])
-        at = np.arange(len(e))
-        # the entry in effect: the env's newest live entry at or before its applied version
-        in_effect = np.minimum.reduceat(np.where(reached[order] & live, at, len(e)), starts)[group]
-        past = (at > in_effect) & live  # older than it
-        rank = _within(np.cumsum(past), starts, group)  # 1 for the newest of the older entries
-        held = _within(np.cumsum(np.where(past, size[order], 0)), starts, group)
-        kept_past = past & (rank <= self.keep) & ((rank == 1) | (held <= self.keep_bytes))
-        keep = np.empty(len(e), dtype=bool)
-        keep[order] = live & (~past | kept_past)
-        ends = np.cumsum(lengths)
-        kept = np.add.reduceat(keep, ends - lengths).tolist()  # every record holds a row at least
-        return [keep[end - length : end] for end, length in zip(ends.tolist(), lengths.tolist(), strict=True)], kept
 
     def config(self, env: int, version: int) -> TensorDict:
         """The config env ``env`` ran under ``version`` (a ``TensorDict`` shaped like the
