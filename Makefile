@@ -48,7 +48,9 @@ test: lint typecheck unit docs
 # load runs at a quarter of make soak's sizes, the short push soak with spawned workers, the slow
 # Ray tests (a stalled actor; a program that never closes its sender; the kinds of a killed actor
 # and of a batched Ray worker beyond the one make test keeps; the Ray twins of tests make test runs
-# locally: sync_stats over two nodes, a checkpoint of every worker, the ledger, a bandit per worker),
+# locally: sync_stats over two nodes, a checkpoint of every worker, the ledger, a bandit per worker;
+# reset and truncate mode and a workers= push with reinit over Ray, which make test's model-based and
+# matrix cells over Ray keep),
 # a spawned MultiSyncCollector's end-to-end push (make test keeps a spawned Collector and
 # MultiAsyncCollector), and the slowest benchmark smoke runs (bench_ray, bench_push_instructions,
 # bench_switch_latency, bench_curriculum_instructions, bench_worlds).

@@ -153,6 +153,7 @@ def shown(streams: dict[int, list[TensorDictBase]], version: int) -> bool:
     return all(any(bool((r["next", "env_version"] == version).any()) for r in streams[e]) for e in range(WORKERS))
 
 
+@pytest.mark.wide  # make wide (~4 s): make test keeps it over Ray in its model-based and matrix cells
 @pytest.mark.timeout(300)
 def test_reset_mode_over_ray_never_mixes_versions_in_an_episode(cluster: Any) -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply=set_difficulty, apply_at="reset")
@@ -180,6 +181,7 @@ def test_reset_mode_over_ray_never_mixes_versions_in_an_episode(cluster: Any) ->
             assert set(episode["next", "observation"][:, 0].tolist()) == {difficulty[tag]}  # ... truthfully
 
 
+@pytest.mark.wide  # make wide (~4 s): make test keeps it over Ray in its model-based and matrix cells
 @pytest.mark.timeout(300)
 def test_truncate_mode_over_ray_ends_the_running_episode_as_truncated(cluster: Any) -> None:
     sender = EnvStateSender(config={"difficulty": 0.0}, apply=set_difficulty, apply_at="truncate")
@@ -319,6 +321,7 @@ def test_batched_envs_behind_a_ray_collector_take_a_row_per_env(cluster: Any, ki
         sender.close()
 
 
+@pytest.mark.wide  # make wide (~4 s): make test keeps it over Ray in its model-based and matrix cells
 @pytest.mark.timeout(300)
 def test_workers_pushes_and_reinit_over_ray(cluster: Any) -> None:
     """A push with ``workers=`` to the second node's workers only: they run the new config
