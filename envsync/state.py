@@ -78,12 +78,13 @@ def flatten_config(values: Any) -> dict[str, Any]:
     return flatten(values, what="config", expected="a mapping of names to values")
 
 
-def nest(flat: Mapping[str, Leaf], *, copy: bool = False) -> TensorDict:
+def nest(flat: Mapping[str, Leaf], *, copy: bool = False, batch_size: Sequence[int] = ()) -> TensorDict:
     """Flat leaves by dotted name as a nested ``TensorDict``: numpy leaves wrapped, not
-    copied, or (``copy``) a ``TensorDict`` of copies of its own, built once."""
+    copied, or (``copy``) a ``TensorDict`` of copies of its own, built once. ``batch_size``:
+    leaves that are columns, one row per env (``[n]``)."""
     return TensorDict(
         {tuple(k.split(".")): torch.as_tensor(v).clone() if copy else tensor_of(v) for k, v in flat.items()},
-        batch_size=[],
+        batch_size=list(batch_size),
     )
 
 

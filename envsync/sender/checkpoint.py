@@ -76,7 +76,7 @@ def _configs(core: Core, indices: list[int]) -> TensorDict:
             if key[1] not in columns:
                 columns[key[1]] = torch.empty((len(targets), *value.shape[1:]), dtype=value.dtype)
             columns[key[1]][at] = value
-    return TensorDict({tuple(name.split(".")): column for name, column in columns.items()}, batch_size=[len(targets)])
+    return nest(columns, batch_size=[len(targets)])
 
 
 def _own(
@@ -124,9 +124,7 @@ def _keep_restored_rows(state: DesiredState, out: dict[str, Any]) -> None:
     before that collector exists, they are not lost."""
     columns = state.restored_columns("config")
     assert columns is not None
-    out["config"] = TensorDict(
-        {tuple(name.split(".")): column for name, column in columns.items()}, batch_size=[state.restored_count]
-    )
+    out["config"] = nest(columns, batch_size=[state.restored_count])
     if state.unchecked_rows is not None:
         out["env_state_rows"] = [{k: v.clone() for k, v in r.items()} for r in state.unchecked_rows]
 

@@ -23,7 +23,7 @@ from envsync.protocol import ApplyAt, Kind, Request
 from envsync.reinit import STATS, Selector
 from envsync.sender.books import StatsBook
 from envsync.sender.core import Core
-from envsync.state import EnvStateTemplate, state_name
+from envsync.state import EnvStateTemplate, nest, state_name
 
 _ANSWER_SLICE = 0.05
 """Longest blocking wait for an answer before the workers' liveness is checked again."""
@@ -106,7 +106,7 @@ def read_attributes(
     columns = ask(core, targets, Kind.ATTRIBUTES, {"paths": paths}, timeout)
     if not len(targets):
         return TensorDict()
-    return TensorDict({tuple(p.split(".")): columns[p] for p in paths}, batch_size=[len(targets)])
+    return nest({p: columns[p] for p in paths}, batch_size=[len(targets)])
 
 
 def _targets(core: Core, what: str, workers: Sequence[int] | None, envs: Indices | None) -> np.ndarray:

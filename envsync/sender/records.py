@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from envsync.errors import ValidationError
+from envsync.indexing import put_rows, span_of
 from envsync.links.base import Flat, Key
 from envsync.protocol import NO_FAILURE, WorkerStatus, failure_to_raise
 from envsync.sender import desired
@@ -118,7 +119,7 @@ class DesiredState:
             return None
         out: dict[str, torch.Tensor] = {}
         for part in self.restored:
-            index = torch.from_numpy(part.targets)
+            at = span_of(part.targets)
             for key, leaf in (*part.shared.items(), *part.rows.items()):
                 if key[0] != section:
                     continue
@@ -127,7 +128,7 @@ class DesiredState:
                 if column is None:
                     shape = value.shape if key in part.shared else value.shape[1:]
                     column = out[key[1]] = torch.zeros((self.restored_count, *shape), dtype=value.dtype)
-                column[index] = value
+                put_rows(column, at, value)  # a shared value: one for every row
         return out
 
     def keep_for_attach(

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from tensordict import TensorDict
-
 from envsync.levels import is_batched
 from envsync.sender.checkpoint import RestorePlan
 from envsync.sender.core import Core
+from envsync.state import nest
 
 
 class Push(Protocol):
@@ -51,6 +50,6 @@ def carry_out(core: Core, plan: RestorePlan, push: Push) -> int:
         heads = sorted({core.head(index) for index in indices})
         plan.books[True].loaded_into_running(at_whole, heads, plan.before[True])
     if plan.columns is not None:  # a row per env, as columns
-        rows = TensorDict({tuple(k.split(".")): v for k, v in plan.columns.items()}, batch_size=[plan.count])
+        rows = nest(plan.columns, batch_size=[plan.count])
         return push(config=rows, envs=indices, wait=None)
     return push(config=plan.first, wait=None)

@@ -43,7 +43,7 @@ from envsync.levels import split_reinit
 from envsync.links.base import LinkHandle
 from envsync.protocol import ApplyAt
 from envsync.spec import ApplySpec
-from envsync.state import FlatConfig, flat_names, tensor_of
+from envsync.state import FlatConfig, flat_names, nest, tensor_of
 from envsync.worker.rows import RowsReceiver
 
 
@@ -119,7 +119,7 @@ def tensors(config: FlatConfig) -> dict[str, torch.Tensor]:
 
 def _rows(config: FlatConfig) -> TensorDict:
     batch = next(iter(config.values())).shape[:1] if config else torch.Size([0])
-    return TensorDict({tuple(k.split(".")): v for k, v in config.items()}, batch_size=batch)
+    return nest(config, batch_size=batch)
 
 
 class NativeRows:
